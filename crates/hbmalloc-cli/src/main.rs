@@ -1,0 +1,2 @@
+//! The `hbmalloc` command.
+fn main() {}

@@ -1,0 +1,254 @@
+//! The `Device` trait: the only door from the engine to a driver.
+//!
+//! Everything the allocator needs from a GPU driver is here and nothing more:
+//! whole-segment allocation (`cudaMalloc`/`cudaFree`), the virtual-memory API
+//! (reserve an address range, create physical memory, map, set access, unmap,
+//! release), stream-ordered events, and memory information.
+//!
+//! Methods take `&self`: a real driver is thread-safe, and the simulated one
+//! keeps its state behind a lock, so one device can serve several allocators
+//! (one per pool or thread shard) without the engine knowing.
+
+use std::fmt;
+
+/// A device virtual address. `0` is never a valid allocation.
+pub type DevicePtr = u64;
+
+/// A stream handle as the caller passes it (a `cudaStream_t` value; `0` is the
+/// legacy default stream).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StreamId(pub u64);
+
+/// An event recorded on a stream by [`Device::record_event`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct EventId(pub u64);
+
+/// Physical memory created by [`Device::create_physical`] (a
+/// `CUmemGenericAllocationHandle`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PhysicalHandle(pub u64);
+
+/// Free and total device memory, as `cudaMemGetInfo` reports it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct MemoryInfo {
+    /// Bytes the driver could still hand out.
+    pub free_bytes: u64,
+    /// Total device memory.
+    pub total_bytes: u64,
+}
+
+/// Each kind of driver call, for counting, latency and fault injection.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum CallKind {
+    /// `cudaMalloc`: a whole segment.
+    SegmentAlloc,
+    /// `cudaFree` (synchronizes the device on real hardware).
+    SegmentFree,
+    /// `cuMemAddressReserve`.
+    AddressReserve,
+    /// `cuMemAddressFree`.
+    AddressFree,
+    /// `cuMemCreate`: physical memory.
+    PhysicalCreate,
+    /// `cuMemRelease`.
+    PhysicalRelease,
+    /// `cuMemMap`.
+    Map,
+    /// `cuMemSetAccess`.
+    SetAccess,
+    /// `cuMemUnmap`.
+    Unmap,
+    /// `cuEventRecord` (with an event from the pool).
+    EventRecord,
+    /// `cuEventQuery`.
+    EventQuery,
+    /// `cuEventSynchronize`.
+    EventSynchronize,
+    /// `cuCtxSynchronize`.
+    DeviceSynchronize,
+    /// `cuMemGetInfo`.
+    MemoryInfo,
+}
+
+impl CallKind {
+    /// Every kind, in declaration order.
+    pub const ALL: [CallKind; 14] = [
+        CallKind::SegmentAlloc,
+        CallKind::SegmentFree,
+        CallKind::AddressReserve,
+        CallKind::AddressFree,
+        CallKind::PhysicalCreate,
+        CallKind::PhysicalRelease,
+        CallKind::Map,
+        CallKind::SetAccess,
+        CallKind::Unmap,
+        CallKind::EventRecord,
+        CallKind::EventQuery,
+        CallKind::EventSynchronize,
+        CallKind::DeviceSynchronize,
+        CallKind::MemoryInfo,
+    ];
+
+    /// The metric name used in JSON and tables (`segment_alloc`, `map`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            CallKind::SegmentAlloc => "segment_alloc",
+            CallKind::SegmentFree => "segment_free",
+            CallKind::AddressReserve => "address_reserve",
+            CallKind::AddressFree => "address_free",
+            CallKind::PhysicalCreate => "physical_create",
+            CallKind::PhysicalRelease => "physical_release",
+            CallKind::Map => "map",
+            CallKind::SetAccess => "set_access",
+            CallKind::Unmap => "unmap",
+            CallKind::EventRecord => "event_record",
+            CallKind::EventQuery => "event_query",
+            CallKind::EventSynchronize => "event_synchronize",
+            CallKind::DeviceSynchronize => "device_synchronize",
+            CallKind::MemoryInfo => "memory_info",
+        }
+    }
+
+    /// True for the calls that change what memory the device holds for us:
+    /// the ones `device_calls` and `steady_state_device_calls` count.
+    pub fn moves_memory(self) -> bool {
+        matches!(
+            self,
+            CallKind::SegmentAlloc
+                | CallKind::SegmentFree
+                | CallKind::AddressReserve
+                | CallKind::AddressFree
+                | CallKind::PhysicalCreate
+                | CallKind::PhysicalRelease
+                | CallKind::Map
+                | CallKind::Unmap
+        )
+    }
+}
+
+impl fmt::Display for CallKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Why a driver call failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceErrorKind {
+    /// The device has no memory left for this request
+    /// (`cudaErrorMemoryAllocation` / `CUDA_ERROR_OUT_OF_MEMORY`).
+    OutOfMemory,
+    /// Any other driver failure; the string is the driver's own name for it
+    /// (e.g. `CUDA_ERROR_INVALID_VALUE`).
+    Driver(String),
+    /// The device does not support this call (e.g. no virtual-memory API).
+    Unsupported,
+    /// No driver is present on this machine.
+    NoDriver,
+}
+
+/// A failed driver call: which call, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceError {
+    /// The call that failed.
+    pub call: CallKind,
+    /// Why it failed.
+    pub kind: DeviceErrorKind,
+    /// Extra detail (sizes, addresses, the injected fault).
+    pub detail: String,
+}
+
+impl DeviceError {
+    /// A new error for `call`.
+    pub fn new(call: CallKind, kind: DeviceErrorKind, detail: impl Into<String>) -> Self {
+        DeviceError {
+            call,
+            kind,
+            detail: detail.into(),
+        }
+    }
+
+    /// True when the driver said it is out of memory.
+    pub fn is_out_of_memory(&self) -> bool {
+        self.kind == DeviceErrorKind::OutOfMemory
+    }
+}
+
+impl fmt::Display for DeviceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let why = match &self.kind {
+            DeviceErrorKind::OutOfMemory => "out of memory",
+            DeviceErrorKind::Driver(name) => name.as_str(),
+            DeviceErrorKind::Unsupported => "not supported by this device",
+            DeviceErrorKind::NoDriver => "no driver present",
+        };
+        write!(f, "{} failed: {}", self.call, why)?;
+        if !self.detail.is_empty() {
+            write!(f, " ({})", self.detail)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for DeviceError {}
+
+/// The result of a driver call.
+pub type DeviceResult<T> = Result<T, DeviceError>;
+
+/// The only door from the engine to a driver.
+///
+/// Implementations: [`crate::SimDevice`] (deterministic simulated GPU),
+/// `hbmalloc_cuda::CudaDevice` (the CUDA driver, loaded at run time).
+pub trait Device: Send + Sync {
+    /// A short human name ("simulated GPU, 80.0 GiB", "NVIDIA H100 80GB HBM3").
+    fn name(&self) -> String;
+
+    /// Free and total device memory.
+    fn memory_info(&self) -> DeviceResult<MemoryInfo>;
+
+    /// Allocates a whole segment of `size` bytes (`cudaMalloc`).
+    fn segment_alloc(&self, size: u64) -> DeviceResult<DevicePtr>;
+
+    /// Frees a segment returned by [`Device::segment_alloc`] (`cudaFree`).
+    fn segment_free(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()>;
+
+    /// The virtual-memory granularity in bytes (2 MiB on current GPUs), or
+    /// `None` when the device has no virtual-memory API.
+    fn granularity(&self) -> Option<u64>;
+
+    /// Reserves `size` bytes of virtual address space (a multiple of the granularity).
+    fn address_reserve(&self, size: u64) -> DeviceResult<DevicePtr>;
+
+    /// Releases an address range returned by [`Device::address_reserve`];
+    /// nothing may be mapped in it.
+    fn address_free(&self, base: DevicePtr, size: u64) -> DeviceResult<()>;
+
+    /// Creates `size` bytes of physical memory (a multiple of the granularity).
+    fn physical_create(&self, size: u64) -> DeviceResult<PhysicalHandle>;
+
+    /// Releases physical memory; it must no longer be mapped anywhere.
+    fn physical_release(&self, handle: PhysicalHandle) -> DeviceResult<()>;
+
+    /// Maps all of `handle` at `va` (inside a reserved range, currently unmapped).
+    fn map(&self, va: DevicePtr, size: u64, handle: PhysicalHandle) -> DeviceResult<()>;
+
+    /// Makes `[va, va + size)` readable and writable by this device (and its peers).
+    fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()>;
+
+    /// Unmaps `[va, va + size)`, which must be exactly one earlier mapping.
+    fn unmap(&self, va: DevicePtr, size: u64) -> DeviceResult<()>;
+
+    /// Records an event on `stream`; it completes when the work queued on the
+    /// stream so far has run.
+    fn record_event(&self, stream: StreamId) -> DeviceResult<EventId>;
+
+    /// True when `event` has completed. A completed event is retired: it must
+    /// not be queried again.
+    fn query_event(&self, event: EventId) -> DeviceResult<bool>;
+
+    /// Blocks until `event` completes, then retires it.
+    fn synchronize_event(&self, event: EventId) -> DeviceResult<()>;
+
+    /// Blocks until all work on the device has completed.
+    fn synchronize_device(&self) -> DeviceResult<()>;
+}

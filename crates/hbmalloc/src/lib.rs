@@ -1,0 +1,17 @@
+//! hbmalloc: a caching allocator for accelerator memory.
+//!
+//! The engine is a deterministic state machine over a [`Device`]: the same
+//! code serves a real GPU through `hbmalloc-cuda` and the simulated one,
+//! [`SimDevice`], that replay and tests run on. See `ARCHITECTURE.md` at the
+//! repository root for the code map.
+
+pub mod device;
+pub mod sim;
+pub mod stats;
+
+pub use device::{
+    CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
+    PhysicalHandle, StreamId,
+};
+pub use sim::{CallCounts, Fault, LatencyModel, SimConfig, SimDevice};
+pub use stats::{DeviceStats, Stat, StatType};

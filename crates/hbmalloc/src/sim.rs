@@ -1,0 +1,757 @@
+//! `SimDevice`: a deterministic simulated GPU.
+//!
+//! It models what the allocator can observe of a real device: a capacity,
+//! an address space, physical memory in granules, asynchronous streams whose
+//! events complete only when the *caller* says so, a latency for every call,
+//! a counter for every call, and injected faults. It never touches real
+//! memory, so a replay of an 80 GB training step runs on a laptop.
+//!
+//! Determinism: addresses come from a bump pointer, events from a counter,
+//! and nothing depends on wall-clock time or hashing order.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::device::{
+    CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
+    PhysicalHandle, StreamId,
+};
+
+const MIB: u64 = 1 << 20;
+
+/// Simulated latency of each driver call, in nanoseconds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LatencyModel {
+    /// Nanoseconds charged per call of each kind (indexed like [`CallKind::ALL`]).
+    pub ns: [u64; CallKind::ALL.len()],
+}
+
+impl LatencyModel {
+    /// Defaults from public measurements on recent NVIDIA GPUs: `cudaMalloc`
+    /// about 50 µs, `cudaFree` about 10 µs plus a device synchronization,
+    /// VMM map/unmap a few µs per granule, event calls well under a µs.
+    pub fn realistic() -> Self {
+        let mut model = LatencyModel::zero();
+        for kind in CallKind::ALL {
+            model.ns[kind as usize] = match kind {
+                CallKind::SegmentAlloc => 50_000,
+                CallKind::SegmentFree => 10_000,
+                CallKind::AddressReserve => 5_000,
+                CallKind::AddressFree => 5_000,
+                CallKind::PhysicalCreate => 20_000,
+                CallKind::PhysicalRelease => 10_000,
+                CallKind::Map => 3_000,
+                CallKind::SetAccess => 5_000,
+                CallKind::Unmap => 5_000,
+                CallKind::EventRecord => 500,
+                CallKind::EventQuery => 300,
+                CallKind::EventSynchronize => 1_000,
+                CallKind::DeviceSynchronize => 10_000,
+                CallKind::MemoryInfo => 1_000,
+            };
+        }
+        model
+    }
+
+    /// Every call is free: for measuring the allocator's own CPU time.
+    pub fn zero() -> Self {
+        LatencyModel {
+            ns: [0; CallKind::ALL.len()],
+        }
+    }
+
+    /// The latency of one call of `kind`.
+    pub fn of(&self, kind: CallKind) -> u64 {
+        self.ns[kind as usize]
+    }
+}
+
+impl Default for LatencyModel {
+    fn default() -> Self {
+        LatencyModel::realistic()
+    }
+}
+
+/// A fault to inject: the `nth` call of `call` from now on (1-based) fails.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fault {
+    /// The kind of call that fails.
+    pub call: CallKind,
+    /// Which call of that kind fails, counting from when the fault was armed (1 = the next).
+    pub nth: u64,
+    /// How it fails.
+    pub error: DeviceErrorKind,
+    /// When true, every call from the `nth` on fails, not just the `nth`.
+    pub sticky: bool,
+}
+
+/// Configuration of a [`SimDevice`].
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Device memory in bytes.
+    pub capacity_bytes: u64,
+    /// Virtual-memory granularity; `None` simulates a device without the VMM API.
+    pub granularity: Option<u64>,
+    /// Latency charged for each call.
+    pub latency: LatencyModel,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            capacity_bytes: 80 * 1024 * MIB,
+            granularity: Some(2 * MIB),
+            latency: LatencyModel::realistic(),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct PhysicalMemory {
+    size: u64,
+    mapped_at: Option<DevicePtr>,
+}
+
+#[derive(Clone, Debug)]
+struct Mapping {
+    size: u64,
+    handle: PhysicalHandle,
+    accessible: bool,
+}
+
+#[derive(Clone, Debug)]
+struct PendingEvent {
+    stream: StreamId,
+    /// Position of the event in its stream's work queue.
+    sequence: u64,
+}
+
+#[derive(Debug, Default)]
+struct StreamState {
+    /// Work items enqueued so far (one per recorded event).
+    enqueued: u64,
+    /// Work items known to have run.
+    completed: u64,
+}
+
+#[derive(Debug)]
+struct SimState {
+    config: SimConfig,
+    /// Bytes held by others (other processes, the CUDA context): not ours, not free.
+    external_bytes: u64,
+    next_address: DevicePtr,
+    segments: BTreeMap<DevicePtr, u64>,
+    reserved_ranges: BTreeMap<DevicePtr, u64>,
+    physical: HashMap<u64, PhysicalMemory>,
+    next_handle: u64,
+    mappings: BTreeMap<DevicePtr, Mapping>,
+    used_bytes: u64,
+    streams: BTreeMap<StreamId, StreamState>,
+    events: HashMap<u64, PendingEvent>,
+    next_event: u64,
+    calls: [u64; CallKind::ALL.len()],
+    simulated_ns: u64,
+    faults: Vec<(Fault, u64)>,
+}
+
+/// Counts of driver calls by kind, and the simulated time they took.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CallCounts {
+    /// Calls of each kind, indexed like [`CallKind::ALL`].
+    pub by_kind: [u64; CallKind::ALL.len()],
+    /// Simulated driver time in nanoseconds.
+    pub simulated_ns: u64,
+}
+
+impl CallCounts {
+    /// Calls of one kind.
+    pub fn get(&self, kind: CallKind) -> u64 {
+        self.by_kind[kind as usize]
+    }
+
+    /// Calls that change what memory the device holds (see [`CallKind::moves_memory`]).
+    pub fn memory_calls(&self) -> u64 {
+        CallKind::ALL
+            .iter()
+            .filter(|k| k.moves_memory())
+            .map(|k| self.get(*k))
+            .sum()
+    }
+
+    /// `self - earlier`, kind by kind.
+    pub fn since(&self, earlier: &CallCounts) -> CallCounts {
+        let mut out = CallCounts::default();
+        for i in 0..self.by_kind.len() {
+            out.by_kind[i] = self.by_kind[i] - earlier.by_kind[i];
+        }
+        out.simulated_ns = self.simulated_ns - earlier.simulated_ns;
+        out
+    }
+}
+
+/// A deterministic simulated GPU. See the module docs.
+#[derive(Debug)]
+pub struct SimDevice {
+    state: Mutex<SimState>,
+}
+
+impl SimDevice {
+    /// A device with the default configuration (80 GiB, 2 MiB granules,
+    /// realistic latencies).
+    pub fn new() -> Self {
+        SimDevice::with_config(SimConfig::default())
+    }
+
+    /// A device of `capacity_bytes` with otherwise default configuration.
+    pub fn with_capacity(capacity_bytes: u64) -> Self {
+        SimDevice::with_config(SimConfig {
+            capacity_bytes,
+            ..SimConfig::default()
+        })
+    }
+
+    /// A device with the given configuration.
+    pub fn with_config(config: SimConfig) -> Self {
+        SimDevice {
+            state: Mutex::new(SimState {
+                config,
+                external_bytes: 0,
+                // Start well away from 0 and keep every segment 2 MiB aligned,
+                // like a real device's address space.
+                next_address: 0x7f00_0000_0000,
+                segments: BTreeMap::new(),
+                reserved_ranges: BTreeMap::new(),
+                physical: HashMap::new(),
+                next_handle: 1,
+                mappings: BTreeMap::new(),
+                used_bytes: 0,
+                streams: BTreeMap::new(),
+                events: HashMap::new(),
+                next_event: 1,
+                calls: [0; CallKind::ALL.len()],
+                simulated_ns: 0,
+                faults: Vec::new(),
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, SimState> {
+        // A panic while holding the lock leaves consistent state (every
+        // mutation is completed before any call that could panic), so a
+        // poisoned lock is still safe to use.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Calls made so far, by kind, and the simulated time they took.
+    pub fn call_counts(&self) -> CallCounts {
+        let state = self.lock();
+        CallCounts {
+            by_kind: state.calls,
+            simulated_ns: state.simulated_ns,
+        }
+    }
+
+    /// Device memory in bytes.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.lock().config.capacity_bytes
+    }
+
+    /// Bytes this device has handed out (segments plus physical memory).
+    pub fn used_bytes(&self) -> u64 {
+        self.lock().used_bytes
+    }
+
+    /// Sets the bytes held by someone else (another process, the CUDA
+    /// context). They count against capacity but are not ours.
+    pub fn set_external_bytes(&self, bytes: u64) {
+        self.lock().external_bytes = bytes;
+    }
+
+    /// Arms a fault. Several may be armed at once.
+    pub fn inject(&self, fault: Fault) {
+        let mut state = self.lock();
+        let seen = state.calls[fault.call as usize];
+        state.faults.push((fault, seen));
+    }
+
+    /// Disarms every fault.
+    pub fn clear_faults(&self) {
+        self.lock().faults.clear();
+    }
+
+    /// Runs all work enqueued on `stream` so far: its events complete.
+    pub fn complete_stream(&self, stream: StreamId) {
+        let mut state = self.lock();
+        let s = state.streams.entry(stream).or_default();
+        s.completed = s.enqueued;
+    }
+
+    /// Runs all work on every stream.
+    pub fn complete_all(&self) {
+        let mut state = self.lock();
+        for s in state.streams.values_mut() {
+            s.completed = s.enqueued;
+        }
+    }
+
+    /// Completes one specific event (and everything queued before it on its stream).
+    pub fn complete_event(&self, event: EventId) {
+        let mut state = self.lock();
+        if let Some(pending) = state.events.get(&event.0).cloned() {
+            let s = state.streams.entry(pending.stream).or_default();
+            s.completed = s.completed.max(pending.sequence);
+        }
+    }
+
+    /// Events recorded and not yet retired.
+    pub fn pending_events(&self) -> usize {
+        self.lock().events.len()
+    }
+
+    /// Checks the device's own books: used bytes equal segments plus
+    /// physical memory, every mapping lies inside a reserved range.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let state = self.lock();
+        let segments: u64 = state.segments.values().sum();
+        let physical: u64 = state.physical.values().map(|p| p.size).sum();
+        if segments + physical != state.used_bytes {
+            return Err(format!(
+                "sim: used_bytes {} != segments {} + physical {}",
+                state.used_bytes, segments, physical
+            ));
+        }
+        for (&va, m) in &state.mappings {
+            if !state.range_reserved(va, m.size) {
+                return Err(format!("sim: mapping at {va:#x} outside any reserved range"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Default for SimDevice {
+    fn default() -> Self {
+        SimDevice::new()
+    }
+}
+
+impl SimState {
+    /// Counts the call, charges its latency and applies any armed fault.
+    fn enter(&mut self, call: CallKind) -> DeviceResult<()> {
+        self.calls[call as usize] += 1;
+        self.simulated_ns += self.config.latency.of(call);
+        let count = self.calls[call as usize];
+        for (fault, armed_at) in &self.faults {
+            if fault.call != call {
+                continue;
+            }
+            let position = count - *armed_at;
+            if position == fault.nth || (fault.sticky && position > fault.nth) {
+                return Err(DeviceError::new(
+                    call,
+                    fault.error.clone(),
+                    format!("injected fault on call {position} since armed"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn free_bytes(&self) -> u64 {
+        self.config
+            .capacity_bytes
+            .saturating_sub(self.used_bytes + self.external_bytes)
+    }
+
+    fn take_address(&mut self, size: u64) -> DevicePtr {
+        const ALIGN: u64 = 2 * MIB;
+        let base = self.next_address;
+        // Leave a gap after each range so that adjacent ranges are never
+        // mistaken for one.
+        self.next_address += size.div_ceil(ALIGN) * ALIGN + ALIGN;
+        base
+    }
+
+    fn range_reserved(&self, va: DevicePtr, size: u64) -> bool {
+        match self.reserved_ranges.range(..=va).next_back() {
+            Some((&base, &len)) => va >= base && va + size <= base + len,
+            None => false,
+        }
+    }
+
+    fn check_granular(&self, call: CallKind, value: u64, what: &str) -> DeviceResult<u64> {
+        let Some(g) = self.config.granularity else {
+            return Err(DeviceError::new(
+                call,
+                DeviceErrorKind::Unsupported,
+                "no virtual-memory API",
+            ));
+        };
+        if value == 0 || value % g != 0 {
+            return Err(invalid(
+                call,
+                format!("{what} {value} is not a positive multiple of the granularity {g}"),
+            ));
+        }
+        Ok(g)
+    }
+}
+
+fn invalid(call: CallKind, detail: String) -> DeviceError {
+    DeviceError::new(
+        call,
+        DeviceErrorKind::Driver("CUDA_ERROR_INVALID_VALUE".into()),
+        detail,
+    )
+}
+
+fn oom(call: CallKind, size: u64, free: u64) -> DeviceError {
+    DeviceError::new(
+        call,
+        DeviceErrorKind::OutOfMemory,
+        format!("asked for {size} bytes with {free} free"),
+    )
+}
+
+impl Device for SimDevice {
+    fn name(&self) -> String {
+        let state = self.lock();
+        format!(
+            "simulated GPU, {:.1} GiB",
+            state.config.capacity_bytes as f64 / (1u64 << 30) as f64
+        )
+    }
+
+    fn memory_info(&self) -> DeviceResult<MemoryInfo> {
+        let mut state = self.lock();
+        state.enter(CallKind::MemoryInfo)?;
+        Ok(MemoryInfo {
+            free_bytes: state.free_bytes(),
+            total_bytes: state.config.capacity_bytes,
+        })
+    }
+
+    fn segment_alloc(&self, size: u64) -> DeviceResult<DevicePtr> {
+        let mut state = self.lock();
+        state.enter(CallKind::SegmentAlloc)?;
+        if size == 0 {
+            return Err(invalid(CallKind::SegmentAlloc, "size 0".into()));
+        }
+        let free = state.free_bytes();
+        if size > free {
+            return Err(oom(CallKind::SegmentAlloc, size, free));
+        }
+        let ptr = state.take_address(size);
+        state.segments.insert(ptr, size);
+        state.used_bytes += size;
+        Ok(ptr)
+    }
+
+    fn segment_free(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
+        let mut state = self.lock();
+        state.enter(CallKind::SegmentFree)?;
+        match state.segments.get(&ptr) {
+            Some(&len) if len == size => {}
+            Some(&len) => {
+                return Err(invalid(
+                    CallKind::SegmentFree,
+                    format!("segment {ptr:#x} has {len} bytes, not {size}"),
+                ))
+            }
+            None => {
+                return Err(invalid(
+                    CallKind::SegmentFree,
+                    format!("{ptr:#x} is not a segment"),
+                ))
+            }
+        }
+        state.segments.remove(&ptr);
+        state.used_bytes -= size;
+        // cudaFree synchronizes the device.
+        for s in state.streams.values_mut() {
+            s.completed = s.enqueued;
+        }
+        Ok(())
+    }
+
+    fn granularity(&self) -> Option<u64> {
+        self.lock().config.granularity
+    }
+
+    fn address_reserve(&self, size: u64) -> DeviceResult<DevicePtr> {
+        let mut state = self.lock();
+        state.enter(CallKind::AddressReserve)?;
+        state.check_granular(CallKind::AddressReserve, size, "size")?;
+        let base = state.take_address(size);
+        state.reserved_ranges.insert(base, size);
+        Ok(base)
+    }
+
+    fn address_free(&self, base: DevicePtr, size: u64) -> DeviceResult<()> {
+        let mut state = self.lock();
+        state.enter(CallKind::AddressFree)?;
+        if state.reserved_ranges.get(&base) != Some(&size) {
+            return Err(invalid(
+                CallKind::AddressFree,
+                format!("no reserved range of {size} bytes at {base:#x}"),
+            ));
+        }
+        if state.mappings.range(base..base + size).next().is_some() {
+            return Err(invalid(
+                CallKind::AddressFree,
+                format!("range at {base:#x} still has mappings"),
+            ));
+        }
+        state.reserved_ranges.remove(&base);
+        Ok(())
+    }
+
+    fn physical_create(&self, size: u64) -> DeviceResult<PhysicalHandle> {
+        let mut state = self.lock();
+        state.enter(CallKind::PhysicalCreate)?;
+        state.check_granular(CallKind::PhysicalCreate, size, "size")?;
+        let free = state.free_bytes();
+        if size > free {
+            return Err(oom(CallKind::PhysicalCreate, size, free));
+        }
+        let handle = state.next_handle;
+        state.next_handle += 1;
+        state.physical.insert(
+            handle,
+            PhysicalMemory {
+                size,
+                mapped_at: None,
+            },
+        );
+        state.used_bytes += size;
+        Ok(PhysicalHandle(handle))
+    }
+
+    fn physical_release(&self, handle: PhysicalHandle) -> DeviceResult<()> {
+        let mut state = self.lock();
+        state.enter(CallKind::PhysicalRelease)?;
+        let Some(mem) = state.physical.get(&handle.0) else {
+            return Err(invalid(
+                CallKind::PhysicalRelease,
+                format!("unknown handle {}", handle.0),
+            ));
+        };
+        if let Some(va) = mem.mapped_at {
+            return Err(invalid(
+                CallKind::PhysicalRelease,
+                format!("handle {} is still mapped at {va:#x}", handle.0),
+            ));
+        }
+        let size = mem.size;
+        state.physical.remove(&handle.0);
+        state.used_bytes -= size;
+        Ok(())
+    }
+
+    fn map(&self, va: DevicePtr, size: u64, handle: PhysicalHandle) -> DeviceResult<()> {
+        let mut state = self.lock();
+        state.enter(CallKind::Map)?;
+        state.check_granular(CallKind::Map, size, "size")?;
+        match state.physical.get(&handle.0) {
+            None => {
+                return Err(invalid(
+                    CallKind::Map,
+                    format!("unknown handle {}", handle.0),
+                ))
+            }
+            Some(mem) if mem.size != size || mem.mapped_at.is_some() => {
+                return Err(invalid(
+                    CallKind::Map,
+                    format!("handle {} cannot be mapped with size {size}", handle.0),
+                ))
+            }
+            Some(_) => {}
+        }
+        if !state.range_reserved(va, size) {
+            return Err(invalid(
+                CallKind::Map,
+                format!("{va:#x}+{size} is not inside a reserved range"),
+            ));
+        }
+        let overlaps_before = state
+            .mappings
+            .range(..va)
+            .next_back()
+            .is_some_and(|(&start, m)| start + m.size > va);
+        let overlaps_after = state.mappings.range(va..va + size).next().is_some();
+        if overlaps_before || overlaps_after {
+            return Err(invalid(
+                CallKind::Map,
+                format!("{va:#x}+{size} overlaps an existing mapping"),
+            ));
+        }
+        state.mappings.insert(
+            va,
+            Mapping {
+                size,
+                handle,
+                accessible: false,
+            },
+        );
+        if let Some(mem) = state.physical.get_mut(&handle.0) {
+            mem.mapped_at = Some(va);
+        }
+        Ok(())
+    }
+
+    fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
+        let mut state = self.lock();
+        state.enter(CallKind::SetAccess)?;
+        let mut covered = 0;
+        for (_, m) in state.mappings.range_mut(va..va + size) {
+            m.accessible = true;
+            covered += m.size;
+        }
+        if covered != size {
+            return Err(invalid(
+                CallKind::SetAccess,
+                format!("{va:#x}+{size} is not fully mapped"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn unmap(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
+        let mut state = self.lock();
+        state.enter(CallKind::Unmap)?;
+        match state.mappings.get(&va) {
+            Some(m) if m.size == size => {}
+            _ => {
+                return Err(invalid(
+                    CallKind::Unmap,
+                    format!("no mapping of {size} bytes at {va:#x}"),
+                ))
+            }
+        }
+        if let Some(m) = state.mappings.remove(&va) {
+            if let Some(mem) = state.physical.get_mut(&m.handle.0) {
+                mem.mapped_at = None;
+            }
+        }
+        Ok(())
+    }
+
+    fn record_event(&self, stream: StreamId) -> DeviceResult<EventId> {
+        let mut state = self.lock();
+        state.enter(CallKind::EventRecord)?;
+        let s = state.streams.entry(stream).or_default();
+        s.enqueued += 1;
+        let sequence = s.enqueued;
+        let id = state.next_event;
+        state.next_event += 1;
+        state.events.insert(id, PendingEvent { stream, sequence });
+        Ok(EventId(id))
+    }
+
+    fn query_event(&self, event: EventId) -> DeviceResult<bool> {
+        let mut state = self.lock();
+        state.enter(CallKind::EventQuery)?;
+        let Some(pending) = state.events.get(&event.0).cloned() else {
+            return Err(invalid(
+                CallKind::EventQuery,
+                format!("unknown event {}", event.0),
+            ));
+        };
+        let done = state
+            .streams
+            .get(&pending.stream)
+            .is_some_and(|s| s.completed >= pending.sequence);
+        if done {
+            state.events.remove(&event.0);
+        }
+        Ok(done)
+    }
+
+    fn synchronize_event(&self, event: EventId) -> DeviceResult<()> {
+        let mut state = self.lock();
+        state.enter(CallKind::EventSynchronize)?;
+        let Some(pending) = state.events.remove(&event.0) else {
+            return Err(invalid(
+                CallKind::EventSynchronize,
+                format!("unknown event {}", event.0),
+            ));
+        };
+        let s = state.streams.entry(pending.stream).or_default();
+        s.completed = s.completed.max(pending.sequence);
+        Ok(())
+    }
+
+    fn synchronize_device(&self) -> DeviceResult<()> {
+        let mut state = self.lock();
+        state.enter(CallKind::DeviceSynchronize)?;
+        for s in state.streams.values_mut() {
+            s.completed = s.enqueued;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_count_against_capacity() {
+        let dev = SimDevice::with_capacity(10 * MIB);
+        let a = dev.segment_alloc(6 * MIB).unwrap();
+        let err = dev.segment_alloc(6 * MIB).unwrap_err();
+        assert!(err.is_out_of_memory());
+        dev.segment_free(a, 6 * MIB).unwrap();
+        dev.segment_alloc(6 * MIB).unwrap();
+        assert_eq!(dev.call_counts().get(CallKind::SegmentAlloc), 3);
+        dev.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn events_complete_only_when_told() {
+        let dev = SimDevice::new();
+        let e = dev.record_event(StreamId(7)).unwrap();
+        assert!(!dev.query_event(e).unwrap());
+        dev.complete_stream(StreamId(7));
+        assert!(dev.query_event(e).unwrap());
+        // Retired: querying again is an error, as with a recycled CUDA event.
+        assert!(dev.query_event(e).is_err());
+    }
+
+    #[test]
+    fn vmm_map_and_release() {
+        let dev = SimDevice::with_capacity(8 * MIB);
+        let base = dev.address_reserve(8 * MIB).unwrap();
+        let h = dev.physical_create(2 * MIB).unwrap();
+        dev.map(base + 2 * MIB, 2 * MIB, h).unwrap();
+        dev.set_access(base + 2 * MIB, 2 * MIB).unwrap();
+        assert!(dev.physical_release(h).is_err(), "still mapped");
+        assert!(dev.address_free(base, 8 * MIB).is_err(), "still mapped");
+        dev.unmap(base + 2 * MIB, 2 * MIB).unwrap();
+        dev.physical_release(h).unwrap();
+        dev.address_free(base, 8 * MIB).unwrap();
+        assert_eq!(dev.used_bytes(), 0);
+        dev.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn injected_fault_fails_exactly_the_nth_call() {
+        let dev = SimDevice::new();
+        dev.inject(Fault {
+            call: CallKind::SegmentAlloc,
+            nth: 2,
+            error: DeviceErrorKind::Driver("CUDA_ERROR_UNKNOWN".into()),
+            sticky: false,
+        });
+        assert!(dev.segment_alloc(MIB).is_ok());
+        assert!(dev.segment_alloc(MIB).is_err());
+        assert!(dev.segment_alloc(MIB).is_ok());
+    }
+
+    #[test]
+    fn latency_is_charged_per_call() {
+        let dev = SimDevice::new();
+        dev.segment_alloc(MIB).unwrap();
+        assert_eq!(dev.call_counts().simulated_ns, 50_000);
+    }
+}
