@@ -5,13 +5,55 @@
 //! [`SimDevice`], that replay and tests run on. See `ARCHITECTURE.md` at the
 //! repository root for the code map.
 
+pub mod allocator;
+pub mod config;
 pub mod device;
+pub mod error;
+pub mod format;
+pub mod history;
+mod pytorch;
 pub mod sim;
+pub mod snapshot;
 pub mod stats;
 
+pub use allocator::{
+    Allocator, AllocatorConfig, BlockImage, PolicyConfig, SegmentImage, MAX_REQUEST_BYTES,
+};
+pub use config::{ConfigError, PytorchConfig};
 pub use device::{
     CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
     PhysicalHandle, StreamId,
 };
+pub use error::{AllocError, OomReport, OomVerdict};
+pub use history::{Action, History, TraceEntry};
 pub use sim::{CallCounts, Fault, LatencyModel, SimConfig, SimDevice};
+pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
 pub use stats::{DeviceStats, Stat, StatType};
+
+/// A hash map keyed by device pointers. Pointers are 512-byte aligned, so
+/// the hash mixes the high bits down (std's SipHash is needlessly slow here,
+/// and keys come from the allocator, not from an attacker).
+pub(crate) type FastMap<K, V> =
+    std::collections::HashMap<K, V, std::hash::BuildHasherDefault<PointerHasher>>;
+
+/// The hasher behind [`FastMap`].
+#[derive(Default, Clone, Copy)]
+pub(crate) struct PointerHasher(u64);
+
+impl std::hash::Hasher for PointerHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    #[inline]
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0 ^ n ^ (n >> 29)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0 ^ (self.0 >> 32)
+    }
+}

@@ -146,6 +146,7 @@ struct SimState {
     next_handle: u64,
     mappings: BTreeMap<DevicePtr, Mapping>,
     used_bytes: u64,
+    peak_used_bytes: u64,
     streams: BTreeMap<StreamId, StreamState>,
     events: HashMap<u64, PendingEvent>,
     next_event: u64,
@@ -225,6 +226,7 @@ impl SimDevice {
                 next_handle: 1,
                 mappings: BTreeMap::new(),
                 used_bytes: 0,
+                peak_used_bytes: 0,
                 streams: BTreeMap::new(),
                 events: HashMap::new(),
                 next_event: 1,
@@ -259,6 +261,12 @@ impl SimDevice {
     /// Bytes this device has handed out (segments plus physical memory).
     pub fn used_bytes(&self) -> u64 {
         self.lock().used_bytes
+    }
+
+    /// The most bytes this device has handed out at once (segments plus
+    /// physical memory): the policy-independent measure of reserved memory.
+    pub fn peak_used_bytes(&self) -> u64 {
+        self.lock().peak_used_bytes
     }
 
     /// Sets the bytes held by someone else (another process, the CUDA
@@ -357,6 +365,11 @@ impl SimState {
         Ok(())
     }
 
+    fn add_used(&mut self, bytes: u64) {
+        self.used_bytes += bytes;
+        self.peak_used_bytes = self.peak_used_bytes.max(self.used_bytes);
+    }
+
     fn free_bytes(&self) -> u64 {
         self.config
             .capacity_bytes
@@ -443,7 +456,7 @@ impl Device for SimDevice {
         }
         let ptr = state.take_address(size);
         state.segments.insert(ptr, size);
-        state.used_bytes += size;
+        state.add_used(size);
         Ok(ptr)
     }
 
@@ -523,7 +536,7 @@ impl Device for SimDevice {
                 mapped_at: None,
             },
         );
-        state.used_bytes += size;
+        state.add_used(size);
         Ok(PhysicalHandle(handle))
     }
 

@@ -1,0 +1,209 @@
+//! `Allocator<D>`: the public face of the engine. It owns a [`Device`] and one
+//! policy's state, and forwards each call to the policy chosen at creation.
+
+use crate::config::{ConfigError, PytorchConfig};
+use crate::device::{Device, DevicePtr, StreamId};
+use crate::error::AllocError;
+use crate::history::History;
+use crate::pytorch::PytorchPolicy;
+use crate::snapshot::Snapshot;
+use crate::stats::DeviceStats;
+
+/// The largest request accepted (1 PiB): anything larger is a caller's bug,
+/// and rejecting it keeps all size arithmetic far from overflow.
+pub const MAX_REQUEST_BYTES: u64 = 1 << 50;
+
+/// Which policy decides where requests go, and its configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PolicyConfig {
+    /// PyTorch's native caching allocator, reproduced decision for decision.
+    Pytorch(PytorchConfig),
+}
+
+impl PolicyConfig {
+    /// Parses a policy name (`pytorch`) and its configuration string.
+    pub fn parse(policy: &str, conf: &str) -> Result<Self, ConfigError> {
+        match policy {
+            "pytorch" => Ok(PolicyConfig::Pytorch(PytorchConfig::parse(conf)?)),
+            other => Err(ConfigError(format!(
+                "unknown policy '{other}' (expected pytorch)"
+            ))),
+        }
+    }
+
+    /// The policy's name.
+    pub fn policy_name(&self) -> &'static str {
+        match self {
+            PolicyConfig::Pytorch(_) => "pytorch",
+        }
+    }
+}
+
+/// How to build an [`Allocator`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct AllocatorConfig {
+    /// The policy and its settings.
+    pub policy: PolicyConfig,
+    /// History entries to keep for snapshots (0 disables recording).
+    pub history_entries: usize,
+}
+
+impl Default for AllocatorConfig {
+    fn default() -> Self {
+        AllocatorConfig {
+            policy: PolicyConfig::Pytorch(PytorchConfig::default()),
+            history_entries: 0,
+        }
+    }
+}
+
+/// A segment as it stood when a recorded trace window began.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentImage {
+    /// The stream that owns it.
+    pub stream: StreamId,
+    /// True for the small pool.
+    pub small_pool: bool,
+    /// True for (a mapped range of) an expandable segment.
+    pub expandable: bool,
+    /// Its blocks in address order.
+    pub blocks: Vec<BlockImage>,
+}
+
+/// One block of a [`SegmentImage`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockImage {
+    /// Bytes (a multiple of 512).
+    pub size: u64,
+    /// Bytes the program asked for.
+    pub requested_size: u64,
+    /// True when the program holds it.
+    pub allocated: bool,
+}
+
+#[derive(Debug)]
+enum Engine {
+    Pytorch(PytorchPolicy),
+}
+
+/// A caching allocator for one device.
+#[derive(Debug)]
+pub struct Allocator<D: Device> {
+    device: D,
+    engine: Engine,
+}
+
+macro_rules! dispatch {
+    ($self:ident, $p:ident => $body:expr) => {
+        match &$self.engine {
+            Engine::Pytorch($p) => $body,
+        }
+    };
+    (mut $self:ident, $p:ident => $body:expr) => {
+        match &mut $self.engine {
+            Engine::Pytorch($p) => $body,
+        }
+    };
+}
+
+impl<D: Device> Allocator<D> {
+    /// An allocator over `device`.
+    pub fn new(device: D, config: AllocatorConfig) -> Result<Self, AllocError> {
+        let total = device.memory_info()?.total_bytes;
+        let history = History::with_capacity(config.history_entries);
+        let engine = match config.policy {
+            PolicyConfig::Pytorch(c) => Engine::Pytorch(PytorchPolicy::new(c, total, history)),
+        };
+        Ok(Allocator { device, engine })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+
+    /// Allocates `size` bytes for use on `stream`.
+    #[inline]
+    pub fn malloc(&mut self, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {
+        if size == 0 || size > MAX_REQUEST_BYTES {
+            return Err(AllocError::InvalidSize { size });
+        }
+        let dev: &dyn Device = &self.device;
+        dispatch!(mut self, p => p.malloc(dev, size, stream))
+    }
+
+    /// Frees `ptr`. Its memory is reused once every stream recorded with
+    /// [`Allocator::record_stream`] has finished with it.
+    #[inline]
+    pub fn free(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
+        let dev: &dyn Device = &self.device;
+        dispatch!(mut self, p => p.free(dev, ptr))
+    }
+
+    /// Declares that `ptr` is used on `stream` as well as its own.
+    pub fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
+        dispatch!(mut self, p => p.record_stream(ptr, stream))
+    }
+
+    /// Returns every wholly free cached segment (or page) to the driver.
+    pub fn empty_cache(&mut self) -> Result<(), AllocError> {
+        let dev: &dyn Device = &self.device;
+        dispatch!(mut self, p => p.empty_cache(dev))
+    }
+
+    /// Limits this allocator to `fraction` of the device's memory.
+    pub fn set_memory_fraction(&mut self, fraction: f64) -> Result<(), AllocError> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(AllocError::InvalidConfig(format!(
+                "memory fraction {fraction} is not between 0 and 1"
+            )));
+        }
+        dispatch!(mut self, p => p.set_memory_fraction(fraction));
+        Ok(())
+    }
+
+    /// PyTorch-compatible statistics.
+    pub fn stats(&self) -> &DeviceStats {
+        dispatch!(self, p => p.stats())
+    }
+
+    /// The history ring buffer.
+    pub fn history(&self) -> &History {
+        dispatch!(self, p => p.history())
+    }
+
+    /// Segments, blocks, history and settings.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            segments: dispatch!(self, p => p.snapshot()),
+            history: self.history().entries().copied().collect(),
+            settings: self.settings(),
+        }
+    }
+
+    /// The policy and configuration as one string (`policy:pytorch,expandable_segments:True`).
+    pub fn settings(&self) -> String {
+        match &self.engine {
+            Engine::Pytorch(p) => {
+                let conf = p.config().to_conf_string();
+                if conf.is_empty() {
+                    "policy:pytorch".into()
+                } else {
+                    format!("policy:pytorch,{conf}")
+                }
+            }
+        }
+    }
+
+    /// Recreates a segment as it stood at a recorded window's start; returns
+    /// the address of each of its blocks.
+    pub fn restore_segment(&mut self, image: &SegmentImage) -> Result<Vec<DevicePtr>, AllocError> {
+        let dev: &dyn Device = &self.device;
+        dispatch!(mut self, p => p.restore_segment(dev, image))
+    }
+
+    /// Checks the invariants of DESIGN.md; the error says which one broke.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        dispatch!(self, p => p.check_invariants())
+    }
+}

@@ -1,0 +1,120 @@
+//! The allocation history: a bounded ring buffer of what the allocator did,
+//! in PyTorch's trace vocabulary, so snapshots and fidelity checks can read it.
+
+use std::collections::VecDeque;
+
+use crate::device::{DevicePtr, StreamId};
+
+/// What happened, named as PyTorch's `TraceEntry::Action`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// A block was handed out.
+    Alloc,
+    /// The program freed a block (it may still be in use on other streams).
+    FreeRequested,
+    /// The block went back to the cache.
+    FreeCompleted,
+    /// A whole segment was allocated from the driver.
+    SegmentAlloc,
+    /// A whole segment was returned to the driver.
+    SegmentFree,
+    /// Pages were mapped into a virtual range.
+    SegmentMap,
+    /// Pages were unmapped from a virtual range.
+    SegmentUnmap,
+    /// An allocation failed for lack of memory (`addr` holds the driver's free bytes).
+    Oom,
+}
+
+impl Action {
+    /// PyTorch's name for the action (`alloc`, `free_requested`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Action::Alloc => "alloc",
+            Action::FreeRequested => "free_requested",
+            Action::FreeCompleted => "free_completed",
+            Action::SegmentAlloc => "segment_alloc",
+            Action::SegmentFree => "segment_free",
+            Action::SegmentMap => "segment_map",
+            Action::SegmentUnmap => "segment_unmap",
+            Action::Oom => "oom",
+        }
+    }
+
+    /// True for the actions that change reserved memory.
+    pub fn is_segment_event(self) -> bool {
+        matches!(
+            self,
+            Action::SegmentAlloc | Action::SegmentFree | Action::SegmentMap | Action::SegmentUnmap
+        )
+    }
+}
+
+/// One history entry.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct TraceEntry {
+    /// What happened.
+    pub action: Action,
+    /// The address (for `Oom`: the driver's free bytes, as PyTorch records it).
+    pub addr: DevicePtr,
+    /// Bytes: requested size for block actions, segment size for segment actions.
+    pub size: u64,
+    /// The stream.
+    pub stream: StreamId,
+    /// A counter that orders entries (the number of entries recorded before this one).
+    pub sequence: u64,
+}
+
+/// A bounded ring buffer of [`TraceEntry`]s. Disabled (capacity 0) by default:
+/// recording costs time on the hot path, so it is opt-in, as in PyTorch.
+#[derive(Clone, Debug, Default)]
+pub struct History {
+    entries: VecDeque<TraceEntry>,
+    capacity: usize,
+    recorded: u64,
+}
+
+impl History {
+    /// A history keeping the last `capacity` entries (0 disables recording).
+    pub fn with_capacity(capacity: usize) -> Self {
+        History {
+            entries: VecDeque::new(),
+            capacity,
+            recorded: 0,
+        }
+    }
+
+    /// True when entries are being recorded.
+    pub fn is_enabled(&self) -> bool {
+        self.capacity > 0
+    }
+
+    /// Records an entry, dropping the oldest when full.
+    #[inline]
+    pub fn record(&mut self, action: Action, addr: DevicePtr, size: u64, stream: StreamId) {
+        if self.capacity == 0 {
+            return;
+        }
+        if self.entries.len() == self.capacity {
+            self.entries.pop_front();
+        }
+        self.entries.push_back(TraceEntry {
+            action,
+            addr,
+            size,
+            stream,
+            sequence: self.recorded,
+        });
+        self.recorded += 1;
+    }
+
+    /// The entries kept, oldest first.
+    pub fn entries(&self) -> impl Iterator<Item = &TraceEntry> {
+        self.entries.iter()
+    }
+
+    /// Entries recorded since the history was created, including dropped ones.
+    pub fn recorded(&self) -> u64 {
+        self.recorded
+    }
+}

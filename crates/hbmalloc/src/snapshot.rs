@@ -1,0 +1,90 @@
+//! A plain-data picture of the allocator: its segments, their blocks, and the
+//! history. Writers for file formats (PyTorch's pickle, JSON) live outside
+//! the engine and read this.
+
+use crate::device::{DevicePtr, StreamId};
+use crate::history::TraceEntry;
+
+/// The state of one block, in PyTorch's words.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum BlockState {
+    /// Handed out to the program.
+    ActiveAllocated,
+    /// Freed by the program, waiting for other streams' events.
+    ActivePendingFree,
+    /// Cached free memory.
+    Inactive,
+}
+
+impl BlockState {
+    /// PyTorch's name (`active_allocated`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            BlockState::ActiveAllocated => "active_allocated",
+            BlockState::ActivePendingFree => "active_pending_free",
+            BlockState::Inactive => "inactive",
+        }
+    }
+}
+
+/// One block of a segment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockSnapshot {
+    /// Its address.
+    pub address: DevicePtr,
+    /// Its size in bytes.
+    pub size: u64,
+    /// Bytes the program asked for (0 when inactive).
+    pub requested_size: u64,
+    /// Its state.
+    pub state: BlockState,
+}
+
+/// One segment (or one contiguous mapped range of a virtual-memory segment).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentSnapshot {
+    /// Its address.
+    pub address: DevicePtr,
+    /// Its size in bytes.
+    pub total_size: u64,
+    /// The stream that owns it.
+    pub stream: StreamId,
+    /// True for the small pool.
+    pub small_pool: bool,
+    /// True for virtual-memory backed memory (expandable segments, `hbm` granules).
+    pub expandable: bool,
+    /// Its blocks, in address order.
+    pub blocks: Vec<BlockSnapshot>,
+}
+
+impl SegmentSnapshot {
+    fn sum(&self, keep: impl Fn(&BlockSnapshot) -> bool, f: impl Fn(&BlockSnapshot) -> u64) -> u64 {
+        self.blocks.iter().filter(|b| keep(b)).map(f).sum()
+    }
+
+    /// Bytes of allocated blocks.
+    pub fn allocated_size(&self) -> u64 {
+        self.sum(|b| b.state == BlockState::ActiveAllocated, |b| b.size)
+    }
+
+    /// Bytes of active blocks (allocated or pending free).
+    pub fn active_size(&self) -> u64 {
+        self.sum(|b| b.state != BlockState::Inactive, |b| b.size)
+    }
+
+    /// Requested bytes of active blocks.
+    pub fn requested_size(&self) -> u64 {
+        self.sum(|b| b.state != BlockState::Inactive, |b| b.requested_size)
+    }
+}
+
+/// The whole picture.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Segments in address order.
+    pub segments: Vec<SegmentSnapshot>,
+    /// The history ring buffer, oldest first (empty unless history is enabled).
+    pub history: Vec<TraceEntry>,
+    /// The policy and configuration, as a configuration string.
+    pub settings: String,
+}
