@@ -14,4 +14,4 @@ pub use device::{
     PhysicalHandle, StreamId,
 };
 pub use sim::{CallCounts, Fault, LatencyModel, SimConfig, SimDevice};
-pub use stats::{DeviceStats, Stat, StatType};
+pub use stats::{DeviceStats, Stat, StatArray, StatType, PYTORCH_STAT_KEY_COUNT};
