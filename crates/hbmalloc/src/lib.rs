@@ -8,6 +8,7 @@
 pub mod device;
 pub mod sim;
 pub mod stats;
+pub mod summary;
 
 pub use device::{
     CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
@@ -15,3 +16,4 @@ pub use device::{
 };
 pub use sim::{CallCounts, Fault, LatencyModel, SimConfig, SimDevice};
 pub use stats::{DeviceStats, Stat, StatArray, StatType, PYTORCH_STAT_KEY_COUNT};
+pub use summary::{format_count, format_size, memory_summary};
