@@ -5,11 +5,13 @@
 //! [`SimDevice`], that replay and tests run on. See `ARCHITECTURE.md` at the
 //! repository root for the code map.
 
+pub mod config;
 pub mod device;
 pub mod sim;
 pub mod stats;
 pub mod summary;
 
+pub use config::{Backend, ConfigError, PytorchConfig, ReserveSpec};
 pub use device::{
     CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
     PhysicalHandle, StreamId,
