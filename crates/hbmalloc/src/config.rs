@@ -485,9 +485,10 @@ impl PytorchConfig {
             .iter()
             .filter(|entry| entry.key == "large_segment_size_mb")
         {
-            let token = entry.token("an integer number of MiB > 10")?;
+            // The reference sheet's "> 10" matches the source (`kMinLargeAlloc / kMB`).
             let expected =
                 format!("an integer number of MiB > {LARGE_SEGMENT_SIZE_MB_EXCLUSIVE_MIN}");
+            let token = entry.token(&expected)?;
             let megabytes = parse_unsigned(&entry.key, token, &expected)?;
             if megabytes <= LARGE_SEGMENT_SIZE_MB_EXCLUSIVE_MIN {
                 return Err(ConfigError::new(&entry.key, token, expected));
