@@ -25,9 +25,7 @@ impl PolicyConfig {
     pub fn parse(policy: &str, conf: &str) -> Result<Self, ConfigError> {
         match policy {
             "pytorch" => Ok(PolicyConfig::Pytorch(PytorchConfig::parse(conf)?)),
-            other => Err(ConfigError(format!(
-                "unknown policy '{other}' (expected pytorch)"
-            ))),
+            other => Err(ConfigError::new("policy", other, "pytorch")),
         }
     }
 
@@ -165,6 +163,16 @@ impl<D: Device> Allocator<D> {
     /// PyTorch-compatible statistics.
     pub fn stats(&self) -> &DeviceStats {
         dispatch!(self, p => p.stats())
+    }
+
+    /// `reset_peak_memory_stats()`: every peak becomes the current value.
+    pub fn reset_peak_stats(&mut self) {
+        dispatch!(mut self, p => p.stats_mut().reset_peak())
+    }
+
+    /// `reset_accumulated_memory_stats()`.
+    pub fn reset_accumulated_stats(&mut self) {
+        dispatch!(mut self, p => p.stats_mut().reset_accumulated())
     }
 
     /// The history ring buffer.

@@ -23,10 +23,18 @@ impl OomVerdict {
     /// A short explanation for reports.
     pub fn explain(self) -> &'static str {
         match self {
-            OomVerdict::RealDemand => "real demand: live memory plus this request exceeds what is available",
-            OomVerdict::ConfiguredLimit => "a configured limit: the memory fraction refused it while the device had room",
-            OomVerdict::PendingStreams => "memory held by frees still pending on other streams (record_stream)",
-            OomVerdict::Fragmentation => "fragmentation: enough memory is free in total, but not in one usable piece",
+            OomVerdict::RealDemand => {
+                "real demand: live memory plus this request exceeds what is available"
+            }
+            OomVerdict::ConfiguredLimit => {
+                "a configured limit: the memory fraction refused it while the device had room"
+            }
+            OomVerdict::PendingStreams => {
+                "memory held by frees still pending on other streams (record_stream)"
+            }
+            OomVerdict::Fragmentation => {
+                "fragmentation: enough memory is free in total, but not in one usable piece"
+            }
         }
     }
 }
@@ -76,7 +84,10 @@ impl OomReport {
         {
             OomVerdict::PendingStreams
         } else if needed > self.device_total_bytes.min(available) {
-            if self.limit_bytes.is_some_and(|l| needed > l && needed <= self.device_total_bytes) {
+            if self
+                .limit_bytes
+                .is_some_and(|l| needed > l && needed <= self.device_total_bytes)
+            {
                 OomVerdict::ConfiguredLimit
             } else {
                 OomVerdict::RealDemand

@@ -15,11 +15,12 @@ mod pytorch;
 pub mod sim;
 pub mod snapshot;
 pub mod stats;
+pub mod summary;
 
 pub use allocator::{
     Allocator, AllocatorConfig, BlockImage, PolicyConfig, SegmentImage, MAX_REQUEST_BYTES,
 };
-pub use config::{ConfigError, PytorchConfig};
+pub use config::{Backend, ConfigError, PytorchConfig, ReserveSpec};
 pub use device::{
     CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
     PhysicalHandle, StreamId,
@@ -28,7 +29,8 @@ pub use error::{AllocError, OomReport, OomVerdict};
 pub use history::{Action, History, TraceEntry};
 pub use sim::{CallCounts, Fault, LatencyModel, SimConfig, SimDevice};
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
-pub use stats::{DeviceStats, Stat, StatType};
+pub use stats::{DeviceStats, Stat, StatArray, StatType, PYTORCH_STAT_KEY_COUNT};
+pub use summary::{format_count, format_size, memory_summary};
 
 /// A hash map keyed by device pointers. Pointers are 512-byte aligned, so
 /// the hash mixes the high bits down (std's SipHash is needlessly slow here,

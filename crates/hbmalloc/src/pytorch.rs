@@ -427,7 +427,13 @@ impl PytorchPolicy {
         Ok(Some(id))
     }
 
-    fn alloc_found_block(&mut self, id: BlockId, size: u64, orig_size: u64, split: bool) -> DevicePtr {
+    fn alloc_found_block(
+        &mut self,
+        id: BlockId,
+        size: u64,
+        orig_size: u64,
+        split: bool,
+    ) -> DevicePtr {
         let small = self.b(id).small;
         let already_split = self.b(id).is_split();
         let expandable = self.b(id).expandable.is_some();
@@ -506,7 +512,11 @@ impl PytorchPolicy {
         }
     }
 
-    pub(crate) fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
+    pub(crate) fn record_stream(
+        &mut self,
+        ptr: DevicePtr,
+        stream: StreamId,
+    ) -> Result<(), AllocError> {
         let Some(&id) = self.allocated_blocks.get(&ptr) else {
             return Err(AllocError::UnknownPointer { ptr });
         };
@@ -550,7 +560,8 @@ impl PytorchPolicy {
         let streams: Vec<StreamId> = self.cuda_events.keys().copied().collect();
         for stream in streams {
             loop {
-                let Some(&(event, id)) = self.cuda_events.get(&stream).and_then(|q| q.front()) else {
+                let Some(&(event, id)) = self.cuda_events.get(&stream).and_then(|q| q.front())
+                else {
                     break;
                 };
                 if !dev.query_event(event)? {
@@ -579,10 +590,7 @@ impl PytorchPolicy {
     fn synchronize_and_free_events(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
         self.stats.num_sync_all_streams += 1;
         // Blocks whose event could not be recorded wait on a whole-device sync.
-        let stranded: Vec<BlockId> = self
-            .allocated_blocks_stranded()
-            .into_iter()
-            .collect();
+        let stranded: Vec<BlockId> = self.allocated_blocks_stranded().into_iter().collect();
         if !stranded.is_empty() {
             dev.synchronize_device()?;
         }
@@ -624,7 +632,11 @@ impl PytorchPolicy {
         }
         {
             let s = self.b(src);
-            if s.allocated || s.event_count > 0 || !s.stream_uses.is_empty() || s.mapped != self.b(dst).mapped {
+            if s.allocated
+                || s.event_count > 0
+                || !s.stream_uses.is_empty()
+                || s.mapped != self.b(dst).mapped
+            {
                 return 0;
             }
         }
@@ -662,7 +674,15 @@ impl PytorchPolicy {
         let (ptr, requested, stream, small, original_size, prev, next) = {
             let b = self.b(id);
             debug_assert!(!b.allocated && b.event_count == 0 && b.stream_uses.is_empty());
-            (b.ptr, b.requested_size, b.stream, b.small, b.size, b.prev, b.next)
+            (
+                b.ptr,
+                b.requested_size,
+                b.stream,
+                b.small,
+                b.size,
+                b.prev,
+                b.next,
+            )
         };
         self.history
             .record(Action::FreeCompleted, ptr, requested, stream);
@@ -708,8 +728,11 @@ impl PytorchPolicy {
     }
 
     fn release_blocks(&mut self, dev: &dyn Device, small: bool) -> Result<(), AllocError> {
-        let keys: Vec<(StreamId, u64, DevicePtr, BlockId)> =
-            self.pools[pool_index(small)].blocks.iter().copied().collect();
+        let keys: Vec<(StreamId, u64, DevicePtr, BlockId)> = self.pools[pool_index(small)]
+            .blocks
+            .iter()
+            .copied()
+            .collect();
         let mut to_unmap = Vec::new();
         for (_, _, _, id) in keys {
             let b = self.b(id);
@@ -763,7 +786,11 @@ impl PytorchPolicy {
         }
         let key_size = size.max(max_split);
         let pool = &self.pools[pool_index(small)];
-        let at = pool.blocks.range((stream, key_size, 0, 0)..).next().copied();
+        let at = pool
+            .blocks
+            .range((stream, key_size, 0, 0)..)
+            .next()
+            .copied();
         let single = at.filter(|k| k.0 == stream && self.b(k.3).expandable.is_none());
         if let Some(k) = single {
             if !self.b(k.3).is_split() {
@@ -950,15 +977,16 @@ impl PytorchPolicy {
             seg.handles.resize(end as usize, None);
         }
         let mut created = Vec::new();
-        let undo = |seg: &mut ExpandableSegment, created: &[(u64, PhysicalHandle)], mapped: usize| {
-            for (i, &(page_index, handle)) in created.iter().enumerate() {
-                if i < mapped {
-                    let _ = dev.unmap(seg.base + page_index * seg.page_size, seg.page_size);
+        let undo =
+            |seg: &mut ExpandableSegment, created: &[(u64, PhysicalHandle)], mapped: usize| {
+                for (i, &(page_index, handle)) in created.iter().enumerate() {
+                    if i < mapped {
+                        let _ = dev.unmap(seg.base + page_index * seg.page_size, seg.page_size);
+                    }
+                    let _ = dev.physical_release(handle);
+                    seg.handles[page_index as usize] = None;
                 }
-                let _ = dev.physical_release(handle);
-                seg.handles[page_index as usize] = None;
-            }
-        };
+            };
         for i in begin..end {
             debug_assert!(seg.handles[i as usize].is_none());
             match dev.physical_create(page) {
@@ -990,11 +1018,23 @@ impl PytorchPolicy {
         Ok(Some((seg.base + begin * page, (end - begin) * page)))
     }
 
-    fn map_block(&mut self, dev: &dyn Device, id: BlockId, size: u64) -> Result<Option<BlockId>, AllocError> {
+    fn map_block(
+        &mut self,
+        dev: &dyn Device,
+        id: BlockId,
+        size: u64,
+    ) -> Result<Option<BlockId>, AllocError> {
         let (ptr, index, small, stream, block_size, next) = {
             let b = self.b(id);
             debug_assert!(!b.mapped && size <= b.size);
-            (b.ptr, b.expandable.expect("expandable"), b.small, b.stream, b.size, b.next)
+            (
+                b.ptr,
+                b.expandable.expect("expandable"),
+                b.small,
+                b.stream,
+                b.size,
+                b.next,
+            )
         };
         let Some((mapped_ptr, mapped_size)) = self.segment_map(dev, index, ptr, size)? else {
             return Ok(None);
@@ -1034,7 +1074,13 @@ impl PytorchPolicy {
     fn unmap_block(&mut self, dev: &dyn Device, id: BlockId) -> Result<BlockId, AllocError> {
         let (ptr, size, index, small, stream) = {
             let b = self.b(id);
-            (b.ptr, b.size, b.expandable.expect("expandable"), b.small, b.stream)
+            (
+                b.ptr,
+                b.size,
+                b.expandable.expect("expandable"),
+                b.small,
+                b.stream,
+            )
         };
         let (base, page, seg_stream) = {
             let seg = self.expandable_segments[index as usize]
@@ -1114,7 +1160,11 @@ impl PytorchPolicy {
         Ok(id)
     }
 
-    fn release_expandable_segment(&mut self, dev: &dyn Device, id: BlockId) -> Result<(), AllocError> {
+    fn release_expandable_segment(
+        &mut self,
+        dev: &dyn Device,
+        id: BlockId,
+    ) -> Result<(), AllocError> {
         let index = self.b(id).expandable.expect("expandable");
         let seg = self.expandable_segments[index as usize]
             .take()
@@ -1137,7 +1187,8 @@ impl PytorchPolicy {
         stream: StreamId,
     ) -> AllocError {
         let device_free = dev.memory_info().map(|i| i.free_bytes).unwrap_or(0);
-        self.history.record(Action::Oom, device_free, rounded, stream);
+        self.history
+            .record(Action::Oom, device_free, rounded, stream);
         self.stats.num_ooms += 1;
         let allocated = self.stats.allocated_bytes[0].current as u64;
         let largest_free = self
@@ -1183,7 +1234,12 @@ impl PytorchPolicy {
         image: &SegmentImage,
     ) -> Result<Vec<DevicePtr>, AllocError> {
         let total: u64 = image.blocks.iter().map(|b| b.size).sum();
-        if total == 0 || image.blocks.iter().any(|b| b.size == 0 || b.size % MIN_BLOCK_SIZE != 0) {
+        if total == 0
+            || image
+                .blocks
+                .iter()
+                .any(|b| b.size == 0 || b.size % MIN_BLOCK_SIZE != 0)
+        {
             return Err(AllocError::InvalidSize { size: total });
         }
         let stream = image.stream;
@@ -1230,8 +1286,7 @@ impl PytorchPolicy {
             .collect();
         let mut segments = Vec::new();
         for (i, head) in self.live_blocks() {
-            let starts_range = head.mapped
-                && (head.prev == NO_BLOCK || !self.b(head.prev).mapped);
+            let starts_range = head.mapped && (head.prev == NO_BLOCK || !self.b(head.prev).mapped);
             if !starts_range {
                 continue;
             }
@@ -1295,7 +1350,10 @@ impl PytorchPolicy {
             if b.allocated {
                 allocated_total += b.size;
                 if self.allocated_blocks.get(&b.ptr) != Some(&id) {
-                    return Err(format!("allocated block {:#x} missing from the pointer map", b.ptr));
+                    return Err(format!(
+                        "allocated block {:#x} missing from the pointer map",
+                        b.ptr
+                    ));
                 }
             } else if b.event_count == 0 && b.stream_uses.is_empty() {
                 let pool = &self.pools[pool_index(b.small)];
@@ -1307,13 +1365,23 @@ impl PytorchPolicy {
                     pool.unmapped.contains(&(b.stream, b.ptr, id))
                 };
                 if !found {
-                    return Err(format!("free block {:#x} of {} bytes is not in its pool", b.ptr, b.size));
+                    return Err(format!(
+                        "free block {:#x} of {} bytes is not in its pool",
+                        b.ptr, b.size
+                    ));
                 }
                 for n in [b.prev, b.next] {
                     if n != NO_BLOCK {
                         let o = self.b(n);
-                        if !o.allocated && o.event_count == 0 && o.stream_uses.is_empty() && o.mapped == b.mapped {
-                            return Err(format!("free blocks {:#x} and {:#x} were not coalesced", b.ptr, o.ptr));
+                        if !o.allocated
+                            && o.event_count == 0
+                            && o.stream_uses.is_empty()
+                            && o.mapped == b.mapped
+                        {
+                            return Err(format!(
+                                "free blocks {:#x} and {:#x} were not coalesced",
+                                b.ptr, o.ptr
+                            ));
                         }
                     }
                 }

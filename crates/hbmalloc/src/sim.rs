@@ -330,7 +330,9 @@ impl SimDevice {
         }
         for (&va, m) in &state.mappings {
             if !state.range_reserved(va, m.size) {
-                return Err(format!("sim: mapping at {va:#x} outside any reserved range"));
+                return Err(format!(
+                    "sim: mapping at {va:#x} outside any reserved range"
+                ));
             }
         }
         Ok(())
