@@ -29,6 +29,33 @@ impl PolicyConfig {
         }
     }
 
+    /// Parses a settings string: `policy:NAME` anywhere among the keys picks
+    /// the policy (default `pytorch`), the other keys configure it. This is the
+    /// syntax of `HBMALLOC_CONF` and of [`Allocator::settings`].
+    pub fn from_settings(settings: &str) -> Result<Self, ConfigError> {
+        let mut policy = None;
+        let mut rest = Vec::new();
+        for part in settings.split(',') {
+            match part.trim().split_once(':') {
+                Some((key, value)) if key.trim() == "policy" => policy = Some(value.trim().to_string()),
+                _ => rest.push(part),
+            }
+        }
+        Self::parse(policy.as_deref().unwrap_or("pytorch"), &rest.join(","))
+    }
+
+    /// The settings string that [`PolicyConfig::from_settings`] reads back.
+    pub fn to_settings(&self) -> String {
+        let conf = match self {
+            PolicyConfig::Pytorch(c) => c.to_conf_string(),
+        };
+        if conf.is_empty() {
+            format!("policy:{}", self.policy_name())
+        } else {
+            format!("policy:{},{conf}", self.policy_name())
+        }
+    }
+
     /// The policy's name.
     pub fn policy_name(&self) -> &'static str {
         match self {
@@ -89,6 +116,7 @@ enum Engine {
 pub struct Allocator<D: Device> {
     device: D,
     engine: Engine,
+    settings: String,
 }
 
 macro_rules! dispatch {
@@ -109,10 +137,15 @@ impl<D: Device> Allocator<D> {
     pub fn new(device: D, config: AllocatorConfig) -> Result<Self, AllocError> {
         let total = device.memory_info()?.total_bytes;
         let history = History::with_capacity(config.history_entries);
+        let settings = config.policy.to_settings();
         let engine = match config.policy {
             PolicyConfig::Pytorch(c) => Engine::Pytorch(PytorchPolicy::new(c, total, history)),
         };
-        Ok(Allocator { device, engine })
+        Ok(Allocator {
+            device,
+            engine,
+            settings,
+        })
     }
 
     /// The device.
@@ -191,16 +224,7 @@ impl<D: Device> Allocator<D> {
 
     /// The policy and configuration as one string (`policy:pytorch,expandable_segments:True`).
     pub fn settings(&self) -> String {
-        match &self.engine {
-            Engine::Pytorch(p) => {
-                let conf = p.config().to_conf_string();
-                if conf.is_empty() {
-                    "policy:pytorch".into()
-                } else {
-                    format!("policy:pytorch,{conf}")
-                }
-            }
-        }
+        self.settings.clone()
     }
 
     /// Recreates a segment as it stood at a recorded window's start; returns

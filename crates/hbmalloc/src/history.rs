@@ -109,7 +109,7 @@ impl History {
     }
 
     /// The entries kept, oldest first.
-    pub fn entries(&self) -> impl Iterator<Item = &TraceEntry> {
+    pub fn entries(&self) -> std::collections::vec_deque::Iter<'_, TraceEntry> {
         self.entries.iter()
     }
 

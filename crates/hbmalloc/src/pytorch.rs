@@ -154,10 +154,6 @@ impl PytorchPolicy {
         policy
     }
 
-    pub(crate) fn config(&self) -> &PytorchConfig {
-        &self.config
-    }
-
     pub(crate) fn stats(&self) -> &DeviceStats {
         &self.stats
     }

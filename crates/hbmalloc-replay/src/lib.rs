@@ -1,0 +1,425 @@
+//! Replay: run a recorded trace through the real engine on a simulated GPU.
+//!
+//! Every policy decision here is made by `hbmalloc`'s own engine code on a
+//! [`SimDevice`]; this crate only drives it op by op and measures. It knows the
+//! trace model, not file formats (that is `hbmalloc-trace`), and not blocks or
+//! segments (that is the engine).
+
+mod fidelity;
+mod metrics;
+
+use std::fmt;
+use std::time::Instant;
+
+use hbmalloc::{
+    AllocError, Allocator, AllocatorConfig, BlockImage, CallCounts, DevicePtr, LatencyModel,
+    OomReport, PolicyConfig, SegmentImage, SimConfig, SimDevice, StreamId, TraceEntry,
+};
+use hbmalloc_trace::{AllocId, DeviceTrace, InitialBlockState, Op};
+
+pub use fidelity::{fidelity, Divergence, FidelityReport, SegmentEvent};
+pub use metrics::{evaluate, peak_live_bytes, EvalOptions, Metrics, RecordedMetrics};
+
+/// Device capacity used when none is given: large enough for any trace we know
+/// (1 TiB), so only the policy decides how much is reserved.
+pub const UNBOUNDED_CAPACITY_BYTES: u64 = 1 << 40;
+
+/// How to replay.
+#[derive(Clone, Debug)]
+pub struct ReplayOptions {
+    /// The policy and its configuration.
+    pub policy: PolicyConfig,
+    /// Simulated device capacity.
+    pub capacity_bytes: u64,
+    /// Latency charged per driver call (simulated time, never slept).
+    pub latency: LatencyModel,
+    /// Reproduce the recorded allocator's out-of-memory failures (`Op::Oom`)
+    /// by making the simulated device report the same free memory at that
+    /// moment. Off: those requests are skipped.
+    pub emulate_recorded_ooms: bool,
+    /// Record the engine's history (needed for fidelity; costs time).
+    pub record_history: bool,
+}
+
+impl ReplayOptions {
+    /// Options for `policy` on an unbounded device with realistic latencies.
+    pub fn new(policy: PolicyConfig) -> Self {
+        ReplayOptions {
+            policy,
+            capacity_bytes: UNBOUNDED_CAPACITY_BYTES,
+            latency: LatencyModel::realistic(),
+            emulate_recorded_ooms: false,
+            record_history: false,
+        }
+    }
+}
+
+/// A trace that cannot be replayed as written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplayError {
+    /// Index of the op (or `None` for the initial state).
+    pub op_index: Option<usize>,
+    /// What went wrong.
+    pub message: String,
+}
+
+impl fmt::Display for ReplayError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.op_index {
+            Some(i) => write!(f, "op {i}: {}", self.message),
+            None => write!(f, "initial state: {}", self.message),
+        }
+    }
+}
+
+impl std::error::Error for ReplayError {}
+
+/// How a replay ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every op ran.
+    Completed,
+    /// The allocator ran out of memory at `op_index`.
+    OutOfMemory {
+        /// The op that failed.
+        op_index: usize,
+        /// The allocator's explanation.
+        report: Box<OomReport>,
+    },
+}
+
+/// What one replay observed.
+#[derive(Clone, Debug)]
+pub struct RunResult {
+    /// How it ended.
+    pub outcome: Outcome,
+    /// Max bytes the device had handed out (segments plus physical memory).
+    pub peak_reserved_bytes: u64,
+    /// Driver calls over the whole replay (including the initial state).
+    pub calls: CallCounts,
+    /// Driver calls made during the second half of the ops.
+    pub steady_state_calls: CallCounts,
+    /// `malloc` calls made.
+    pub mallocs: u64,
+    /// `free` calls made.
+    pub frees: u64,
+    /// Mallocs served without any driver allocation or free.
+    pub cache_hits: u64,
+    /// Wall-clock nanoseconds spent in the op loop.
+    pub loop_ns: u64,
+    /// Segment events of the engine's history with the index of the op that
+    /// caused them (only with `record_history`).
+    pub segment_events: Vec<(usize, TraceEntry)>,
+    /// Recorded out-of-memory requests that the replay served instead of failing
+    /// (only with `emulate_recorded_ooms`).
+    pub unreproduced_ooms: u64,
+}
+
+/// A trace's ops with allocation ids renumbered densely, ready to replay many
+/// times (the bisection for minimum capacity replays a trace a dozen times).
+#[derive(Clone, Debug)]
+pub struct PreparedTrace {
+    ops: Vec<DenseOp>,
+    initial: Vec<(SegmentImage, Vec<Option<usize>>)>,
+    slots: usize,
+}
+
+#[derive(Copy, Clone, Debug)]
+enum DenseOp {
+    Alloc { slot: usize, size: u64, stream: u64 },
+    Free { slot: usize },
+    RecordStream { slot: usize, stream: u64 },
+    StreamComplete { stream: u64 },
+    EmptyCache,
+    Oom { size: u64, stream: u64, device_free: u64 },
+}
+
+impl PreparedTrace {
+    /// Checks the trace and renumbers its allocations. Errors name the op.
+    pub fn new(trace: &DeviceTrace) -> Result<Self, ReplayError> {
+        let mut slot_of = std::collections::HashMap::<AllocId, usize>::new();
+        let mut live = Vec::<bool>::new();
+        let new_slot = |id: AllocId,
+                        live: &mut Vec<bool>,
+                        slot_of: &mut std::collections::HashMap<AllocId, usize>| {
+            let slot = live.len();
+            live.push(true);
+            slot_of.insert(id, slot);
+            slot
+        };
+        let mut initial = Vec::new();
+        for seg in &trace.initial_segments {
+            let mut blocks = Vec::new();
+            let mut slots = Vec::new();
+            for b in &seg.blocks {
+                let (allocated, slot) = match b.state {
+                    InitialBlockState::Allocated(id) => {
+                        (true, Some(new_slot(id, &mut live, &mut slot_of)))
+                    }
+                    InitialBlockState::Free => (false, None),
+                };
+                blocks.push(BlockImage {
+                    size: b.size,
+                    requested_size: b.requested_size,
+                    allocated,
+                });
+                slots.push(slot);
+            }
+            let image = SegmentImage {
+                stream: StreamId(seg.stream),
+                small_pool: seg.small_pool,
+                expandable: seg.expandable,
+                blocks,
+            };
+            initial.push((image, slots));
+        }
+        let mut ops = Vec::with_capacity(trace.ops.len());
+        for (i, op) in trace.ops.iter().enumerate() {
+            let err = |message: String| ReplayError {
+                op_index: Some(i),
+                message,
+            };
+            let live_slot = |id: AllocId,
+                             live: &Vec<bool>,
+                             slot_of: &std::collections::HashMap<AllocId, usize>| {
+                match slot_of.get(&id) {
+                    Some(&s) if live[s] => Ok(s),
+                    _ => Err(err(format!("allocation {id} is not live"))),
+                }
+            };
+            ops.push(match *op {
+                Op::Alloc { id, size, stream } => {
+                    if let Some(&s) = slot_of.get(&id) {
+                        if live[s] {
+                            return Err(err(format!("allocation {id} allocated twice")));
+                        }
+                    }
+                    DenseOp::Alloc {
+                        slot: new_slot(id, &mut live, &mut slot_of),
+                        size,
+                        stream,
+                    }
+                }
+                Op::Free { id } => {
+                    let slot = live_slot(id, &live, &slot_of)?;
+                    live[slot] = false;
+                    DenseOp::Free { slot }
+                }
+                Op::RecordStream { id, stream } => DenseOp::RecordStream {
+                    slot: live_slot(id, &live, &slot_of)?,
+                    stream,
+                },
+                Op::StreamComplete { stream } => DenseOp::StreamComplete { stream },
+                Op::EmptyCache => DenseOp::EmptyCache,
+                Op::Oom {
+                    size,
+                    stream,
+                    device_free,
+                } => DenseOp::Oom {
+                    size,
+                    stream,
+                    device_free,
+                },
+            });
+        }
+        Ok(PreparedTrace {
+            ops,
+            initial,
+            slots: live.len(),
+        })
+    }
+
+    /// Number of ops.
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// True when there are no ops.
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    /// Replays the trace once.
+    pub fn run(&self, options: &ReplayOptions) -> Result<RunResult, ReplayError> {
+        let device = SimDevice::with_config(SimConfig {
+            capacity_bytes: options.capacity_bytes,
+            latency: options.latency.clone(),
+            ..SimConfig::default()
+        });
+        let config = AllocatorConfig {
+            policy: options.policy.clone(),
+            history_entries: if options.record_history { 1 << 24 } else { 0 },
+        };
+        let at_start = |message: String| ReplayError {
+            op_index: None,
+            message,
+        };
+        let mut allocator = Allocator::new(device, config).map_err(|e| at_start(e.to_string()))?;
+        let mut ptrs: Vec<DevicePtr> = vec![0; self.slots];
+        let mut result = RunResult {
+            outcome: Outcome::Completed,
+            peak_reserved_bytes: 0,
+            calls: CallCounts::default(),
+            steady_state_calls: CallCounts::default(),
+            mallocs: 0,
+            frees: 0,
+            cache_hits: 0,
+            loop_ns: 0,
+            segment_events: Vec::new(),
+            unreproduced_ooms: 0,
+        };
+
+        for (image, slots) in &self.initial {
+            match allocator.restore_segment(image) {
+                Ok(block_ptrs) => {
+                    for (ptr, slot) in block_ptrs.iter().zip(slots) {
+                        if let Some(s) = slot {
+                            ptrs[*s] = *ptr;
+                        }
+                    }
+                }
+                Err(AllocError::OutOfMemory(report)) => {
+                    result.outcome = Outcome::OutOfMemory {
+                        op_index: 0,
+                        report,
+                    };
+                    return Ok(finish(result, &allocator, &CallCounts::default()));
+                }
+                Err(e) => return Err(at_start(e.to_string())),
+            }
+        }
+        let history_base = allocator.history().recorded();
+        let mut history_seen = history_base;
+        let half = self.ops.len() / 2;
+        let mut calls_at_half = allocator.device().call_counts();
+        let started = Instant::now();
+        for (i, op) in self.ops.iter().enumerate() {
+            if i == half {
+                calls_at_half = allocator.device().call_counts();
+            }
+            let step = self.step(&mut allocator, &mut ptrs, *op, options, &mut result);
+            if let Err(e) = step {
+                return match e {
+                    AllocError::OutOfMemory(report) => {
+                        result.loop_ns = started.elapsed().as_nanos() as u64;
+                        result.outcome = Outcome::OutOfMemory {
+                            op_index: i,
+                            report,
+                        };
+                        Ok(finish(result, &allocator, &calls_at_half))
+                    }
+                    other => Err(ReplayError {
+                        op_index: Some(i),
+                        message: other.to_string(),
+                    }),
+                };
+            }
+            if options.record_history {
+                let recorded = allocator.history().recorded();
+                if recorded > history_seen {
+                    let new = (recorded - history_seen) as usize;
+                    let mut fresh: Vec<TraceEntry> = allocator
+                        .history()
+                        .entries()
+                        .rev()
+                        .take(new)
+                        .filter(|e| e.action.is_segment_event())
+                        .copied()
+                        .collect();
+                    fresh.reverse();
+                    result.segment_events.extend(fresh.into_iter().map(|e| (i, e)));
+                    history_seen = recorded;
+                }
+            }
+        }
+        result.loop_ns = started.elapsed().as_nanos() as u64;
+        Ok(finish(result, &allocator, &calls_at_half))
+    }
+
+    #[inline]
+    fn step(
+        &self,
+        allocator: &mut Allocator<SimDevice>,
+        ptrs: &mut [DevicePtr],
+        op: DenseOp,
+        options: &ReplayOptions,
+        result: &mut RunResult,
+    ) -> Result<(), AllocError> {
+        match op {
+            DenseOp::Alloc { slot, size, stream } => {
+                if size == 0 {
+                    // PyTorch never calls its allocator for empty tensors.
+                    return Ok(());
+                }
+                let before = driver_traffic(allocator);
+                ptrs[slot] = allocator.malloc(size, StreamId(stream))?;
+                result.mallocs += 1;
+                if driver_traffic(allocator) == before {
+                    result.cache_hits += 1;
+                }
+            }
+            DenseOp::Free { slot } => {
+                if ptrs[slot] != 0 {
+                    allocator.free(ptrs[slot])?;
+                    ptrs[slot] = 0;
+                    result.frees += 1;
+                }
+            }
+            DenseOp::RecordStream { slot, stream } => {
+                if ptrs[slot] != 0 {
+                    allocator.record_stream(ptrs[slot], StreamId(stream))?;
+                }
+            }
+            DenseOp::StreamComplete { stream } => {
+                allocator.device().complete_stream(StreamId(stream));
+            }
+            DenseOp::EmptyCache => allocator.empty_cache()?,
+            DenseOp::Oom {
+                size,
+                stream,
+                device_free,
+            } => {
+                if options.emulate_recorded_ooms && size > 0 {
+                    let device = allocator.device();
+                    let others = options
+                        .capacity_bytes
+                        .saturating_sub(device.used_bytes())
+                        .saturating_sub(device_free);
+                    device.set_external_bytes(others);
+                    let attempt = allocator.malloc(size, StreamId(stream));
+                    allocator.device().set_external_bytes(0);
+                    match attempt {
+                        Ok(ptr) => {
+                            result.unreproduced_ooms += 1;
+                            allocator.free(ptr)?;
+                        }
+                        Err(AllocError::OutOfMemory(_)) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Driver allocations plus frees so far, from the engine's own counters
+/// (cheap: no device lock).
+#[inline]
+fn driver_traffic(allocator: &Allocator<SimDevice>) -> i64 {
+    let stats = allocator.stats();
+    stats.num_device_alloc + stats.num_device_free
+}
+
+fn finish(mut result: RunResult, allocator: &Allocator<SimDevice>, at_half: &CallCounts) -> RunResult {
+    let device = allocator.device();
+    result.peak_reserved_bytes = device.peak_used_bytes();
+    result.calls = device.call_counts();
+    result.steady_state_calls = result.calls.since(at_half);
+    result
+}
+
+/// Replays `trace` once under `options`.
+pub fn replay(trace: &DeviceTrace, options: &ReplayOptions) -> Result<RunResult, ReplayError> {
+    PreparedTrace::new(trace)?.run(options)
+}

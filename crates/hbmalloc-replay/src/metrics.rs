@@ -1,0 +1,221 @@
+//! The metrics of DESIGN.md for one trace on one device under one policy.
+
+use std::collections::BTreeMap;
+
+use hbmalloc::{CallKind, LatencyModel, PolicyConfig};
+use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op};
+use serde::Serialize;
+
+use crate::{Outcome, PreparedTrace, ReplayError, ReplayOptions, UNBOUNDED_CAPACITY_BYTES};
+
+/// Bisection resolution for `min_capacity_bytes`: one device granule.
+pub const MIN_CAPACITY_RESOLUTION_BYTES: u64 = 2 << 20;
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct EvalOptions {
+    /// The policy and its configuration.
+    pub policy: PolicyConfig,
+    /// Device capacity for the main run (`None`: unbounded).
+    pub capacity_bytes: Option<u64>,
+    /// Bisect for the smallest capacity on which the trace completes.
+    pub find_min_capacity: bool,
+}
+
+/// What the recorded allocator did, where the trace says.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct RecordedMetrics {
+    /// Its peak reserved bytes during the window.
+    pub peak_reserved_bytes: Option<u64>,
+    /// Its segment events (alloc, free, map, unmap) in the window.
+    pub segment_events: usize,
+}
+
+/// One row of results: a trace's device under a policy. Names as in DESIGN.md.
+#[derive(Clone, Debug, Serialize)]
+pub struct Metrics {
+    /// The trace's source.
+    pub trace: String,
+    /// Device index in the trace.
+    pub device: i64,
+    /// Policy and configuration (`policy:pytorch,expandable_segments:True`).
+    pub settings: String,
+    /// Mallocs plus frees replayed.
+    pub ops: u64,
+    /// Max over time of the sum of live requested sizes: the physical floor.
+    pub peak_live_bytes: u64,
+    /// Max over time of device memory held (segments plus physical memory).
+    pub peak_reserved_bytes: u64,
+    /// `peak_live_bytes / peak_reserved_bytes`.
+    pub efficiency: f64,
+    /// `peak_reserved_bytes - peak_live_bytes`.
+    pub waste_bytes: u64,
+    /// Smallest capacity on which the whole trace runs without running out of memory.
+    pub min_capacity_bytes: Option<u64>,
+    /// Resolution of `min_capacity_bytes`.
+    pub min_capacity_resolution_bytes: u64,
+    /// Driver calls by kind (only kinds that were called).
+    pub device_calls: BTreeMap<String, u64>,
+    /// Calls that allocate, free, map or unmap memory.
+    pub memory_device_calls: u64,
+    /// Fraction of mallocs served without any driver call.
+    pub cache_hit_rate: f64,
+    /// Memory-moving driver calls in the second half of the trace.
+    pub steady_state_device_calls: u64,
+    /// Driver time under the latency model.
+    pub simulated_driver_seconds: f64,
+    /// Allocator CPU time per malloc or free, measured in the replay loop.
+    pub ns_per_op: f64,
+    /// `null` when the trace completed; otherwise the op that ran out of memory and why.
+    pub out_of_memory: Option<String>,
+    /// What the recorded allocator did, where the trace says.
+    pub recorded: Option<RecordedMetrics>,
+}
+
+/// The max over time of the sum of live requested sizes, computed from the
+/// trace alone (no allocator involved): the floor any policy is measured against.
+pub fn peak_live_bytes(trace: &DeviceTrace) -> u64 {
+    let mut live = std::collections::HashMap::new();
+    let mut current: u64 = 0;
+    for seg in &trace.initial_segments {
+        for b in &seg.blocks {
+            if let InitialBlockState::Allocated(id) = b.state {
+                live.insert(id, b.requested_size);
+                current += b.requested_size;
+            }
+        }
+    }
+    let mut peak = current;
+    for op in &trace.ops {
+        match *op {
+            Op::Alloc { id, size, .. } => {
+                live.insert(id, size);
+                current += size;
+                peak = peak.max(current);
+            }
+            Op::Free { id } => current -= live.remove(&id).unwrap_or(0),
+            _ => {}
+        }
+    }
+    peak
+}
+
+/// Replays `trace` under `options` and measures everything.
+pub fn evaluate(
+    source: &str,
+    trace: &DeviceTrace,
+    options: &EvalOptions,
+) -> Result<Metrics, ReplayError> {
+    let prepared = PreparedTrace::new(trace)?;
+    let mut replay = ReplayOptions::new(options.policy.clone());
+    replay.capacity_bytes = options.capacity_bytes.unwrap_or(UNBOUNDED_CAPACITY_BYTES);
+    let run = prepared.run(&replay)?;
+
+    let peak_live = peak_live_bytes(trace);
+    let out_of_memory = match &run.outcome {
+        Outcome::Completed => None,
+        Outcome::OutOfMemory { op_index, report } => Some(format!(
+            "op {op_index}: {}",
+            report.render().lines().next().unwrap_or("")
+        )),
+    };
+    let min_capacity = if options.find_min_capacity {
+        min_capacity_bytes(&prepared, &options.policy, peak_live, run.peak_reserved_bytes)?
+    } else {
+        None
+    };
+    let ops = run.mallocs + run.frees;
+    let device_calls = CallKind::ALL
+        .iter()
+        .filter(|k| run.calls.get(**k) > 0)
+        .map(|k| (k.name().to_string(), run.calls.get(*k)))
+        .collect();
+    Ok(Metrics {
+        trace: source.to_string(),
+        device: trace.device,
+        settings: settings_of(&options.policy),
+        ops,
+        peak_live_bytes: peak_live,
+        peak_reserved_bytes: run.peak_reserved_bytes,
+        efficiency: ratio(peak_live, run.peak_reserved_bytes),
+        waste_bytes: run.peak_reserved_bytes.saturating_sub(peak_live),
+        min_capacity_bytes: min_capacity,
+        min_capacity_resolution_bytes: MIN_CAPACITY_RESOLUTION_BYTES,
+        device_calls,
+        memory_device_calls: run.calls.memory_calls(),
+        cache_hit_rate: ratio(run.cache_hits, run.mallocs),
+        steady_state_device_calls: run.steady_state_calls.memory_calls(),
+        simulated_driver_seconds: run.calls.simulated_ns as f64 / 1e9,
+        ns_per_op: if ops == 0 {
+            0.0
+        } else {
+            run.loop_ns as f64 / ops as f64
+        },
+        out_of_memory,
+        recorded: trace.recorded.as_ref().map(|r| RecordedMetrics {
+            peak_reserved_bytes: r.peak_reserved_bytes,
+            segment_events: r.segment_events.len(),
+        }),
+    })
+}
+
+/// The settings string of a policy configuration.
+pub fn settings_of(policy: &PolicyConfig) -> String {
+    policy.to_settings()
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        if a == 0 {
+            1.0
+        } else {
+            0.0
+        }
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+/// Bisects for the smallest capacity on which the trace completes. Policies
+/// are not guaranteed monotone in capacity, so this is the smallest capacity
+/// bisection finds, at [`MIN_CAPACITY_RESOLUTION_BYTES`].
+fn min_capacity_bytes(
+    prepared: &PreparedTrace,
+    policy: &PolicyConfig,
+    peak_live: u64,
+    unbounded_peak_reserved: u64,
+) -> Result<Option<u64>, ReplayError> {
+    let res = MIN_CAPACITY_RESOLUTION_BYTES;
+    let completes = |capacity: u64| -> Result<bool, ReplayError> {
+        let mut options = ReplayOptions::new(policy.clone());
+        options.capacity_bytes = capacity;
+        options.latency = LatencyModel::zero();
+        Ok(prepared.run(&options)?.outcome == Outcome::Completed)
+    };
+    let mut hi = unbounded_peak_reserved.div_ceil(res).max(1) * res;
+    let mut doublings = 0;
+    while !completes(hi)? {
+        doublings += 1;
+        if doublings > 6 || hi >= UNBOUNDED_CAPACITY_BYTES {
+            return Ok(None);
+        }
+        hi *= 2;
+    }
+    // Nothing below the live peak can work.
+    let mut lo = (peak_live / res) * res;
+    if lo >= hi {
+        return Ok(Some(hi));
+    }
+    if lo > 0 && completes(lo)? {
+        return Ok(Some(lo));
+    }
+    while hi - lo > res {
+        let mid = lo + ((hi - lo) / 2 / res).max(1) * res;
+        if completes(mid)? {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Ok(Some(hi))
+}
