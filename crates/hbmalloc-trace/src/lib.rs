@@ -2,8 +2,17 @@
 //!
 //! This crate knows file formats and nothing of the engine: it turns a
 //! PyTorch memory snapshot, a torch.profiler chrome trace or an RMM log into a
-//! [`Trace`]. Replay lives in `hbmalloc-replay`.
+//! [`Trace`] with [`load`] or [`parse_bytes`]. Replay lives in `hbmalloc-replay`.
 
+mod chrome;
+mod error;
+mod import;
 pub mod model;
+pub mod pickle;
+mod rmm;
+mod snapshot;
 
+pub use error::{Location, TraceError};
+pub use import::{load, parse_bytes, MAX_DECOMPRESSED_BYTES};
 pub use model::*;
+pub use snapshot::DEFERRED_FREE_STREAM_BASE;

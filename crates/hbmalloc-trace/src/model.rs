@@ -9,6 +9,8 @@
 //! recorded allocator's choices, and a replay under another policy hands out
 //! other ones.
 
+use std::collections::BTreeMap;
+
 use serde::Serialize;
 
 /// Names one allocation for its whole life, from `Alloc` to `Free`.
@@ -170,6 +172,11 @@ pub struct DeviceTrace {
     /// True when the source is a port of PyTorch's allocator for another
     /// accelerator (torch_npu): reported, not held to fidelity.
     pub foreign_allocator: bool,
+    /// Source entries the importer could not use and left out, counted by
+    /// reason (e.g. `free of an unknown address`). Empty for a clean import;
+    /// reported so that a lossy import is never silent.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub skipped: BTreeMap<String, u64>,
 }
 
 /// A whole trace: one per source file.

@@ -1,0 +1,549 @@
+//! A safe reader for Python pickles that hold plain data only.
+//!
+//! Snapshots from `torch.cuda.memory._dump_snapshot` are dicts, lists, tuples,
+//! strings and numbers. Loading a pickle with Python would run whatever code it
+//! names, so this reader understands only the data opcodes of protocols 2–5
+//! and refuses every opcode that imports a name, calls something or builds an
+//! object (`GLOBAL`, `REDUCE`, `BUILD`, ...).
+//!
+//! Values live in an arena ([`Document`]) and refer to each other by
+//! [`ValueId`]. Pickles share objects through the memo and mutate containers
+//! after memoizing them, so an arena keeps those aliases right without
+//! reference counting, and dropping or walking a document never recurses.
+//!
+//! Every length read from the input is checked against the bytes that remain,
+//! and the stack, the mark stack and the memo are bounded, so no input can
+//! make the reader allocate much more than the input's own size.
+
+use std::collections::HashMap;
+
+use crate::error::{Location, TraceError};
+
+/// Names one value in a [`Document`].
+pub type ValueId = usize;
+
+/// One decoded Python value. Containers hold the ids of their items.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Value {
+    /// `None`.
+    None,
+    /// `True` / `False`.
+    Bool(bool),
+    /// An integer (at most 16 bytes wide; wider ones are refused).
+    Int(i128),
+    /// A float.
+    Float(f64),
+    /// A text string.
+    Str(String),
+    /// A byte string (`bytes`, `bytearray`, or a protocol-2 `str`).
+    Bytes(Vec<u8>),
+    /// A list.
+    List(Vec<ValueId>),
+    /// A tuple.
+    Tuple(Vec<ValueId>),
+    /// A dict, as (key, value) pairs in insertion order; a later pair wins.
+    Dict(Vec<(ValueId, ValueId)>),
+}
+
+impl Value {
+    /// The Python type name, for error messages.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Value::None => "None",
+            Value::Bool(_) => "bool",
+            Value::Int(_) => "int",
+            Value::Float(_) => "float",
+            Value::Str(_) => "str",
+            Value::Bytes(_) => "bytes",
+            Value::List(_) => "list",
+            Value::Tuple(_) => "tuple",
+            Value::Dict(_) => "dict",
+        }
+    }
+}
+
+/// A decoded pickle: an arena of values and the one the pickle returned.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Document {
+    values: Vec<Value>,
+    root: ValueId,
+}
+
+impl Document {
+    /// The value the pickle returned.
+    pub fn root(&self) -> ValueId {
+        self.root
+    }
+
+    /// The value named `id`.
+    pub fn get(&self, id: ValueId) -> &Value {
+        &self.values[id]
+    }
+
+    /// Every value decoded, in the order the pickle built them.
+    pub fn values(&self) -> impl Iterator<Item = &Value> {
+        self.values.iter()
+    }
+
+    /// The value stored under the string key `key` of the dict `id`, if `id`
+    /// is a dict that has it (the last pair wins, as in Python).
+    pub fn dict_get(&self, id: ValueId, key: &str) -> Option<ValueId> {
+        match self.get(id) {
+            Value::Dict(pairs) => pairs
+                .iter()
+                .rev()
+                .find(|(k, _)| matches!(self.get(*k), Value::Str(s) if s == key))
+                .map(|&(_, v)| v),
+            _ => None,
+        }
+    }
+}
+
+/// Most items the value stack may hold.
+const MAX_STACK: usize = 1 << 20;
+/// Most nested `MARK`s.
+const MAX_MARKS: usize = 1 << 16;
+/// Most memo entries.
+const MAX_MEMO: usize = 1 << 24;
+/// Longest text line (in `GLOBAL`, `GET`, `PUT` arguments).
+const MAX_LINE: usize = 1 << 10;
+
+/// Decodes `bytes` as a pickle of plain data.
+///
+/// Errors carry the byte offset of the offending opcode and format `pickle`;
+/// the caller adds the file name.
+pub fn parse(bytes: &[u8]) -> Result<Document, TraceError> {
+    Parser {
+        input: bytes,
+        pos: 0,
+        op_start: 0,
+        values: Vec::new(),
+        stack: Vec::new(),
+        marks: Vec::new(),
+        memo: HashMap::new(),
+    }
+    .run()
+}
+
+struct Parser<'a> {
+    input: &'a [u8],
+    pos: usize,
+    /// Offset of the opcode being executed, for errors.
+    op_start: usize,
+    values: Vec<Value>,
+    stack: Vec<ValueId>,
+    /// Stack heights at each open `MARK`.
+    marks: Vec<usize>,
+    memo: HashMap<u32, ValueId>,
+}
+
+impl Parser<'_> {
+    fn error(&self, message: impl Into<String>) -> TraceError {
+        TraceError::new("pickle", Location::Byte(self.op_start as u64), message)
+    }
+
+    fn take(&mut self, len: usize) -> Result<&[u8], TraceError> {
+        let remaining = self.input.len() - self.pos;
+        if len > remaining {
+            return Err(self.error(format!(
+                "needs {len} bytes but only {remaining} remain (truncated, or a corrupt length)"
+            )));
+        }
+        let bytes = &self.input[self.pos..self.pos + len];
+        self.pos += len;
+        Ok(bytes)
+    }
+
+    fn take_array<const N: usize>(&mut self) -> Result<[u8; N], TraceError> {
+        let mut array = [0u8; N];
+        array.copy_from_slice(self.take(N)?);
+        Ok(array)
+    }
+
+    fn take_u8(&mut self) -> Result<u8, TraceError> {
+        Ok(self.take_array::<1>()?[0])
+    }
+
+    /// A length field of `N` little-endian bytes, as usize.
+    fn take_len<const N: usize>(&mut self) -> Result<usize, TraceError> {
+        let bytes = self.take_array::<N>()?;
+        let mut wide = [0u8; 8];
+        wide[..N].copy_from_slice(&bytes);
+        let len = u64::from_le_bytes(wide);
+        usize::try_from(len).map_err(|_| self.error(format!("declared length {len} is too large")))
+    }
+
+    fn take_line(&mut self) -> Result<String, TraceError> {
+        let rest = &self.input[self.pos..];
+        let end = rest
+            .iter()
+            .take(MAX_LINE)
+            .position(|&b| b == b'\n')
+            .ok_or_else(|| self.error("unterminated text argument"))?;
+        let line = String::from_utf8_lossy(&rest[..end]).into_owned();
+        self.pos += end + 1;
+        Ok(line)
+    }
+
+    fn push_value(&mut self, value: Value) -> Result<(), TraceError> {
+        self.values.push(value);
+        self.push_id(self.values.len() - 1)
+    }
+
+    fn push_id(&mut self, id: ValueId) -> Result<(), TraceError> {
+        if self.stack.len() >= MAX_STACK {
+            return Err(self.error(format!("stack deeper than {MAX_STACK} items")));
+        }
+        self.stack.push(id);
+        Ok(())
+    }
+
+    fn pop(&mut self) -> Result<ValueId, TraceError> {
+        let floor = self.marks.last().copied().unwrap_or(0);
+        if self.stack.len() <= floor {
+            return Err(self.error("stack underflow"));
+        }
+        Ok(self.stack.pop().expect("checked non-empty above"))
+    }
+
+    fn top(&self) -> Result<ValueId, TraceError> {
+        let floor = self.marks.last().copied().unwrap_or(0);
+        if self.stack.len() <= floor {
+            return Err(self.error("stack underflow"));
+        }
+        Ok(self.stack[self.stack.len() - 1])
+    }
+
+    /// Pops everything above the last `MARK`, and the mark.
+    fn pop_to_mark(&mut self) -> Result<Vec<ValueId>, TraceError> {
+        let mark = self
+            .marks
+            .pop()
+            .ok_or_else(|| self.error("no MARK to pop to"))?;
+        Ok(self.stack.split_off(mark))
+    }
+
+    fn memo_put(&mut self, key: u32) -> Result<(), TraceError> {
+        let id = self.top()?;
+        if self.memo.len() >= MAX_MEMO && !self.memo.contains_key(&key) {
+            return Err(self.error(format!("memo larger than {MAX_MEMO} entries")));
+        }
+        self.memo.insert(key, id);
+        Ok(())
+    }
+
+    fn memo_get(&mut self, key: u32) -> Result<(), TraceError> {
+        let id = *self
+            .memo
+            .get(&key)
+            .ok_or_else(|| self.error(format!("memo key {key} was never stored")))?;
+        self.push_id(id)
+    }
+
+    fn memo_key_from_line(&mut self) -> Result<u32, TraceError> {
+        let line = self.take_line()?;
+        line.trim()
+            .parse()
+            .map_err(|_| self.error(format!("bad memo key {line:?}")))
+    }
+
+    fn push_str(&mut self, len: usize) -> Result<(), TraceError> {
+        let bytes = self.take(len)?;
+        match std::str::from_utf8(bytes) {
+            Ok(text) => {
+                let text = text.to_string();
+                self.push_value(Value::Str(text))
+            }
+            Err(_) => Err(self.error("string is not valid UTF-8")),
+        }
+    }
+
+    fn push_bytes(&mut self, len: usize) -> Result<(), TraceError> {
+        let bytes = self.take(len)?.to_vec();
+        self.push_value(Value::Bytes(bytes))
+    }
+
+    /// A little-endian two's-complement integer of `len` bytes (LONG1/LONG4).
+    fn push_long(&mut self, len: usize) -> Result<(), TraceError> {
+        if len > 16 {
+            // Check the bytes exist first, so truncation is reported as such.
+            self.take(len)?;
+            return Err(self.error(format!("integer of {len} bytes is too large")));
+        }
+        let bytes = self.take(len)?;
+        let negative = bytes.last().is_some_and(|&b| b & 0x80 != 0);
+        let mut wide = if negative { [0xffu8; 16] } else { [0u8; 16] };
+        wide[..len].copy_from_slice(bytes);
+        self.push_value(Value::Int(i128::from_le_bytes(wide)))
+    }
+
+    fn container_mut(&mut self, id: ValueId) -> &mut Value {
+        &mut self.values[id]
+    }
+
+    fn append(&mut self, items: Vec<ValueId>, opcode: &str) -> Result<(), TraceError> {
+        let target = self.top()?;
+        match self.container_mut(target) {
+            Value::List(list) => {
+                list.extend(items);
+                Ok(())
+            }
+            other => {
+                let found = other.type_name();
+                Err(self.error(format!("{opcode} to a {found}, not a list")))
+            }
+        }
+    }
+
+    fn set_items(&mut self, items: Vec<ValueId>, opcode: &str) -> Result<(), TraceError> {
+        if items.len() & 1 == 1 {
+            return Err(self.error(format!("{opcode} with an odd number of items")));
+        }
+        let target = self.top()?;
+        match self.container_mut(target) {
+            Value::Dict(pairs) => {
+                pairs.extend(items.chunks_exact(2).map(|pair| (pair[0], pair[1])));
+                Ok(())
+            }
+            other => {
+                let found = other.type_name();
+                Err(self.error(format!("{opcode} on a {found}, not a dict")))
+            }
+        }
+    }
+
+    fn string_on_stack(&self, id: ValueId) -> String {
+        match &self.values[id] {
+            Value::Str(s) => s.clone(),
+            other => format!("<{}>", other.type_name()),
+        }
+    }
+
+    fn refuse(&self, what: impl std::fmt::Display) -> TraceError {
+        self.error(format!("refused {what} (only plain data is accepted)"))
+    }
+
+    fn run(mut self) -> Result<Document, TraceError> {
+        loop {
+            self.op_start = self.pos;
+            if self.pos >= self.input.len() {
+                return Err(self.error("input ended before STOP (truncated)"));
+            }
+            let opcode = self.take_u8()?;
+            match opcode {
+                0x80 => {
+                    let protocol = self.take_u8()?;
+                    if protocol > 5 {
+                        return Err(self.error(format!("unsupported protocol {protocol}")));
+                    }
+                }
+                // FRAME: a length hint for buffering; the opcodes follow inline.
+                0x95 => {
+                    self.take_array::<8>()?;
+                }
+                b'.' => {
+                    let root = self.pop()?;
+                    if !self.marks.is_empty() {
+                        return Err(self.error("STOP with an open MARK"));
+                    }
+                    return Ok(Document {
+                        values: self.values,
+                        root,
+                    });
+                }
+                b'(' => {
+                    if self.marks.len() >= MAX_MARKS {
+                        return Err(self.error(format!("more than {MAX_MARKS} nested MARKs")));
+                    }
+                    self.marks.push(self.stack.len());
+                }
+                b'0' => {
+                    self.pop()?;
+                }
+                b'1' => {
+                    self.pop_to_mark()?;
+                }
+                b'2' => {
+                    let id = self.top()?;
+                    self.push_id(id)?;
+                }
+                b'N' => self.push_value(Value::None)?,
+                0x88 => self.push_value(Value::Bool(true))?,
+                0x89 => self.push_value(Value::Bool(false))?,
+                b'J' => {
+                    let n = i32::from_le_bytes(self.take_array()?);
+                    self.push_value(Value::Int(n.into()))?;
+                }
+                b'K' => {
+                    let n = self.take_u8()?;
+                    self.push_value(Value::Int(n.into()))?;
+                }
+                b'M' => {
+                    let n = u16::from_le_bytes(self.take_array()?);
+                    self.push_value(Value::Int(n.into()))?;
+                }
+                0x8a => {
+                    let len = self.take_u8()?.into();
+                    self.push_long(len)?;
+                }
+                0x8b => {
+                    let len = i32::from_le_bytes(self.take_array()?);
+                    let len = usize::try_from(len)
+                        .map_err(|_| self.error(format!("negative length {len}")))?;
+                    self.push_long(len)?;
+                }
+                b'G' => {
+                    let x = f64::from_be_bytes(self.take_array()?);
+                    self.push_value(Value::Float(x))?;
+                }
+                0x8c => {
+                    let len = self.take_len::<1>()?;
+                    self.push_str(len)?;
+                }
+                b'X' => {
+                    let len = self.take_len::<4>()?;
+                    self.push_str(len)?;
+                }
+                0x8d => {
+                    let len = self.take_len::<8>()?;
+                    self.push_str(len)?;
+                }
+                b'U' | b'C' => {
+                    let len = self.take_len::<1>()?;
+                    self.push_bytes(len)?;
+                }
+                b'B' => {
+                    let len = self.take_len::<4>()?;
+                    self.push_bytes(len)?;
+                }
+                b'T' => {
+                    let len = i32::from_le_bytes(self.take_array()?);
+                    let len = usize::try_from(len)
+                        .map_err(|_| self.error(format!("negative length {len}")))?;
+                    self.push_bytes(len)?;
+                }
+                0x8e | 0x96 => {
+                    let len = self.take_len::<8>()?;
+                    self.push_bytes(len)?;
+                }
+                b'}' => self.push_value(Value::Dict(Vec::new()))?,
+                b']' => self.push_value(Value::List(Vec::new()))?,
+                b')' => self.push_value(Value::Tuple(Vec::new()))?,
+                b'd' => {
+                    let items = self.pop_to_mark()?;
+                    if items.len() & 1 == 1 {
+                        return Err(self.error("DICT with an odd number of items"));
+                    }
+                    let pairs = items.chunks_exact(2).map(|p| (p[0], p[1])).collect();
+                    self.push_value(Value::Dict(pairs))?;
+                }
+                b'l' => {
+                    let items = self.pop_to_mark()?;
+                    self.push_value(Value::List(items))?;
+                }
+                b't' => {
+                    let items = self.pop_to_mark()?;
+                    self.push_value(Value::Tuple(items))?;
+                }
+                0x85..=0x87 => {
+                    let count = usize::from(opcode - 0x84);
+                    let mut items = Vec::with_capacity(count);
+                    for _ in 0..count {
+                        items.push(self.pop()?);
+                    }
+                    items.reverse();
+                    self.push_value(Value::Tuple(items))?;
+                }
+                b'a' => {
+                    let item = self.pop()?;
+                    self.append(vec![item], "APPEND")?;
+                }
+                b'e' => {
+                    let items = self.pop_to_mark()?;
+                    self.append(items, "APPENDS")?;
+                }
+                b's' => {
+                    let value = self.pop()?;
+                    let key = self.pop()?;
+                    self.set_items(vec![key, value], "SETITEM")?;
+                }
+                b'u' => {
+                    let items = self.pop_to_mark()?;
+                    self.set_items(items, "SETITEMS")?;
+                }
+                b'q' => {
+                    let key = self.take_u8()?.into();
+                    self.memo_put(key)?;
+                }
+                b'r' => {
+                    let key = u32::from_le_bytes(self.take_array()?);
+                    self.memo_put(key)?;
+                }
+                0x94 => {
+                    let key =
+                        u32::try_from(self.memo.len()).map_err(|_| self.error("memo overflow"))?;
+                    self.memo_put(key)?;
+                }
+                b'p' => {
+                    let key = self.memo_key_from_line()?;
+                    self.memo_put(key)?;
+                }
+                b'h' => {
+                    let key = self.take_u8()?.into();
+                    self.memo_get(key)?;
+                }
+                b'j' => {
+                    let key = u32::from_le_bytes(self.take_array()?);
+                    self.memo_get(key)?;
+                }
+                b'g' => {
+                    let key = self.memo_key_from_line()?;
+                    self.memo_get(key)?;
+                }
+                b'c' | b'i' => {
+                    let module = self.take_line()?;
+                    let name = self.take_line()?;
+                    let kind = if opcode == b'c' { "global" } else { "INST of" };
+                    return Err(self.refuse(format!("{kind} '{module}.{name}'")));
+                }
+                0x93 => {
+                    // Name the global if the stack holds its two strings.
+                    let described = match self.stack.as_slice() {
+                        [.., module, name] => format!(
+                            "global '{}.{}'",
+                            self.string_on_stack(*module),
+                            self.string_on_stack(*name)
+                        ),
+                        _ => "STACK_GLOBAL".to_string(),
+                    };
+                    return Err(self.refuse(described));
+                }
+                _ => {
+                    return Err(match refused_opcode_name(opcode) {
+                        Some(name) => self.refuse(format!("opcode {name}")),
+                        None => self.error(format!("unsupported opcode 0x{opcode:02x}")),
+                    })
+                }
+            }
+        }
+    }
+}
+
+/// Names the opcodes that call code, import names or build objects.
+fn refused_opcode_name(opcode: u8) -> Option<&'static str> {
+    Some(match opcode {
+        b'R' => "REDUCE",
+        b'b' => "BUILD",
+        b'o' => "OBJ",
+        0x81 => "NEWOBJ",
+        0x92 => "NEWOBJ_EX",
+        b'P' => "PERSID",
+        b'Q' => "BINPERSID",
+        0x82 => "EXT1",
+        0x83 => "EXT2",
+        0x84 => "EXT4",
+        0x97 => "NEXT_BUFFER",
+        0x98 => "READONLY_BUFFER",
+        _ => return None,
+    })
+}

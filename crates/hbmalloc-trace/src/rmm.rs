@@ -1,0 +1,106 @@
+//! RMM logging-adaptor CSV (`rmm::mr::logging_resource_adaptor`) → [`Trace`].
+//!
+//! Lines are `Thread,Time,Action,Pointer,Size,Stream`, one device (0).
+
+use std::collections::HashMap;
+
+use crate::error::{Location, TraceError};
+use crate::model::{AllocId, DeviceTrace, Op, Trace};
+
+/// The header line RMM writes.
+pub const RMM_HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream";
+
+/// Parses an RMM log.
+pub fn parse_rmm_csv(bytes: &[u8]) -> Result<Trace, TraceError> {
+    let text = std::str::from_utf8(bytes).map_err(|e| {
+        TraceError::new(
+            "rmm-csv",
+            Location::Byte(e.valid_up_to() as u64),
+            "not valid UTF-8",
+        )
+    })?;
+    let mut lines = text.lines().enumerate();
+    match lines.next() {
+        Some((_, header)) if header.trim_start_matches('\u{feff}').trim() == RMM_HEADER => {}
+        _ => return Err(line_error(0, format!("expected the header '{RMM_HEADER}'"))),
+    }
+
+    let mut trace = DeviceTrace::default();
+    let mut live: HashMap<u64, AllocId> = HashMap::new();
+    let mut next_id: AllocId = 0;
+    for (index, line) in lines {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let fields: Vec<&str> = line.split(',').map(str::trim).collect();
+        let [_thread, _time, action, pointer, size, stream] = fields[..] else {
+            return Err(line_error(
+                index,
+                format!("expected 6 fields, found {}", fields.len()),
+            ));
+        };
+        let pointer = parse_hex(pointer)
+            .ok_or_else(|| line_error(index, format!("bad pointer {pointer:?}")))?;
+        let size: u64 = size
+            .parse()
+            .map_err(|_| line_error(index, format!("bad size {size:?}")))?;
+        let stream =
+            parse_hex(stream).ok_or_else(|| line_error(index, format!("bad stream {stream:?}")))?;
+        match action {
+            "allocate" => {
+                if let Some(old) = live.remove(&pointer) {
+                    *trace
+                        .skipped
+                        .entry("allocate at a live address (old one freed first)".into())
+                        .or_default() += 1;
+                    trace.ops.push(Op::Free { id: old });
+                }
+                let id = next_id;
+                next_id += 1;
+                live.insert(pointer, id);
+                trace.ops.push(Op::Alloc { id, size, stream });
+            }
+            "free" => match live.remove(&pointer) {
+                Some(id) => trace.ops.push(Op::Free { id }),
+                None => {
+                    *trace
+                        .skipped
+                        .entry("free of an unknown address".into())
+                        .or_default() += 1
+                }
+            },
+            "allocate failure" => trace.ops.push(Op::Oom {
+                size,
+                stream,
+                device_free: 0,
+            }),
+            other => return Err(line_error(index, format!("unknown action {other:?}"))),
+        }
+    }
+    Ok(Trace {
+        source: String::new(),
+        devices: vec![trace],
+    })
+}
+
+/// `index` is 0-based; messages say the 1-based line.
+fn line_error(index: usize, message: String) -> TraceError {
+    TraceError::new(
+        "rmm-csv",
+        Location::Line {
+            line: index + 1,
+            column: 0,
+        },
+        message,
+    )
+}
+
+/// A pointer or stream: hex with or without `0x` (RMM prints `0x7f..`; a
+/// null stream may be `0`).
+fn parse_hex(text: &str) -> Option<u64> {
+    let digits = text
+        .strip_prefix("0x")
+        .or_else(|| text.strip_prefix("0X"))
+        .unwrap_or(text);
+    u64::from_str_radix(digits, 16).ok()
+}
