@@ -1,2 +1,284 @@
-//! The `hbmalloc` command.
-fn main() {}
+//! The `hbmalloc` command: thin glue over `hbmalloc-trace` (reading traces)
+//! and `hbmalloc-replay` (running them). It knows neither blocks nor formats.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use hbmalloc::format::format_bytes;
+use hbmalloc::PolicyConfig;
+use hbmalloc_replay::{evaluate, fidelity, EvalOptions, Metrics};
+use hbmalloc_trace::Trace;
+
+mod bench;
+mod table;
+
+/// The trace `hbmalloc compare` runs when given none: GPT-2 small training,
+/// recorded by this team with torch.profiler (ours to ship).
+const BUNDLED_TRACE_NAME: &str = "gpt2_train.json.gz (bundled)";
+const BUNDLED_TRACE: &[u8] = include_bytes!("../../../traces/gpt2_train.json.gz");
+
+/// The configurations `compare` and `bench` run by default.
+const DEFAULT_RUNS: &[&str] = &["policy:pytorch", "policy:pytorch,expandable_segments:True"];
+
+#[derive(Parser)]
+#[command(
+    name = "hbmalloc",
+    version,
+    about = "A caching allocator for GPU memory: replay real allocation traces with no GPU and compare policies."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Replay traces under each configuration and print them side by side.
+    /// With no trace, runs the bundled GPT-2 training trace.
+    Compare {
+        /// Trace files: PyTorch snapshots (.pickle), torch.profiler traces (.json, .json.gz), RMM logs (.csv).
+        traces: Vec<PathBuf>,
+        /// A configuration to run, as a settings string (`policy:pytorch,expandable_segments:True`);
+        /// repeat for several. Default: pytorch and pytorch with expandable segments.
+        #[arg(long = "run", value_name = "SETTINGS")]
+        runs: Vec<String>,
+        /// Device capacity for the replays (e.g. 80GiB); default unbounded.
+        #[arg(long, value_parser = parse_capacity)]
+        capacity: Option<u64>,
+        /// Skip the minimum-capacity bisection (faster).
+        #[arg(long)]
+        no_min_capacity: bool,
+        /// Print one JSON object per line instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Replay traces under one policy and print the metrics.
+    Replay {
+        /// Trace files.
+        #[arg(required = true)]
+        traces: Vec<PathBuf>,
+        /// The policy: pytorch.
+        #[arg(long, default_value = "pytorch")]
+        policy: String,
+        /// The policy's configuration (PYTORCH_CUDA_ALLOC_CONF syntax for pytorch).
+        #[arg(long, default_value = "")]
+        config: String,
+        /// Device capacity (e.g. 80GiB, 81920MiB, or bytes); default unbounded.
+        #[arg(long, value_parser = parse_capacity)]
+        capacity: Option<u64>,
+        /// Also bisect for the smallest capacity the trace fits.
+        #[arg(long)]
+        min_capacity: bool,
+        /// Print one JSON object per trace and device.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check that policy pytorch reproduces the segment decisions recorded in PyTorch snapshots.
+    Fidelity {
+        /// PyTorch memory snapshot pickles.
+        #[arg(required = true)]
+        snapshots: Vec<PathBuf>,
+        /// Print one JSON object per snapshot and device.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Measure allocator CPU time per operation (ns_per_op) with free driver calls.
+    Bench {
+        /// Trace files; default: the bundled trace.
+        traces: Vec<PathBuf>,
+        /// A configuration to run; repeat for several.
+        #[arg(long = "run", value_name = "SETTINGS")]
+        runs: Vec<String>,
+        /// Replays per measurement (the median is reported).
+        #[arg(long, default_value_t = 5)]
+        repeat: usize,
+        /// Print one JSON object per line.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("hbmalloc: error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(command: Command) -> Result<(), String> {
+    match command {
+        Command::Compare {
+            traces,
+            runs,
+            capacity,
+            no_min_capacity,
+            json,
+        } => {
+            let runs = parse_runs(&runs)?;
+            let traces = load_or_bundled(&traces)?;
+            let mut rows = Vec::new();
+            for trace in &traces {
+                for device in &trace.devices {
+                    let mut metrics = Vec::new();
+                    for policy in &runs {
+                        let options = EvalOptions {
+                            policy: policy.clone(),
+                            capacity_bytes: capacity,
+                            find_min_capacity: !no_min_capacity,
+                        };
+                        let m = evaluate(&trace.source, device, &options)
+                            .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
+                        if json {
+                            println!("{}", to_json(&m));
+                        }
+                        metrics.push(m);
+                    }
+                    rows.push(metrics);
+                }
+            }
+            if !json {
+                print!("{}", table::compare_table(&rows));
+            }
+            Ok(())
+        }
+        Command::Replay {
+            traces,
+            policy,
+            config,
+            capacity,
+            min_capacity,
+            json,
+        } => {
+            let policy = PolicyConfig::parse(&policy, &config).map_err(|e| e.to_string())?;
+            for trace in load_all(&traces)? {
+                for device in &trace.devices {
+                    let options = EvalOptions {
+                        policy: policy.clone(),
+                        capacity_bytes: capacity,
+                        find_min_capacity: min_capacity,
+                    };
+                    let m = evaluate(&trace.source, device, &options)
+                        .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
+                    if json {
+                        println!("{}", to_json(&m));
+                    } else {
+                        print!("{}", table::metrics_text(&m));
+                    }
+                }
+            }
+            Ok(())
+        }
+        Command::Fidelity { snapshots, json } => {
+            for trace in load_all(&snapshots)? {
+                for device in &trace.devices {
+                    let report = fidelity(device)
+                        .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
+                    if json {
+                        let mut value = serde_json::to_value(&report).map_err(|e| e.to_string())?;
+                        value["trace"] = serde_json::Value::String(trace.source.clone());
+                        println!("{value}");
+                    } else {
+                        print!("{}", table::fidelity_text(&trace.source, &report));
+                    }
+                }
+            }
+            Ok(())
+        }
+        Command::Bench {
+            traces,
+            runs,
+            repeat,
+            json,
+        } => {
+            let runs = parse_runs(&runs)?;
+            let traces = load_or_bundled(&traces)?;
+            bench::run(&traces, &runs, repeat.max(1), json)
+        }
+    }
+}
+
+fn to_json(m: &Metrics) -> String {
+    serde_json::to_string(m).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+}
+
+fn parse_runs(runs: &[String]) -> Result<Vec<PolicyConfig>, String> {
+    let settings: Vec<&str> = if runs.is_empty() {
+        DEFAULT_RUNS.to_vec()
+    } else {
+        runs.iter().map(String::as_str).collect()
+    };
+    settings
+        .iter()
+        .map(|s| PolicyConfig::from_settings(s).map_err(|e| format!("--run '{s}': {e}")))
+        .collect()
+}
+
+fn load_all(paths: &[PathBuf]) -> Result<Vec<Trace>, String> {
+    paths
+        .iter()
+        .map(|p| hbmalloc_trace::load(p).map_err(|e| e.to_string()))
+        .collect()
+}
+
+fn load_or_bundled(paths: &[PathBuf]) -> Result<Vec<Trace>, String> {
+    if paths.is_empty() {
+        let trace = hbmalloc_trace::parse_bytes(BUNDLED_TRACE_NAME, BUNDLED_TRACE)
+            .map_err(|e| e.to_string())?;
+        Ok(vec![trace])
+    } else {
+        load_all(paths)
+    }
+}
+
+/// Parses `80GiB`, `80G`, `81920MiB`, `1.5TiB` or plain bytes. Units are
+/// binary whether written `G`, `GB` or `GiB`: device memory is sold that way.
+fn parse_capacity(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("capacity '{text}': expected a number with an optional unit, e.g. 80GiB"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        other => return Err(format!("capacity '{text}': unknown unit '{other}' (use B, KiB, MiB, GiB or TiB)")),
+    };
+    let bytes = value * (1u64 << shift) as f64;
+    if !bytes.is_finite() || bytes < 1.0 || bytes > (1u64 << 50) as f64 {
+        return Err(format!("capacity '{text}' must be between 1 byte and 1 PiB"));
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_capacity;
+
+    #[test]
+    fn capacities() {
+        assert_eq!(parse_capacity("80GiB"), Ok(80 << 30));
+        assert_eq!(parse_capacity("80G"), Ok(80 << 30));
+        assert_eq!(parse_capacity("512"), Ok(512));
+        assert_eq!(parse_capacity("1.5 MiB"), Ok(3 << 19));
+        assert!(parse_capacity("-1").is_err());
+        assert!(parse_capacity("12 parsecs").is_err());
+        assert!(parse_capacity("0").is_err());
+        assert!(parse_capacity("99999999TiB").is_err());
+    }
+}
+
+/// Formats a byte count for tables.
+fn human(bytes: u64) -> String {
+    format_bytes(bytes)
+}

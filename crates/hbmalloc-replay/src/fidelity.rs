@@ -10,6 +10,11 @@ use serde::Serialize;
 
 use crate::{Outcome, PreparedTrace, ReplayError, ReplayOptions};
 
+/// Events shown before a divergence.
+pub const CONTEXT_BEFORE: usize = 3;
+/// Events shown after a divergence.
+pub const CONTEXT_AFTER: usize = 4;
+
 /// One segment event, recorded or replayed.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct SegmentEvent {
@@ -111,8 +116,8 @@ pub fn fidelity(trace: &DeviceTrace) -> Result<FidelityReport, ReplayError> {
         None
     } else {
         let window = |events: &[SegmentEvent]| {
-            let start = matching_prefix.saturating_sub(2);
-            events.iter().skip(start).take(5).cloned().collect()
+            let start = matching_prefix.saturating_sub(CONTEXT_BEFORE);
+            events.iter().skip(start).take(CONTEXT_BEFORE + CONTEXT_AFTER + 1).cloned().collect()
         };
         Some(Divergence {
             index: matching_prefix,

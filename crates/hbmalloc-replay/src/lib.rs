@@ -17,7 +17,7 @@ use hbmalloc::{
 };
 use hbmalloc_trace::{AllocId, DeviceTrace, InitialBlockState, Op};
 
-pub use fidelity::{fidelity, Divergence, FidelityReport, SegmentEvent};
+pub use fidelity::{fidelity, Divergence, FidelityReport, SegmentEvent, CONTEXT_AFTER, CONTEXT_BEFORE};
 pub use metrics::{evaluate, peak_live_bytes, EvalOptions, Metrics, RecordedMetrics};
 
 /// Device capacity used when none is given: large enough for any trace we know

@@ -140,6 +140,8 @@ struct SimState {
     /// Bytes held by others (other processes, the CUDA context): not ours, not free.
     external_bytes: u64,
     next_address: DevicePtr,
+    /// Addresses to hand out for upcoming segment allocations, as (size, address).
+    address_plan: std::collections::VecDeque<(u64, DevicePtr)>,
     segments: BTreeMap<DevicePtr, u64>,
     reserved_ranges: BTreeMap<DevicePtr, u64>,
     physical: HashMap<u64, PhysicalMemory>,
@@ -217,9 +219,11 @@ impl SimDevice {
             state: Mutex::new(SimState {
                 config,
                 external_bytes: 0,
-                // Start well away from 0 and keep every segment 2 MiB aligned,
-                // like a real device's address space.
-                next_address: 0x7f00_0000_0000,
+                // Start above every address a real device hands out (below
+                // 2^48), so planned addresses (recorded ones) never collide
+                // with invented ones. Every range is 2 MiB aligned.
+                next_address: 1 << 48,
+                address_plan: std::collections::VecDeque::new(),
                 segments: BTreeMap::new(),
                 reserved_ranges: BTreeMap::new(),
                 physical: HashMap::new(),
@@ -273,6 +277,14 @@ impl SimDevice {
     /// context). They count against capacity but are not ours.
     pub fn set_external_bytes(&self, bytes: u64) {
         self.lock().external_bytes = bytes;
+    }
+
+    /// Plans the addresses of upcoming segment allocations: while the next
+    /// `segment_alloc` asks for the size at the head of `plan`, it gets that
+    /// address (if free). Replays use it to hand out the addresses the recorded
+    /// allocator got, so best-fit ties break the same way.
+    pub fn plan_segment_addresses(&self, plan: impl IntoIterator<Item = (u64, DevicePtr)>) {
+        self.lock().address_plan = plan.into_iter().collect();
     }
 
     /// Arms a fault. Several may be armed at once.
@@ -387,6 +399,19 @@ impl SimState {
         base
     }
 
+    fn segment_range_free(&self, addr: DevicePtr, size: u64) -> bool {
+        let Some(end) = addr.checked_add(size) else {
+            return false;
+        };
+        let before = self
+            .segments
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&start, &len)| start + len > addr);
+        let after = self.segments.range(addr..end).next().is_some();
+        addr != 0 && !before && !after
+    }
+
     fn range_reserved(&self, va: DevicePtr, size: u64) -> bool {
         match self.reserved_ranges.range(..=va).next_back() {
             Some((&base, &len)) => va >= base && va + size <= base + len,
@@ -456,7 +481,17 @@ impl Device for SimDevice {
         if size > free {
             return Err(oom(CallKind::SegmentAlloc, size, free));
         }
-        let ptr = state.take_address(size);
+        let ptr = match state.address_plan.front() {
+            Some(&(planned_size, addr)) if planned_size == size && state.segment_range_free(addr, size) => {
+                state.address_plan.pop_front();
+                addr
+            }
+            _ => {
+                // The plan no longer matches what the allocator does: drop it.
+                state.address_plan.clear();
+                state.take_address(size)
+            }
+        };
         state.segments.insert(ptr, size);
         state.add_used(size);
         Ok(ptr)

@@ -1,0 +1,176 @@
+//! Text output: the side-by-side comparison table and per-run reports.
+
+use std::fmt::Write;
+
+use hbmalloc_replay::{FidelityReport, Metrics};
+
+use crate::human;
+
+/// A size in a narrow column: `2.53G`, `905M`, `12K`.
+fn short(bytes: u64) -> String {
+    const G: f64 = (1u64 << 30) as f64;
+    const M: f64 = (1u64 << 20) as f64;
+    let b = bytes as f64;
+    if b >= 100.0 * G {
+        format!("{:.1}G", b / G)
+    } else if b >= G {
+        format!("{:.2}G", b / G)
+    } else if b >= M {
+        format!("{:.0}M", b / M)
+    } else {
+        format!("{:.0}K", b / 1024.0)
+    }
+}
+
+/// `policy:pytorch,expandable_segments:True` → `pytorch+expandable`.
+pub fn label(settings: &str) -> String {
+    settings
+        .trim_start_matches("policy:")
+        .replace(",expandable_segments:True", "+expandable")
+        .replace(',', "+")
+}
+
+fn trace_name(m: &Metrics) -> String {
+    let name = m.trace.trim_end_matches(".gz").trim_end_matches(".json");
+    let name = name
+        .trim_end_matches(".pickle")
+        .trim_end_matches(".pkl");
+    if name.len() > 34 {
+        format!("{}…", &name[..33])
+    } else {
+        name.to_string()
+    }
+}
+
+/// One row per trace and device; for each configuration its peak reserved,
+/// waste, efficiency, minimum capacity and memory-moving driver calls.
+pub fn compare_table(rows: &[Vec<Metrics>]) -> String {
+    let mut out = String::new();
+    let Some(first) = rows.first() else {
+        return "no trace had any device activity\n".into();
+    };
+    let labels: Vec<String> = first.iter().map(|m| label(&m.settings)).collect();
+    let _ = write!(out, "{:<35} {:>4} {:>8} {:>8}", "", "", "", "recorded");
+    for l in &labels {
+        let _ = write!(out, " | {:^38}", l);
+    }
+    out.push('\n');
+    let _ = write!(out, "{:<35} {:>4} {:>8} {:>8}", "trace", "dev", "live", "reserved");
+    for _ in &labels {
+        let _ = write!(out, " | {:>7} {:>7} {:>5} {:>8} {:>6}", "reserved", "waste", "eff", "min cap", "calls");
+    }
+    out.push('\n');
+    let width = out.lines().last().map_or(0, |l| l.chars().count());
+    out += &"-".repeat(width);
+    out.push('\n');
+    let mut total_live = 0u64;
+    let mut total_waste = vec![0u64; labels.len()];
+    for row in rows {
+        let Some(m0) = row.first() else { continue };
+        total_live += m0.peak_live_bytes;
+        let recorded = m0
+            .recorded
+            .as_ref()
+            .and_then(|r| r.peak_reserved_bytes)
+            .map_or("-".to_string(), short);
+        let _ = write!(
+            out,
+            "{:<35} {:>4} {:>8} {:>8}",
+            trace_name(m0),
+            m0.device,
+            short(m0.peak_live_bytes),
+            recorded
+        );
+        for (i, m) in row.iter().enumerate() {
+            total_waste[i] += m.waste_bytes;
+            let min_cap = match (m.min_capacity_bytes, &m.out_of_memory) {
+                (_, Some(_)) => "OOM".to_string(),
+                (Some(c), None) => short(c),
+                (None, None) => "-".to_string(),
+            };
+            let _ = write!(
+                out,
+                " | {:>8} {:>7} {:>5.3} {:>8} {:>6}",
+                short(m.peak_reserved_bytes),
+                short(m.waste_bytes),
+                m.efficiency,
+                min_cap,
+                m.memory_device_calls
+            );
+        }
+        out.push('\n');
+    }
+    out += &"-".repeat(width);
+    out.push('\n');
+    let _ = write!(out, "{:<35} {:>4} {:>8} {:>8}", "total waste (reserved - live)", "", short(total_live), "");
+    for w in &total_waste {
+        let _ = write!(out, " | {:>8} {:>7} {:>5} {:>8} {:>6}", "", short(*w), "", "", "");
+    }
+    out.push('\n');
+    out += "\nlive: peak of live requested bytes; reserved: peak device memory held; waste = reserved - live;\n\
+            eff = live / reserved; min cap: smallest device on which the trace completes (2 MiB resolution);\n\
+            calls: driver calls that allocate, free, map or unmap memory. Replayed on a simulated GPU.\n";
+    out
+}
+
+/// A multi-line report of one run's metrics.
+pub fn metrics_text(m: &Metrics) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "{} device {} under {}", m.trace, m.device, m.settings);
+    let _ = writeln!(out, "  ops                        {}", m.ops);
+    let _ = writeln!(out, "  peak_live_bytes            {} ({})", m.peak_live_bytes, human(m.peak_live_bytes));
+    let _ = writeln!(out, "  peak_reserved_bytes        {} ({})", m.peak_reserved_bytes, human(m.peak_reserved_bytes));
+    let _ = writeln!(out, "  efficiency                 {:.4}", m.efficiency);
+    if let Some(c) = m.min_capacity_bytes {
+        let _ = writeln!(out, "  min_capacity_bytes         {} ({}, resolution {})", c, human(c), human(m.min_capacity_resolution_bytes));
+    }
+    let calls: Vec<String> = m.device_calls.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let _ = writeln!(out, "  device_calls               {}", calls.join(" "));
+    let _ = writeln!(out, "  cache_hit_rate             {:.4}", m.cache_hit_rate);
+    let _ = writeln!(out, "  steady_state_device_calls  {}", m.steady_state_device_calls);
+    let _ = writeln!(out, "  simulated_driver_seconds   {:.6}", m.simulated_driver_seconds);
+    let _ = writeln!(out, "  ns_per_op                  {:.1}", m.ns_per_op);
+    if let Some(r) = &m.recorded {
+        if let Some(p) = r.peak_reserved_bytes {
+            let _ = writeln!(out, "  recorded peak_reserved     {} ({})", p, human(p));
+        }
+    }
+    if let Some(oom) = &m.out_of_memory {
+        let _ = writeln!(out, "  out of memory at {oom}");
+    }
+    out
+}
+
+/// One snapshot device's fidelity result.
+pub fn fidelity_text(source: &str, r: &FidelityReport) -> String {
+    let mut out = String::new();
+    let status = if r.exact() {
+        "EXACT".to_string()
+    } else {
+        format!("diverges at event {}", r.matching_prefix)
+    };
+    let foreign = if r.foreign_allocator { " (torch_npu: reported, not required)" } else { "" };
+    let config = if r.config.is_empty() { "default config" } else { r.config.as_str() };
+    let _ = writeln!(
+        out,
+        "{source} device {} [{config}]{foreign}: recorded {} replayed {} matching prefix {} — {status}",
+        r.device, r.recorded, r.replayed, r.matching_prefix
+    );
+    if let Some(note) = &r.replay_note {
+        let _ = writeln!(out, "  note: {note}");
+    }
+    if let Some(d) = &r.first_divergence {
+        let start = d.index.saturating_sub(hbmalloc_replay::CONTEXT_BEFORE);
+        let fmt = |events: &[hbmalloc_replay::SegmentEvent]| {
+            events
+                .iter()
+                .enumerate()
+                .map(|(i, e)| format!("#{} {} {} @op {}", start + i, e.action, e.size, e.op_index))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let _ = writeln!(out, "  recorded: {}", fmt(&d.recorded_context));
+        let _ = writeln!(out, "  replayed: {}", fmt(&d.replayed_context));
+    }
+    out
+}
