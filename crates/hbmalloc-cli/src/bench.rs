@@ -10,7 +10,12 @@ use hbmalloc_trace::Trace;
 
 use crate::table::label;
 
-pub fn run(traces: &[Trace], runs: &[PolicyConfig], repeat: usize, json: bool) -> Result<(), String> {
+pub fn run(
+    traces: &[Trace],
+    runs: &[PolicyConfig],
+    repeat: usize,
+    json: bool,
+) -> Result<(), String> {
     if !json {
         print!("{:<40} {:>4}", "trace", "dev");
         for policy in runs {
@@ -62,7 +67,9 @@ pub fn run(traces: &[Trace], runs: &[PolicyConfig], repeat: usize, json: bool) -
         }
     }
     if !json && runs.len() > 1 {
-        println!("\nratio: last configuration's ns/op divided by the first's, measured in the same run.");
+        println!(
+            "\nratio: last configuration's ns/op divided by the first's, measured in the same run."
+        );
     }
     Ok(())
 }

@@ -131,8 +131,9 @@ fn run(command: Command) -> Result<(), String> {
                             capacity_bytes: capacity,
                             find_min_capacity: !no_min_capacity,
                         };
-                        let m = evaluate(&trace.source, device, &options)
-                            .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
+                        let m = evaluate(&trace.source, device, &options).map_err(|e| {
+                            format!("{} device {}: {e}", trace.source, device.device)
+                        })?;
                         if json {
                             println!("{}", to_json(&m));
                         }
@@ -243,22 +244,33 @@ fn parse_capacity(text: &str) -> Result<u64, String> {
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (number, unit) = t.split_at(split);
-    let value: f64 = number
-        .parse()
-        .map_err(|_| format!("capacity '{text}': expected a number with an optional unit, e.g. 80GiB"))?;
+    let value: f64 = number.parse().map_err(|_| {
+        format!("capacity '{text}': expected a number with an optional unit, e.g. 80GiB")
+    })?;
     let shift = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 0,
         "k" | "kb" | "kib" => 10,
         "m" | "mb" | "mib" => 20,
         "g" | "gb" | "gib" => 30,
         "t" | "tb" | "tib" => 40,
-        other => return Err(format!("capacity '{text}': unknown unit '{other}' (use B, KiB, MiB, GiB or TiB)")),
+        other => {
+            return Err(format!(
+                "capacity '{text}': unknown unit '{other}' (use B, KiB, MiB, GiB or TiB)"
+            ))
+        }
     };
     let bytes = value * (1u64 << shift) as f64;
     if !bytes.is_finite() || bytes < 1.0 || bytes > (1u64 << 50) as f64 {
-        return Err(format!("capacity '{text}' must be between 1 byte and 1 PiB"));
+        return Err(format!(
+            "capacity '{text}' must be between 1 byte and 1 PiB"
+        ));
     }
     Ok(bytes as u64)
+}
+
+/// Formats a byte count for tables.
+fn human(bytes: u64) -> String {
+    format_bytes(bytes)
 }
 
 #[cfg(test)]
@@ -276,9 +288,4 @@ mod tests {
         assert!(parse_capacity("0").is_err());
         assert!(parse_capacity("99999999TiB").is_err());
     }
-}
-
-/// Formats a byte count for tables.
-fn human(bytes: u64) -> String {
-    format_bytes(bytes)
 }

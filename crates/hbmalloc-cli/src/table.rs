@@ -32,9 +32,7 @@ pub fn label(settings: &str) -> String {
 
 fn trace_name(m: &Metrics) -> String {
     let name = m.trace.trim_end_matches(".gz").trim_end_matches(".json");
-    let name = name
-        .trim_end_matches(".pickle")
-        .trim_end_matches(".pkl");
+    let name = name.trim_end_matches(".pickle").trim_end_matches(".pkl");
     if name.len() > 34 {
         format!("{}…", &name[..33])
     } else {
@@ -55,9 +53,17 @@ pub fn compare_table(rows: &[Vec<Metrics>]) -> String {
         let _ = write!(out, " | {:^38}", l);
     }
     out.push('\n');
-    let _ = write!(out, "{:<35} {:>4} {:>8} {:>8}", "trace", "dev", "live", "reserved");
+    let _ = write!(
+        out,
+        "{:<35} {:>4} {:>8} {:>8}",
+        "trace", "dev", "live", "reserved"
+    );
     for _ in &labels {
-        let _ = write!(out, " | {:>7} {:>7} {:>5} {:>8} {:>6}", "reserved", "waste", "eff", "min cap", "calls");
+        let _ = write!(
+            out,
+            " | {:>7} {:>7} {:>5} {:>8} {:>6}",
+            "reserved", "waste", "eff", "min cap", "calls"
+        );
     }
     out.push('\n');
     let width = out.lines().last().map_or(0, |l| l.chars().count());
@@ -102,9 +108,24 @@ pub fn compare_table(rows: &[Vec<Metrics>]) -> String {
     }
     out += &"-".repeat(width);
     out.push('\n');
-    let _ = write!(out, "{:<35} {:>4} {:>8} {:>8}", "total waste (reserved - live)", "", short(total_live), "");
+    let _ = write!(
+        out,
+        "{:<35} {:>4} {:>8} {:>8}",
+        "total waste (reserved - live)",
+        "",
+        short(total_live),
+        ""
+    );
     for w in &total_waste {
-        let _ = write!(out, " | {:>8} {:>7} {:>5} {:>8} {:>6}", "", short(*w), "", "", "");
+        let _ = write!(
+            out,
+            " | {:>8} {:>7} {:>5} {:>8} {:>6}",
+            "",
+            short(*w),
+            "",
+            "",
+            ""
+        );
     }
     out.push('\n');
     out += "\nlive: peak of live requested bytes; reserved: peak device memory held; waste = reserved - live;\n\
@@ -118,17 +139,45 @@ pub fn metrics_text(m: &Metrics) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "{} device {} under {}", m.trace, m.device, m.settings);
     let _ = writeln!(out, "  ops                        {}", m.ops);
-    let _ = writeln!(out, "  peak_live_bytes            {} ({})", m.peak_live_bytes, human(m.peak_live_bytes));
-    let _ = writeln!(out, "  peak_reserved_bytes        {} ({})", m.peak_reserved_bytes, human(m.peak_reserved_bytes));
+    let _ = writeln!(
+        out,
+        "  peak_live_bytes            {} ({})",
+        m.peak_live_bytes,
+        human(m.peak_live_bytes)
+    );
+    let _ = writeln!(
+        out,
+        "  peak_reserved_bytes        {} ({})",
+        m.peak_reserved_bytes,
+        human(m.peak_reserved_bytes)
+    );
     let _ = writeln!(out, "  efficiency                 {:.4}", m.efficiency);
     if let Some(c) = m.min_capacity_bytes {
-        let _ = writeln!(out, "  min_capacity_bytes         {} ({}, resolution {})", c, human(c), human(m.min_capacity_resolution_bytes));
+        let _ = writeln!(
+            out,
+            "  min_capacity_bytes         {} ({}, resolution {})",
+            c,
+            human(c),
+            human(m.min_capacity_resolution_bytes)
+        );
     }
-    let calls: Vec<String> = m.device_calls.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let calls: Vec<String> = m
+        .device_calls
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
     let _ = writeln!(out, "  device_calls               {}", calls.join(" "));
     let _ = writeln!(out, "  cache_hit_rate             {:.4}", m.cache_hit_rate);
-    let _ = writeln!(out, "  steady_state_device_calls  {}", m.steady_state_device_calls);
-    let _ = writeln!(out, "  simulated_driver_seconds   {:.6}", m.simulated_driver_seconds);
+    let _ = writeln!(
+        out,
+        "  steady_state_device_calls  {}",
+        m.steady_state_device_calls
+    );
+    let _ = writeln!(
+        out,
+        "  simulated_driver_seconds   {:.6}",
+        m.simulated_driver_seconds
+    );
     let _ = writeln!(out, "  ns_per_op                  {:.1}", m.ns_per_op);
     if let Some(r) = &m.recorded {
         if let Some(p) = r.peak_reserved_bytes {
@@ -149,8 +198,16 @@ pub fn fidelity_text(source: &str, r: &FidelityReport) -> String {
     } else {
         format!("diverges at event {}", r.matching_prefix)
     };
-    let foreign = if r.foreign_allocator { " (torch_npu: reported, not required)" } else { "" };
-    let config = if r.config.is_empty() { "default config" } else { r.config.as_str() };
+    let foreign = if r.foreign_allocator {
+        " (torch_npu: reported, not required)"
+    } else {
+        ""
+    };
+    let config = if r.config.is_empty() {
+        "default config"
+    } else {
+        r.config.as_str()
+    };
     let _ = writeln!(
         out,
         "{source} device {} [{config}]{foreign}: recorded {} replayed {} matching prefix {} — {status}",

@@ -112,12 +112,18 @@ pub fn fidelity(trace: &DeviceTrace) -> Result<FidelityReport, ReplayError> {
         .zip(&replayed)
         .take_while(|(a, b)| same(a, b))
         .count();
-    let first_divergence = if matching_prefix == recorded.len() && matching_prefix == replayed.len() {
+    let first_divergence = if matching_prefix == recorded.len() && matching_prefix == replayed.len()
+    {
         None
     } else {
         let window = |events: &[SegmentEvent]| {
             let start = matching_prefix.saturating_sub(CONTEXT_BEFORE);
-            events.iter().skip(start).take(CONTEXT_BEFORE + CONTEXT_AFTER + 1).cloned().collect()
+            events
+                .iter()
+                .skip(start)
+                .take(CONTEXT_BEFORE + CONTEXT_AFTER + 1)
+                .cloned()
+                .collect()
         };
         Some(Divergence {
             index: matching_prefix,

@@ -17,7 +17,9 @@ use hbmalloc::{
 };
 use hbmalloc_trace::{AllocId, DeviceTrace, InitialBlockState, Op};
 
-pub use fidelity::{fidelity, Divergence, FidelityReport, SegmentEvent, CONTEXT_AFTER, CONTEXT_BEFORE};
+pub use fidelity::{
+    fidelity, Divergence, FidelityReport, SegmentEvent, CONTEXT_AFTER, CONTEXT_BEFORE,
+};
 pub use metrics::{evaluate, peak_live_bytes, EvalOptions, Metrics, RecordedMetrics};
 
 /// Device capacity used when none is given: large enough for any trace we know
@@ -126,12 +128,27 @@ pub struct PreparedTrace {
 
 #[derive(Copy, Clone, Debug)]
 enum DenseOp {
-    Alloc { slot: usize, size: u64, stream: u64 },
-    Free { slot: usize },
-    RecordStream { slot: usize, stream: u64 },
-    StreamComplete { stream: u64 },
+    Alloc {
+        slot: usize,
+        size: u64,
+        stream: u64,
+    },
+    Free {
+        slot: usize,
+    },
+    RecordStream {
+        slot: usize,
+        stream: u64,
+    },
+    StreamComplete {
+        stream: u64,
+    },
     EmptyCache,
-    Oom { size: u64, stream: u64, device_free: u64 },
+    Oom {
+        size: u64,
+        stream: u64,
+        device_free: u64,
+    },
 }
 
 impl PreparedTrace {
@@ -139,14 +156,15 @@ impl PreparedTrace {
     pub fn new(trace: &DeviceTrace) -> Result<Self, ReplayError> {
         let mut slot_of = std::collections::HashMap::<AllocId, usize>::new();
         let mut live = Vec::<bool>::new();
-        let new_slot = |id: AllocId,
-                        live: &mut Vec<bool>,
-                        slot_of: &mut std::collections::HashMap<AllocId, usize>| {
-            let slot = live.len();
-            live.push(true);
-            slot_of.insert(id, slot);
-            slot
-        };
+        let new_slot =
+            |id: AllocId,
+             live: &mut Vec<bool>,
+             slot_of: &mut std::collections::HashMap<AllocId, usize>| {
+                let slot = live.len();
+                live.push(true);
+                slot_of.insert(id, slot);
+                slot
+            };
         let mut initial = Vec::new();
         for seg in &trace.initial_segments {
             let mut blocks = Vec::new();
@@ -179,14 +197,15 @@ impl PreparedTrace {
                 op_index: Some(i),
                 message,
             };
-            let live_slot = |id: AllocId,
-                             live: &Vec<bool>,
-                             slot_of: &std::collections::HashMap<AllocId, usize>| {
-                match slot_of.get(&id) {
-                    Some(&s) if live[s] => Ok(s),
-                    _ => Err(err(format!("allocation {id} is not live"))),
-                }
-            };
+            let live_slot =
+                |id: AllocId,
+                 live: &Vec<bool>,
+                 slot_of: &std::collections::HashMap<AllocId, usize>| {
+                    match slot_of.get(&id) {
+                        Some(&s) if live[s] => Ok(s),
+                        _ => Err(err(format!("allocation {id} is not live"))),
+                    }
+                };
             ops.push(match *op {
                 Op::Alloc { id, size, stream } => {
                     if let Some(&s) = slot_of.get(&id) {
@@ -327,7 +346,9 @@ impl PreparedTrace {
                         .copied()
                         .collect();
                     fresh.reverse();
-                    result.segment_events.extend(fresh.into_iter().map(|e| (i, e)));
+                    result
+                        .segment_events
+                        .extend(fresh.into_iter().map(|e| (i, e)));
                     history_seen = recorded;
                 }
             }
@@ -411,7 +432,11 @@ fn driver_traffic(allocator: &Allocator<SimDevice>) -> i64 {
     stats.num_device_alloc + stats.num_device_free
 }
 
-fn finish(mut result: RunResult, allocator: &Allocator<SimDevice>, at_half: &CallCounts) -> RunResult {
+fn finish(
+    mut result: RunResult,
+    allocator: &Allocator<SimDevice>,
+    at_half: &CallCounts,
+) -> RunResult {
     let device = allocator.device();
     result.peak_reserved_bytes = device.peak_used_bytes();
     result.calls = device.call_counts();

@@ -120,7 +120,12 @@ pub fn evaluate(
         )),
     };
     let min_capacity = if options.find_min_capacity {
-        min_capacity_bytes(&prepared, &options.policy, peak_live, run.peak_reserved_bytes)?
+        min_capacity_bytes(
+            &prepared,
+            &options.policy,
+            peak_live,
+            run.peak_reserved_bytes,
+        )?
     } else {
         None
     };

@@ -37,7 +37,9 @@ impl PolicyConfig {
         let mut rest = Vec::new();
         for part in settings.split(',') {
             match part.trim().split_once(':') {
-                Some((key, value)) if key.trim() == "policy" => policy = Some(value.trim().to_string()),
+                Some((key, value)) if key.trim() == "policy" => {
+                    policy = Some(value.trim().to_string())
+                }
                 _ => rest.push(part),
             }
         }

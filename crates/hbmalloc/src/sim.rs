@@ -427,7 +427,7 @@ impl SimState {
                 "no virtual-memory API",
             ));
         };
-        if value == 0 || value % g != 0 {
+        if value == 0 || !value.is_multiple_of(g) {
             return Err(invalid(
                 call,
                 format!("{what} {value} is not a positive multiple of the granularity {g}"),
@@ -482,7 +482,9 @@ impl Device for SimDevice {
             return Err(oom(CallKind::SegmentAlloc, size, free));
         }
         let ptr = match state.address_plan.front() {
-            Some(&(planned_size, addr)) if planned_size == size && state.segment_range_free(addr, size) => {
+            Some(&(planned_size, addr))
+                if planned_size == size && state.segment_range_free(addr, size) =>
+            {
                 state.address_plan.pop_front();
                 addr
             }
