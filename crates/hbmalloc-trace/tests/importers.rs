@@ -641,6 +641,29 @@ fn bounds_nesting_and_stack_depth() {
 }
 
 #[test]
+fn refuses_a_trace_list_shared_by_many_devices() {
+    // {"segments": [], "device_traces": [L, L, ..., L]} with L a list of 2000
+    // entries memoized once: 2000 devices × 2000 entries from a small file.
+    let mut bytes = vec![0x80, 4, b'}', b'('];
+    Py::Str("segments").write(&mut bytes);
+    bytes.push(b']');
+    Py::Str("device_traces").write(&mut bytes);
+    bytes.extend([b']', b']', b'r', 0, 0, 0, 0, b'(']);
+    for _ in 0..2000 {
+        entry("alloc", 0x100, 8).write(&mut bytes);
+    }
+    bytes.extend([b'e', b'a']);
+    for _ in 0..2000 {
+        bytes.extend([b'j', 0, 0, 0, 0, b'a']);
+    }
+    bytes.extend([b'u', b'.']);
+    let started = std::time::Instant::now();
+    let message = import_error(&bytes);
+    assert!(message.contains("shared references"), "{message}");
+    assert!(started.elapsed().as_secs() < 10);
+}
+
+#[test]
 fn reports_wrong_types_by_path() {
     let segments_int = Py::Dict(vec![("segments", Py::int(3))]).dump();
     assert!(import_error(&segments_int).contains("segments: expected a list, found int"));
