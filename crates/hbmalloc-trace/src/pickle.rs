@@ -67,9 +67,48 @@ impl Value {
 pub struct Document {
     values: Vec<Value>,
     root: ValueId,
+    /// String-key indexes of the large dicts, so that a dict shared through
+    /// the memo by many entries costs one scan, not one per lookup.
+    large_dict_keys: HashMap<ValueId, HashMap<String, ValueId>>,
 }
 
+/// Dicts with more pairs than this are indexed; smaller ones are scanned.
+const INDEXED_DICT_PAIRS: usize = 32;
+
 impl Document {
+    fn new(values: Vec<Value>, root: ValueId) -> Self {
+        let mut large_dict_keys = HashMap::new();
+        for (id, value) in values.iter().enumerate() {
+            let Value::Dict(pairs) = value else { continue };
+            if pairs.len() <= INDEXED_DICT_PAIRS {
+                continue;
+            }
+            let mut index = HashMap::new();
+            for &(key, value) in pairs {
+                if let Value::Str(key) = &values[key] {
+                    // Later pairs win, as in Python.
+                    index.insert(key.clone(), value);
+                }
+            }
+            large_dict_keys.insert(id, index);
+        }
+        Document {
+            values,
+            root,
+            large_dict_keys,
+        }
+    }
+
+    /// How many values the pickle built.
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    /// True when the pickle built no values (never, for a parsed document).
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
     /// The value the pickle returned.
     pub fn root(&self) -> ValueId {
         self.root
@@ -88,6 +127,9 @@ impl Document {
     /// The value stored under the string key `key` of the dict `id`, if `id`
     /// is a dict that has it (the last pair wins, as in Python).
     pub fn dict_get(&self, id: ValueId, key: &str) -> Option<ValueId> {
+        if let Some(index) = self.large_dict_keys.get(&id) {
+            return index.get(key).copied();
+        }
         match self.get(id) {
             Value::Dict(pairs) => pairs
                 .iter()
@@ -346,10 +388,7 @@ impl Parser<'_> {
                     if !self.marks.is_empty() {
                         return Err(self.error("STOP with an open MARK"));
                     }
-                    return Ok(Document {
-                        values: self.values,
-                        root,
-                    });
+                    return Ok(Document::new(self.values, root));
                 }
                 b'(' => {
                     if self.marks.len() >= MAX_MARKS {

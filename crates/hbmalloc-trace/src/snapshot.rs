@@ -6,6 +6,7 @@
 //! rebuilt by walking the history backwards from the dumped state, as
 //! PyTorch's own viewer (`torch/cuda/_memory_viz.py`, `MemoryViz.js`) does.
 
+use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::error::{Location, TraceError};
@@ -28,7 +29,10 @@ const MIN_BLOCK_SIZE: u64 = 512;
 
 /// Converts a decoded snapshot pickle into a trace.
 pub fn snapshot_to_trace(doc: &Document) -> Result<Trace, TraceError> {
-    let reader = Reader { doc };
+    let reader = Reader {
+        doc,
+        budget: Cell::new(doc.len()),
+    };
     let root = doc.root();
     if !matches!(doc.get(root), Value::Dict(_)) {
         return Err(reader.wrong_type("snapshot", root, "a dict"));
@@ -144,9 +148,26 @@ struct Entry {
 /// Typed access to a decoded pickle, with errors that say where.
 struct Reader<'d> {
     doc: &'d Document,
+    /// Segments, blocks and entries left to read. A pickle can name one
+    /// value many times through its memo (a million-entry list used as every
+    /// device's trace); real snapshots never do, so reading more records than
+    /// the document holds values is refused instead of taking quadratic time.
+    budget: Cell<usize>,
 }
 
 impl Reader<'_> {
+    fn spend(&self, path: &str) -> Result<(), TraceError> {
+        let left = self.budget.get();
+        if left == 0 {
+            return Err(self.error(
+                path,
+                "more records than the document holds values (shared references)".to_string(),
+            ));
+        }
+        self.budget.set(left - 1);
+        Ok(())
+    }
+
     fn error(&self, path: &str, message: String) -> TraceError {
         TraceError::new("snapshot", Location::Entry(path.to_string()), message)
     }
@@ -224,6 +245,7 @@ impl Reader<'_> {
 
     fn segment(&self, id: ValueId, path: &str) -> Result<Segment, TraceError> {
         self.dict(id, path)?;
+        self.spend(path)?;
         let address = self.required_word(id, "address", path)?;
         let total_size = self.required_word(id, "total_size", path)?;
         let small_pool = match self.str_field(id, "segment_type", path)? {
@@ -248,6 +270,7 @@ impl Reader<'_> {
             {
                 let block_path = format!("{path}.blocks[{i}]");
                 self.dict(block, &block_path)?;
+                self.spend(&block_path)?;
                 let size = self.required_word(block, "size", &block_path)?;
                 // Older files give no block addresses: blocks tile the segment.
                 let block_address = self
@@ -287,6 +310,7 @@ impl Reader<'_> {
 
     fn entry(&self, id: ValueId, path: &str) -> Result<Entry, TraceError> {
         self.dict(id, path)?;
+        self.spend(path)?;
         let name = self
             .str_field(id, "action", path)?
             .ok_or_else(|| self.error(path, "missing 'action'".to_string()))?;

@@ -1,0 +1,733 @@
+//! Importers on small synthetic inputs: what they produce, and how they refuse
+//! bad input (always with a one-line error, never a panic).
+
+use hbmalloc_trace::pickle::{self, Value};
+use hbmalloc_trace::{
+    parse_bytes, InitialBlock, InitialBlockState, InitialSegment, Op, SegmentEventKind, Trace,
+    DEFERRED_FREE_STREAM_BASE,
+};
+
+const MIB: u64 = 1 << 20;
+
+/// Just enough of Python's data model to write test pickles.
+#[derive(Clone)]
+enum Py {
+    None,
+    Bool(bool),
+    Int(i128),
+    Float(f64),
+    Str(&'static str),
+    List(Vec<Py>),
+    Tuple(Vec<Py>),
+    Dict(Vec<(&'static str, Py)>),
+}
+
+impl Py {
+    fn int(n: u64) -> Py {
+        Py::Int(n.into())
+    }
+
+    /// Encodes as a protocol-4 pickle, the way `pickle.dumps` writes plain data.
+    fn dump(&self) -> Vec<u8> {
+        let mut out = vec![0x80, 4];
+        self.write(&mut out);
+        out.push(b'.');
+        out
+    }
+
+    fn write(&self, out: &mut Vec<u8>) {
+        match self {
+            Py::None => out.push(b'N'),
+            Py::Bool(b) => out.push(if *b { 0x88 } else { 0x89 }),
+            Py::Int(n) => {
+                if let Ok(small) = i32::try_from(*n) {
+                    out.push(b'J');
+                    out.extend(small.to_le_bytes());
+                } else {
+                    // LONG1: shortest little-endian two's complement.
+                    let bytes = n.to_le_bytes();
+                    let mut len = 16;
+                    while len > 1 {
+                        let (top, next) = (bytes[len - 1], bytes[len - 2]);
+                        let redundant =
+                            (top == 0 && next & 0x80 == 0) || (top == 0xff && next & 0x80 != 0);
+                        if !redundant {
+                            break;
+                        }
+                        len -= 1;
+                    }
+                    out.extend([0x8a, len as u8]);
+                    out.extend(&bytes[..len]);
+                }
+            }
+            Py::Float(x) => {
+                out.push(b'G');
+                out.extend(x.to_be_bytes());
+            }
+            Py::Str(s) => {
+                out.push(b'X');
+                out.extend((s.len() as u32).to_le_bytes());
+                out.extend(s.as_bytes());
+            }
+            Py::List(items) => {
+                out.extend([b']', 0x94, b'(']);
+                items.iter().for_each(|item| item.write(out));
+                out.push(b'e');
+            }
+            Py::Tuple(items) => {
+                out.push(b'(');
+                items.iter().for_each(|item| item.write(out));
+                out.push(b't');
+            }
+            Py::Dict(pairs) => {
+                out.extend([b'}', 0x94, b'(']);
+                for (key, value) in pairs {
+                    Py::Str(key).write(out);
+                    value.write(out);
+                }
+                out.push(b'u');
+            }
+        }
+    }
+}
+
+fn block(address: u64, size: u64, requested: u64, state: &'static str) -> Py {
+    Py::Dict(vec![
+        ("address", Py::int(address)),
+        ("size", Py::int(size)),
+        ("requested_size", Py::int(requested)),
+        ("state", Py::Str(state)),
+    ])
+}
+
+fn segment(address: u64, size: u64, expandable: bool, blocks: Vec<Py>) -> Py {
+    Py::Dict(vec![
+        ("device", Py::int(0)),
+        ("address", Py::int(address)),
+        ("total_size", Py::int(size)),
+        ("stream", Py::int(0)),
+        (
+            "segment_type",
+            Py::Str(if size == 2 * MIB { "small" } else { "large" }),
+        ),
+        ("is_expandable", Py::Bool(expandable)),
+        ("blocks", Py::List(blocks)),
+    ])
+}
+
+fn entry(action: &'static str, addr: u64, size: u64) -> Py {
+    Py::Dict(vec![
+        ("action", Py::Str(action)),
+        ("addr", Py::int(addr)),
+        ("size", Py::int(size)),
+        ("stream", Py::int(0)),
+        ("frames", Py::List(vec![])),
+    ])
+}
+
+fn snapshot(segments: Vec<Py>, trace: Vec<Py>) -> Py {
+    Py::Dict(vec![
+        ("segments", Py::List(segments)),
+        ("device_traces", Py::List(vec![Py::List(trace)])),
+    ])
+}
+
+fn import(name: &str, bytes: &[u8]) -> Trace {
+    parse_bytes(name, bytes).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn import_error(bytes: &[u8]) -> String {
+    match parse_bytes("bad.bin", bytes) {
+        Ok(trace) => panic!("expected an error, got {trace:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn free(size: u64) -> InitialBlock {
+    InitialBlock {
+        size,
+        requested_size: 0,
+        state: InitialBlockState::Free,
+    }
+}
+
+#[test]
+fn pickle_round_trips_plain_data() {
+    let value = Py::Dict(vec![
+        ("none", Py::None),
+        ("yes", Py::Bool(true)),
+        ("small", Py::Int(-5)),
+        ("address", Py::Int(0x7f00_0000_0000)),
+        ("negative_long", Py::Int(-(1 << 40))),
+        ("float", Py::Float(0.5)),
+        ("pair", Py::Tuple(vec![Py::int(1), Py::Str("é")])),
+    ]);
+    let doc = pickle::parse(&value.dump()).unwrap();
+    let get = |key| doc.get(doc.dict_get(doc.root(), key).unwrap());
+    assert_eq!(get("none"), &Value::None);
+    assert_eq!(get("yes"), &Value::Bool(true));
+    assert_eq!(get("small"), &Value::Int(-5));
+    assert_eq!(get("address"), &Value::Int(0x7f00_0000_0000));
+    assert_eq!(get("negative_long"), &Value::Int(-(1 << 40)));
+    assert_eq!(get("float"), &Value::Float(0.5));
+    let Value::Tuple(pair) = get("pair") else {
+        panic!("not a tuple")
+    };
+    assert_eq!(doc.get(pair[1]), &Value::Str("é".into()));
+}
+
+#[test]
+fn pickle_memo_aliases_containers_filled_after_memoizing() {
+    // l = []; memoize; d = {"a": l, "b": l}; then l.append(7) via the memo.
+    // {  MEMOIZE  (  "a"  ]  MEMOIZE  "b"  GET 1  u  GET 1  K 7  a  0(pop)  .
+    let mut bytes = vec![0x80, 4, b'}', 0x94, b'('];
+    bytes.extend([0x8c, 1, b'a', b']', 0x94, 0x8c, 1, b'b', b'h', 1, b'u']);
+    bytes.extend([b'h', 1, b'K', 7, b'a', b'0', b'.']);
+    let doc = pickle::parse(&bytes).unwrap();
+    let a = doc.dict_get(doc.root(), "a").unwrap();
+    let b = doc.dict_get(doc.root(), "b").unwrap();
+    assert_eq!(a, b, "both keys name the same list");
+    let Value::List(items) = doc.get(a) else {
+        panic!("not a list")
+    };
+    assert_eq!(doc.get(items[0]), &Value::Int(7));
+}
+
+/// A windowed snapshot exercising every rebuild rule; see the comments.
+#[test]
+fn snapshot_window_rebuild_and_ops() {
+    let s1 = 0x1000_0000; // small segment, lives throughout
+    let s2 = 0x2000_0000; // freed in the window (empty_cache)
+    let s3 = 0x3000_0000; // freed in the same empty_cache
+    let s4 = 0x4000_0000; // allocated in the window
+    let s5 = 0x5000_0000; // freed by the OOM retry
+    let trace = vec![
+        // B was allocated before the window and is freed in it.
+        entry("free_requested", s1 + 512, 600),
+        entry("free_completed", s1 + 512, 600),
+        entry("segment_free", s2, 20 * MIB),
+        entry("segment_free", s3, 2 * MIB),
+        entry("alloc", s1, 100),
+        entry("segment_alloc", s4, 20 * MIB),
+        entry("alloc", s4, 5 * MIB),
+        // C's free is deferred until another stream's work on it completes.
+        entry("free_requested", s4, 5 * MIB),
+        entry("alloc", s1 + 1024, 200),
+        entry("free_completed", s4, 5 * MIB),
+        entry("annotate", 0, 0),
+        entry("segment_free", s5, 2 * MIB),
+        Py::Dict(vec![
+            ("action", Py::Str("oom")),
+            ("device_free", Py::int(12345)),
+            ("size", Py::int(1 << 30)),
+            ("stream", Py::int(0)),
+        ]),
+        entry("mystery", 0, 0),
+    ];
+    let segments = vec![
+        segment(
+            s1,
+            2 * MIB,
+            false,
+            vec![
+                block(s1, 512, 100, "active_allocated"),
+                block(s1 + 512, 512, 0, "inactive"),
+                block(s1 + 1024, 512, 200, "active_allocated"),
+                block(s1 + 1536, 2 * MIB - 1536, 0, "inactive"),
+            ],
+        ),
+        segment(
+            s4,
+            20 * MIB,
+            false,
+            vec![block(s4, 20 * MIB, 0, "inactive")],
+        ),
+    ];
+    let trace = import("window.pickle", &snapshot(segments, trace).dump());
+    assert_eq!(trace.source, "window.pickle");
+    assert_eq!(trace.devices.len(), 1);
+    let device = &trace.devices[0];
+
+    let small = |address, blocks| InitialSegment {
+        address,
+        stream: 0,
+        small_pool: true,
+        expandable: false,
+        blocks,
+    };
+    let b = InitialBlock {
+        size: 1024, // 600 rounded up to 512 bytes, as PyTorch does
+        requested_size: 600,
+        state: InitialBlockState::Allocated(0),
+    };
+    assert_eq!(
+        device.initial_segments,
+        vec![
+            small(s1, vec![free(512), b, free(2 * MIB - 1536)]),
+            InitialSegment {
+                small_pool: false,
+                ..small(s2, vec![free(20 * MIB)])
+            },
+            small(s3, vec![free(2 * MIB)]),
+            small(s5, vec![free(2 * MIB)]),
+        ]
+    );
+
+    let deferred = DEFERRED_FREE_STREAM_BASE | 2;
+    assert_eq!(
+        device.ops,
+        vec![
+            Op::Free { id: 0 },
+            Op::EmptyCache, // once for the run of two segment frees
+            Op::Alloc {
+                id: 1,
+                size: 100,
+                stream: 0
+            },
+            Op::Alloc {
+                id: 2,
+                size: 5 * MIB,
+                stream: 0
+            },
+            Op::RecordStream {
+                id: 2,
+                stream: deferred
+            },
+            Op::Free { id: 2 },
+            Op::Alloc {
+                id: 3,
+                size: 200,
+                stream: 0
+            },
+            Op::StreamComplete { stream: deferred },
+            // No EmptyCache: the OOM retry explains the last segment free.
+            Op::Oom {
+                size: 1 << 30,
+                stream: 0,
+                device_free: 12345
+            },
+        ]
+    );
+
+    let recorded = device.recorded.as_ref().unwrap();
+    assert_eq!(recorded.initial_reserved_bytes, 26 * MIB);
+    assert_eq!(recorded.peak_reserved_bytes, Some(26 * MIB));
+    let events: Vec<_> = recorded
+        .segment_events
+        .iter()
+        .map(|e| (e.kind, e.size, e.op_index))
+        .collect();
+    assert_eq!(
+        events,
+        vec![
+            (SegmentEventKind::Free, 20 * MIB, 2),
+            (SegmentEventKind::Free, 2 * MIB, 2),
+            (SegmentEventKind::Alloc, 20 * MIB, 3),
+            (SegmentEventKind::Free, 2 * MIB, 8),
+        ]
+    );
+    assert_eq!(device.recorded_config, None);
+    assert!(!device.foreign_allocator);
+    assert_eq!(device.skipped.get("unknown action 'mystery'"), Some(&1));
+}
+
+#[test]
+fn snapshot_block_pending_at_window_start_is_freed_behind_a_stream() {
+    let base = 0x1000_0000;
+    let segments = vec![segment(
+        base,
+        2 * MIB,
+        false,
+        vec![block(base, 2 * MIB, 0, "inactive")],
+    )];
+    let trace = vec![entry("free_completed", base, 1000)];
+    let device = &import("pending.pickle", &snapshot(segments, trace).dump()).devices[0];
+    assert_eq!(
+        device.initial_segments[0].blocks[0].state,
+        InitialBlockState::Allocated(0)
+    );
+    let stream = DEFERRED_FREE_STREAM_BASE;
+    assert_eq!(
+        device.ops,
+        vec![
+            Op::RecordStream { id: 0, stream },
+            Op::Free { id: 0 },
+            Op::StreamComplete { stream },
+        ]
+    );
+}
+
+#[test]
+fn snapshot_expandable_unmap_rejoins_the_mapped_range() {
+    let base = 0x7000_0000;
+    let segments = vec![segment(
+        base,
+        40 * MIB,
+        true,
+        vec![
+            block(base, 20 * MIB, 20 * MIB, "active_allocated"),
+            block(base + 20 * MIB, 20 * MIB, 0, "inactive"),
+        ],
+    )];
+    let trace = vec![entry("segment_unmap", base + 40 * MIB, 20 * MIB)];
+    let device = &import("expandable.pickle", &snapshot(segments, trace).dump()).devices[0];
+    assert_eq!(device.initial_segments.len(), 1);
+    let initial = &device.initial_segments[0];
+    assert!(initial.expandable);
+    assert_eq!(initial.total_size(), 60 * MIB);
+    assert_eq!(device.ops, vec![Op::EmptyCache]);
+    // No allocator_settings, but expandable segments say what the config was.
+    assert_eq!(
+        device.recorded_config.as_deref(),
+        Some("expandable_segments:True")
+    );
+}
+
+#[test]
+fn snapshot_settings_render_only_non_default_keys() {
+    let with = |settings| {
+        let mut root = match snapshot(vec![], vec![entry("alloc", 0x100, 8)]) {
+            Py::Dict(pairs) => pairs,
+            _ => unreachable!(),
+        };
+        root.push(("allocator_settings", settings));
+        import("settings.pickle", &Py::Dict(root).dump()).devices[0]
+            .recorded_config
+            .clone()
+    };
+    let defaults = || {
+        vec![
+            ("max_split_size", Py::Int(-1)),
+            ("garbage_collection_threshold", Py::Float(0.0)),
+            ("expandable_segments", Py::Bool(false)),
+            (
+                "roundup_power2_divisions",
+                Py::Dict(vec![("1", Py::int(0))]),
+            ),
+        ]
+    };
+    assert_eq!(with(Py::Dict(defaults())), Some(String::new()));
+    let mut custom = defaults();
+    custom[0].1 = Py::int(256 * MIB);
+    custom[2].1 = Py::Bool(true);
+    custom[3].1 = Py::Dict(vec![("1", Py::int(0)), ("256", Py::int(4))]);
+    assert_eq!(
+        with(Py::Dict(custom)).as_deref(),
+        Some("max_split_size_mb:256,expandable_segments:True,roundup_power2_divisions:[256:4]")
+    );
+}
+
+#[test]
+fn snapshot_devices_are_ordered_and_torch_npu_is_detected() {
+    let mut on_device_1 = segment(0x9000_0000, 2 * MIB, false, vec![]);
+    if let Py::Dict(pairs) = &mut on_device_1 {
+        pairs[0].1 = Py::int(1);
+    }
+    let npu_entry = Py::Dict(vec![
+        ("action", Py::Str("alloc")),
+        ("addr", Py::int(0x100)),
+        ("size", Py::int(8)),
+        ("stream", Py::int(0)),
+        (
+            "frames",
+            Py::List(vec![Py::Dict(vec![(
+                "filename",
+                Py::Str("/site-packages/torch_npu/utils/_module.py"),
+            )])]),
+        ),
+    ]);
+    let trace = import(
+        "npu.pickle",
+        &snapshot(vec![on_device_1], vec![npu_entry]).dump(),
+    );
+    let devices: Vec<i64> = trace.devices.iter().map(|d| d.device).collect();
+    assert_eq!(devices, vec![0, 1]);
+    assert!(trace.devices.iter().all(|d| d.foreign_allocator));
+    assert_eq!(
+        trace.devices[1].initial_segments[0].blocks,
+        vec![free(2 * MIB)]
+    );
+}
+
+fn memory_event(ts: f64, addr: u64, bytes: i64, device_type: i64, device_id: i64) -> String {
+    format!(
+        r#"{{"ph": "i", "name": "[memory]", "ts": {ts}, "args": {{"Addr": {addr}, "Bytes": {bytes}, "Device Type": {device_type}, "Device Id": {device_id}}}}}"#
+    )
+}
+
+#[test]
+fn chrome_trace_orders_by_timestamp_and_splits_devices() {
+    let events = [
+        memory_event(5.0, 16, 100, 0, -1),
+        memory_event(9.0, 16, -100, 0, -1),
+        memory_event(1.0, 32, 50, 0, -1),
+        memory_event(2.0, 99, -7, 0, -1), // allocated before profiling
+        memory_event(0.5, 16, 10, 1, 0),
+        memory_event(5.0, 48, 30, 0, -1), // same ts as the first: file order
+        r#"{"ph": "X", "name": "aten::add", "ts": 3}"#.to_string(),
+    ];
+    let json = format!(
+        r#"{{"metadata": {{"workload": "test"}}, "traceEvents": [{}]}}"#,
+        events.join(",")
+    );
+    let trace = import("profile.json", json.as_bytes());
+    let devices: Vec<i64> = trace.devices.iter().map(|d| d.device).collect();
+    assert_eq!(devices, vec![-1, 0]);
+    let cpu = &trace.devices[0];
+    assert_eq!(
+        cpu.ops,
+        vec![
+            Op::Alloc {
+                id: 0,
+                size: 50,
+                stream: 0
+            },
+            Op::Alloc {
+                id: 1,
+                size: 100,
+                stream: 0
+            },
+            Op::Alloc {
+                id: 2,
+                size: 30,
+                stream: 0
+            },
+            Op::Free { id: 1 },
+        ]
+    );
+    assert_eq!(cpu.skipped.get("free of an unknown address"), Some(&1));
+    assert_eq!(
+        trace.devices[1].ops,
+        vec![Op::Alloc {
+            id: 0,
+            size: 10,
+            stream: 0
+        }]
+    );
+
+    // The same trace gzipped reads the same.
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    std::io::Write::write_all(&mut gz, json.as_bytes()).unwrap();
+    let gzipped = import("profile.json", &gz.finish().unwrap());
+    assert_eq!(gzipped, trace);
+}
+
+#[test]
+fn chrome_trace_alloc_at_a_live_address_frees_the_old_one() {
+    let json = format!(
+        "[{}, {}]",
+        memory_event(1.0, 16, 100, 1, 0),
+        memory_event(2.0, 16, 200, 1, 0)
+    );
+    let trace = import("reuse.json", json.as_bytes());
+    assert_eq!(
+        trace.devices[0].ops,
+        vec![
+            Op::Alloc {
+                id: 0,
+                size: 100,
+                stream: 0
+            },
+            Op::Free { id: 0 },
+            Op::Alloc {
+                id: 1,
+                size: 200,
+                stream: 0
+            },
+        ]
+    );
+}
+
+#[test]
+fn rmm_csv_parses_allocations_frees_and_failures() {
+    let csv = "Thread,Time,Action,Pointer,Size,Stream\n\
+               140,10:00:00.000001,allocate,0x7f0000000000,256,0x0\n\
+               140,10:00:00.000002,allocate,0x7f0000001000,512,0x5a\n\
+               140,10:00:00.000003,free,0x7f0000000000,256,0x0\n\
+               140,10:00:00.000004,allocate failure,0x0,1073741824,0x0\n\
+               140,10:00:00.000005,free,0x1234,8,0x0\n";
+    let trace = import("log.csv", csv.as_bytes());
+    let device = &trace.devices[0];
+    assert_eq!(device.device, 0);
+    assert_eq!(
+        device.ops,
+        vec![
+            Op::Alloc {
+                id: 0,
+                size: 256,
+                stream: 0
+            },
+            Op::Alloc {
+                id: 1,
+                size: 512,
+                stream: 0x5a
+            },
+            Op::Free { id: 0 },
+            Op::Oom {
+                size: 1 << 30,
+                stream: 0,
+                device_free: 0
+            },
+        ]
+    );
+    assert_eq!(device.skipped.get("free of an unknown address"), Some(&1));
+}
+
+// ---- Bad input: each error names the file, format, place and problem. ----
+
+#[test]
+fn refuses_a_global_with_a_one_line_message() {
+    let error = parse_bytes("cs336.pickle", b"\x80\x02cos\nsystem\n)R.").unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "cs336.pickle: pickle: byte 2: refused global 'os.system' (only plain data is accepted)"
+    );
+    let stack_global = b"\x80\x04\x8c\x02os\x8c\x06system\x93.";
+    assert!(import_error(stack_global).contains("refused global 'os.system'"));
+}
+
+#[test]
+fn refuses_object_building_opcodes() {
+    assert!(import_error(b"\x80\x02N)R.").contains("refused opcode REDUCE"));
+    assert!(import_error(b"\x80\x02})b.").contains("refused opcode BUILD"));
+    assert!(import_error(b"\x80\x02N)\x81.").contains("refused opcode NEWOBJ"));
+    assert!(import_error(b"\x80\x02(i os\nsystem\n.").contains("refused INST of"));
+}
+
+#[test]
+fn reports_truncated_and_corrupt_pickles() {
+    let valid = snapshot(vec![], vec![entry("alloc", 0x100, 8)]).dump();
+    let message = import_error(&valid[..valid.len() / 2]);
+    assert!(message.starts_with("bad.bin: pickle: byte "), "{message}");
+    assert!(message.contains("truncated"), "{message}");
+    assert!(import_error(b"\x80\x02\xff.").contains("unsupported opcode 0xff"));
+    assert!(import_error(b"\x80\x02.").contains("stack underflow"));
+    assert!(import_error(b"\x80\x02h\x05.").contains("memo key 5 was never stored"));
+    assert!(import_error(b"\x80\x02]NK\x01s.").contains("SETITEM on a list, not a dict"));
+}
+
+#[test]
+fn caps_declared_lengths_by_the_remaining_input() {
+    for bytes in [
+        &b"\x80\x04X\xff\xff\xff\xff"[..],
+        b"\x80\x04\x8d\xff\xff\xff\xff\xff\xff\xff\xff",
+        b"\x80\x04\x8e\xff\xff\xff\xff\xff\xff\xff\x7f",
+        b"\x80\x04\x8b\xff\xff\xff\x7f",
+    ] {
+        let message = import_error(bytes);
+        assert!(message.contains("remain"), "{message}");
+    }
+    assert!(import_error(b"\x80\x04\x8b\xff\xff\xff\xff").contains("negative length"));
+}
+
+#[test]
+fn bounds_nesting_and_stack_depth() {
+    let marks = [&b"\x80\x04"[..], &[b'('; 100_000]].concat();
+    assert!(import_error(&marks).contains("nested MARKs"));
+    let pushes = [&b"\x80\x04"[..], &[b']'; 2_000_000]].concat();
+    assert!(import_error(&pushes).contains("stack deeper than"));
+    // A million lists nested through the memo: decoded flat, no recursion,
+    // then rejected because the root is not a snapshot dict.
+    let mut nested = vec![0x80, 4, b']', b'r', 0, 0, 0, 0];
+    for i in 0u32..1_000_000 {
+        nested.push(b']');
+        nested.push(b'j');
+        nested.extend(i.to_le_bytes());
+        nested.extend([b'a', b'r']);
+        nested.extend((i + 1).to_le_bytes());
+    }
+    nested.push(b'.');
+    assert!(import_error(&nested).contains("snapshot: expected a dict, found list"));
+}
+
+#[test]
+fn refuses_a_trace_list_shared_by_many_devices() {
+    // {"segments": [], "device_traces": [L, L, ..., L]} with L a list of 2000
+    // entries memoized once: 2000 devices × 2000 entries from a small file.
+    let mut bytes = vec![0x80, 4, b'}', b'('];
+    Py::Str("segments").write(&mut bytes);
+    bytes.push(b']');
+    Py::Str("device_traces").write(&mut bytes);
+    bytes.extend([b']', b']', b'r', 0, 0, 0, 0, b'(']);
+    for _ in 0..2000 {
+        entry("alloc", 0x100, 8).write(&mut bytes);
+    }
+    bytes.extend([b'e', b'a']);
+    for _ in 0..2000 {
+        bytes.extend([b'j', 0, 0, 0, 0, b'a']);
+    }
+    bytes.extend([b'u', b'.']);
+    let started = std::time::Instant::now();
+    let message = import_error(&bytes);
+    assert!(message.contains("shared references"), "{message}");
+    assert!(started.elapsed().as_secs() < 10);
+}
+
+#[test]
+fn reports_wrong_types_by_path() {
+    let segments_int = Py::Dict(vec![("segments", Py::int(3))]).dump();
+    assert!(import_error(&segments_int).contains("segments: expected a list, found int"));
+    let size_str = snapshot(
+        vec![],
+        vec![Py::Dict(vec![
+            ("action", Py::Str("alloc")),
+            ("addr", Py::int(1)),
+            ("size", Py::Str("big")),
+        ])],
+    )
+    .dump();
+    let message = import_error(&size_str);
+    assert!(
+        message.contains("snapshot: device_traces[0][0].size: expected an integer, found str"),
+        "{message}"
+    );
+    let no_addr = snapshot(vec![], vec![Py::Dict(vec![("action", Py::Str("alloc"))])]).dump();
+    assert!(import_error(&no_addr).contains("device_traces[0][0]: missing 'addr'"));
+}
+
+#[test]
+fn reports_bad_json_and_csv() {
+    let message = import_error(b"{\"traceEvents\": [\n{\"name\": ");
+    assert!(
+        message.starts_with("bad.bin: chrome-trace: line 2"),
+        "{message}"
+    );
+    let message = import_error(br#"{"traceEvents": [{"name": "[memory]", "args": {"Bytes": 8}}]}"#);
+    assert!(
+        message.contains("traceEvents[0]: missing args.Addr"),
+        "{message}"
+    );
+    let csv = b"Thread,Time,Action,Pointer,Size,Stream\n1,t,allocate,0x10,8,0x0\n1,t,allocate,0x20,lots,0x0\n";
+    assert_eq!(
+        import_error(csv),
+        "bad.bin: rmm-csv: line 3: bad size \"lots\""
+    );
+    assert!(import_error(b"hello").contains("unrecognized format"));
+    assert!(import_error(b"\x1f\x8b\x08\x00garbage").contains("gzip"));
+}
+
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = parse_bytes("fuzz.bin", &bytes);
+            let with_header = [&[0x80u8, 4][..], &bytes].concat();
+            let _ = parse_bytes("fuzz.pickle", &with_header);
+        }
+
+        #[test]
+        fn mutated_snapshots_never_panic(position in any::<prop::sample::Index>(), byte in any::<u8>()) {
+            let mut bytes = snapshot(
+                vec![segment(0x1000, 2 * MIB, false, vec![block(0x1000, 512, 8, "active_allocated")])],
+                vec![entry("free_requested", 0x1000, 8), entry("free_completed", 0x1000, 8)],
+            )
+            .dump();
+            let at = position.index(bytes.len());
+            bytes[at] = byte;
+            let _ = parse_bytes("fuzz.pickle", &bytes);
+        }
+    }
+}
