@@ -85,6 +85,7 @@ pub fn fidelity(trace: &DeviceTrace) -> Result<FidelityReport, ReplayError> {
     let mut options = ReplayOptions::new(policy);
     options.emulate_recorded_ooms = true;
     options.record_history = true;
+    options.use_recorded_addresses = true;
     let run = PreparedTrace::new(trace)?.run(&options)?;
 
     let recorded: Vec<SegmentEvent> = trace

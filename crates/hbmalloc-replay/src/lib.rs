@@ -15,7 +15,7 @@ use hbmalloc::{
     AllocError, Allocator, AllocatorConfig, BlockImage, CallCounts, DevicePtr, LatencyModel,
     OomReport, PolicyConfig, SegmentImage, SimConfig, SimDevice, StreamId, TraceEntry,
 };
-use hbmalloc_trace::{AllocId, DeviceTrace, InitialBlockState, Op};
+use hbmalloc_trace::{AllocId, DeviceTrace, InitialBlockState, Op, SegmentEventKind};
 
 pub use fidelity::{
     fidelity, Divergence, FidelityReport, SegmentEvent, CONTEXT_AFTER, CONTEXT_BEFORE,
@@ -41,6 +41,10 @@ pub struct ReplayOptions {
     pub emulate_recorded_ooms: bool,
     /// Record the engine's history (needed for fidelity; costs time).
     pub record_history: bool,
+    /// Hand out the recorded allocator's segment addresses while the replay
+    /// asks for the same sizes, so best-fit ties between equal blocks break
+    /// as they did for real (needed for fidelity).
+    pub use_recorded_addresses: bool,
 }
 
 impl ReplayOptions {
@@ -52,6 +56,7 @@ impl ReplayOptions {
             latency: LatencyModel::realistic(),
             emulate_recorded_ooms: false,
             record_history: false,
+            use_recorded_addresses: false,
         }
     }
 }
@@ -124,6 +129,9 @@ pub struct PreparedTrace {
     ops: Vec<DenseOp>,
     initial: Vec<(SegmentImage, Vec<Option<usize>>)>,
     slots: usize,
+    /// (size, address) of every segment the recorded allocator allocated, in
+    /// order: the initial ones, then those of the window.
+    recorded_segment_addresses: Vec<(u64, DevicePtr)>,
 }
 
 #[derive(Copy, Clone, Debug)]
@@ -166,7 +174,11 @@ impl PreparedTrace {
                 slot
             };
         let mut initial = Vec::new();
+        let mut recorded_segment_addresses = Vec::new();
         for seg in &trace.initial_segments {
+            if !seg.expandable {
+                recorded_segment_addresses.push((seg.total_size(), seg.address));
+            }
             let mut blocks = Vec::new();
             let mut slots = Vec::new();
             for b in &seg.blocks {
@@ -241,10 +253,20 @@ impl PreparedTrace {
                 },
             });
         }
+        if let Some(recorded) = &trace.recorded {
+            recorded_segment_addresses.extend(
+                recorded
+                    .segment_events
+                    .iter()
+                    .filter(|e| e.kind == SegmentEventKind::Alloc)
+                    .map(|e| (e.size, e.address)),
+            );
+        }
         Ok(PreparedTrace {
             ops,
             initial,
             slots: live.len(),
+            recorded_segment_addresses,
         })
     }
 
@@ -273,6 +295,9 @@ impl PreparedTrace {
             op_index: None,
             message,
         };
+        if options.use_recorded_addresses {
+            device.plan_segment_addresses(self.recorded_segment_addresses.iter().copied());
+        }
         let mut allocator = Allocator::new(device, config).map_err(|e| at_start(e.to_string()))?;
         let mut ptrs: Vec<DevicePtr> = vec![0; self.slots];
         let mut result = RunResult {

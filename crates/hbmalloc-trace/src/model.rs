@@ -140,7 +140,10 @@ pub struct RecordedSegmentEvent {
     pub size: u64,
     /// Stream.
     pub stream: u64,
-    /// How many ops of the trace came before it.
+    /// The address the recorded allocator got (or mapped/freed).
+    pub address: u64,
+    /// The index of the op during which it happened: the allocation that
+    /// needed it, or the `EmptyCache` that released it.
     pub op_index: usize,
 }
 

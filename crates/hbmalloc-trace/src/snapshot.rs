@@ -757,11 +757,17 @@ fn rebuild_device(device: i64, segments: &[&Segment], entries: &[Entry]) -> Devi
                         in_empty_cache = true;
                     }
                 }
+                let op_index = if in_empty_cache && !grows {
+                    ops.len() - 1
+                } else {
+                    ops.len()
+                };
                 segment_events.push(RecordedSegmentEvent {
                     kind,
                     size: entry.size,
                     stream: entry.stream,
-                    op_index: ops.len(),
+                    address: entry.addr,
+                    op_index,
                 });
             }
             Action::Oom => ops.push(Op::Oom {
