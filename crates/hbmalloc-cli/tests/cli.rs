@@ -1,0 +1,187 @@
+//! The `hbmalloc` binary end to end: the README's main command, and bad
+//! input of every kind giving one clear line and a non-zero exit.
+
+use std::process::{Command, Output};
+
+fn hbmalloc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_hbmalloc"))
+        .args(args)
+        .output()
+        .expect("run hbmalloc")
+}
+
+/// Asserts a failure whose message is one line that mentions `needle`.
+fn assert_clear_error(output: &Output, needle: &str) {
+    assert!(!output.status.success(), "expected failure, got success");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(needle),
+        "stderr should mention {needle:?}:\n{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "panic: {stderr}");
+    let first = stderr.lines().next().unwrap_or("");
+    assert!(
+        first.starts_with("hbmalloc: error:") || first.starts_with("error:"),
+        "{stderr}"
+    );
+}
+
+fn temp_file(bytes: &[u8]) -> tempfile::NamedTempFile {
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    std::io::Write::write_all(&mut f, bytes).unwrap();
+    f
+}
+
+#[test]
+fn compare_with_no_argument_runs_the_bundled_trace() {
+    let out = hbmalloc(&["compare", "--no-min-capacity"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("gpt2_train"), "{stdout}");
+    assert!(stdout.contains("pytorch+expandable"), "{stdout}");
+}
+
+#[test]
+fn replay_json_has_the_design_metric_names() {
+    let out = hbmalloc(&["compare", "--json", "--no-min-capacity"]);
+    assert!(out.status.success());
+    let line = String::from_utf8_lossy(&out.stdout);
+    let first: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
+    for key in [
+        "peak_live_bytes",
+        "peak_reserved_bytes",
+        "efficiency",
+        "min_capacity_bytes",
+        "device_calls",
+        "cache_hit_rate",
+        "steady_state_device_calls",
+        "simulated_driver_seconds",
+        "ns_per_op",
+        "recorded",
+    ] {
+        assert!(first.get(key).is_some(), "missing {key} in {first}");
+    }
+}
+
+#[test]
+fn missing_file() {
+    let out = hbmalloc(&["replay", "/nonexistent/trace.pickle"]);
+    assert_clear_error(&out, "trace.pickle");
+}
+
+#[test]
+fn empty_and_unknown_files() {
+    let f = temp_file(b"");
+    assert_clear_error(&hbmalloc(&["replay", f.path().to_str().unwrap()]), "format");
+    let f = temp_file(b"hello, I am not a trace\n");
+    assert_clear_error(&hbmalloc(&["replay", f.path().to_str().unwrap()]), "format");
+}
+
+#[test]
+fn truncated_pickle() {
+    // A protocol-4 pickle that opens a dict and a string, then stops.
+    let f = temp_file(b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\x08segm");
+    assert_clear_error(&hbmalloc(&["replay", f.path().to_str().unwrap()]), "pickle");
+}
+
+#[test]
+fn pickle_with_a_global_is_refused() {
+    let f = temp_file(b"\x80\x02cos\nsystem\nq\x00.");
+    assert_clear_error(
+        &hbmalloc(&["replay", f.path().to_str().unwrap()]),
+        "os.system",
+    );
+}
+
+#[test]
+fn snapshot_with_wrong_types() {
+    // {'segments': 5, 'device_traces': []}
+    let f = temp_file(b"\x80\x04}\x94(\x8c\x08segments\x94K\x05\x8c\x0ddevice_traces\x94]\x94u.");
+    assert_clear_error(
+        &hbmalloc(&["replay", f.path().to_str().unwrap()]),
+        "segments",
+    );
+}
+
+#[test]
+fn corrupt_json_and_gzip() {
+    let f = temp_file(b"{\"traceEvents\": [ {\"name\": \"[memory]\", ");
+    assert_clear_error(
+        &hbmalloc(&["replay", f.path().to_str().unwrap()]),
+        "invalid JSON",
+    );
+    let f = temp_file(b"\x1f\x8b\x08\x00garbage");
+    assert_clear_error(&hbmalloc(&["replay", f.path().to_str().unwrap()]), "gzip");
+}
+
+#[test]
+fn rmm_csv_with_a_bad_line() {
+    let f = temp_file(
+        b"Thread,Time,Action,Pointer,Size,Stream\n1,0.1,allocate,0x1000,notanumber,0x0\n",
+    );
+    assert_clear_error(&hbmalloc(&["replay", f.path().to_str().unwrap()]), "line 2");
+}
+
+#[test]
+fn bad_configuration() {
+    let trace =
+        temp_file(b"Thread,Time,Action,Pointer,Size,Stream\n1,0.1,allocate,0x1000,4096,0x0\n");
+    let path = trace.path().to_str().unwrap();
+    assert_clear_error(
+        &hbmalloc(&["replay", path, "--config", "no_such_key:1"]),
+        "no_such_key",
+    );
+    assert_clear_error(
+        &hbmalloc(&["replay", path, "--config", "expandable_segments:true"]),
+        "True",
+    );
+    assert_clear_error(
+        &hbmalloc(&["replay", path, "--config", "max_split_size_mb:-5"]),
+        "max_split_size_mb",
+    );
+    assert_clear_error(
+        &hbmalloc(&["replay", path, "--policy", "nonsense"]),
+        "nonsense",
+    );
+    assert_clear_error(
+        &hbmalloc(&["compare", path, "--run", "policy:pytorch,garbage"]),
+        "garbage",
+    );
+}
+
+#[test]
+fn bad_capacities() {
+    let trace =
+        temp_file(b"Thread,Time,Action,Pointer,Size,Stream\n1,0.1,allocate,0x1000,4096,0x0\n");
+    let path = trace.path().to_str().unwrap();
+    assert_clear_error(&hbmalloc(&["replay", path, "--capacity=-1"]), "capacity");
+    assert_clear_error(
+        &hbmalloc(&["replay", path, "--capacity", "99999999TiB"]),
+        "capacity",
+    );
+    assert_clear_error(
+        &hbmalloc(&["replay", path, "--capacity", "12 parsecs"]),
+        "capacity",
+    );
+}
+
+#[test]
+fn absurd_sizes_in_a_trace_run_out_of_memory_cleanly() {
+    // 2^62 bytes: beyond any device; the replay reports it instead of crashing.
+    let trace = temp_file(
+        b"Thread,Time,Action,Pointer,Size,Stream\n1,0.1,allocate,0x1000,4611686018427387904,0x0\n",
+    );
+    let out = hbmalloc(&["replay", trace.path().to_str().unwrap()]);
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!all.contains("panicked"), "{all}");
+    assert!(!out.status.success(), "{all}");
+    assert!(all.contains("invalid allocation size"), "{all}");
+}

@@ -1,0 +1,206 @@
+//! Replay of every real trace in `../shared/traces`: fidelity of policy
+//! `pytorch` against what PyTorch recorded, and `peak_live_bytes` against an
+//! independent computation.
+
+use std::path::{Path, PathBuf};
+
+use hbmalloc::PolicyConfig;
+use hbmalloc_replay::{evaluate, fidelity, EvalOptions};
+use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op, Trace};
+
+/// `shared/traces` beside the repository. CI always has it; elsewhere the
+/// tests say so and pass vacuously.
+fn shared_traces() -> Option<PathBuf> {
+    let found = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .map(|dir| dir.join("shared/traces"))
+        .find(|dir| dir.is_dir());
+    if found.is_none() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must have ../shared/traces"
+        );
+        eprintln!("note: no shared/traces found; skipping");
+    }
+    found
+}
+
+fn load_dir(dir: &Path) -> Vec<Trace> {
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    paths.sort();
+    paths
+        .iter()
+        .map(|p| hbmalloc_trace::load(p).unwrap_or_else(|e| panic!("{e}")))
+        .collect()
+}
+
+/// Every snapshot recorded by CUDA PyTorch replays to exactly the recorded
+/// sequence of segment events.
+#[test]
+fn pytorch_policy_reproduces_every_cuda_snapshot_exactly() {
+    let Some(shared) = shared_traces() else {
+        return;
+    };
+    let mut checked = 0;
+    for trace in load_dir(&shared.join("pytorch-snapshots")) {
+        for device in &trace.devices {
+            let report = fidelity(device).unwrap_or_else(|e| panic!("{}: {e}", trace.source));
+            eprintln!(
+                "{} dev {}: recorded {} replayed {} prefix {}{}",
+                trace.source,
+                device.device,
+                report.recorded,
+                report.replayed,
+                report.matching_prefix,
+                if report.foreign_allocator {
+                    " (torch_npu)"
+                } else {
+                    ""
+                }
+            );
+            if report.foreign_allocator {
+                continue;
+            }
+            assert!(
+                report.exact(),
+                "{} device {}: diverges at event {}: {:?}",
+                trace.source,
+                device.device,
+                report.matching_prefix,
+                report.first_divergence
+            );
+            checked += 1;
+        }
+    }
+    assert!(
+        checked >= 14,
+        "expected at least 14 CUDA snapshot devices, checked {checked}"
+    );
+}
+
+/// Peak live bytes computed another way: sort all lifetime edges and sweep.
+fn independent_peak_live(trace: &DeviceTrace) -> u64 {
+    let mut edges: Vec<(usize, i128)> = Vec::new();
+    let mut born = std::collections::HashMap::new();
+    for seg in &trace.initial_segments {
+        for b in &seg.blocks {
+            if let InitialBlockState::Allocated(id) = b.state {
+                born.insert(id, b.requested_size);
+                edges.push((0, i128::from(b.requested_size)));
+            }
+        }
+    }
+    for (i, op) in trace.ops.iter().enumerate() {
+        match *op {
+            Op::Alloc { id, size, .. } => {
+                born.insert(id, size);
+                edges.push((i + 1, i128::from(size)));
+            }
+            Op::Free { id } => edges.push((i + 1, -i128::from(born[&id]))),
+            _ => {}
+        }
+    }
+    edges.sort_by_key(|&(t, delta)| (t, delta));
+    let (mut live, mut peak) = (0i128, 0i128);
+    let mut i = 0;
+    while i < edges.len() {
+        let t = edges[i].0;
+        while i < edges.len() && edges[i].0 == t {
+            live += edges[i].1;
+            i += 1;
+        }
+        peak = peak.max(live);
+    }
+    peak as u64
+}
+
+/// `hbmalloc compare` over every shared trace runs to completion, and its
+/// `peak_live_bytes` is the independently computed maximum.
+#[test]
+fn compare_runs_on_every_trace_and_peak_live_is_exact() {
+    let Some(shared) = shared_traces() else {
+        return;
+    };
+    let policies = [
+        PolicyConfig::from_settings("policy:pytorch").unwrap(),
+        PolicyConfig::from_settings("policy:pytorch,expandable_segments:True").unwrap(),
+    ];
+    let mut rows = 0;
+    for sub in ["pytorch-snapshots", "profiler-cpu"] {
+        for trace in load_dir(&shared.join(sub)) {
+            for device in &trace.devices {
+                let expected = independent_peak_live(device);
+                for policy in &policies {
+                    let options = EvalOptions {
+                        policy: policy.clone(),
+                        capacity_bytes: None,
+                        find_min_capacity: false,
+                    };
+                    let m = evaluate(&trace.source, device, &options)
+                        .unwrap_or_else(|e| panic!("{}: {e}", trace.source));
+                    assert_eq!(
+                        m.peak_live_bytes, expected,
+                        "{} device {}",
+                        trace.source, device.device
+                    );
+                    assert!(
+                        m.out_of_memory.is_none(),
+                        "{}: {:?}",
+                        trace.source,
+                        m.out_of_memory
+                    );
+                    assert!(m.peak_reserved_bytes >= m.peak_live_bytes);
+                    rows += 1;
+                }
+            }
+        }
+    }
+    assert!(
+        rows >= 2 * 21,
+        "expected every trace and device, got {rows} rows"
+    );
+}
+
+/// The bisection finds a capacity that works, and one resolution step below it fails.
+#[test]
+fn min_capacity_is_tight() {
+    let Some(shared) = shared_traces() else {
+        return;
+    };
+    let trace = hbmalloc_trace::load(&shared.join("profiler-cpu/resnet50_train.json.gz")).unwrap();
+    let device = &trace.devices[0];
+    let policy = PolicyConfig::from_settings("policy:pytorch").unwrap();
+    let m = evaluate(
+        &trace.source,
+        device,
+        &EvalOptions {
+            policy: policy.clone(),
+            capacity_bytes: None,
+            find_min_capacity: true,
+        },
+    )
+    .unwrap();
+    let min = m.min_capacity_bytes.expect("a capacity that fits");
+    assert!(min >= m.peak_live_bytes && min <= m.peak_reserved_bytes.next_multiple_of(2 << 20));
+    let run = |capacity| {
+        evaluate(
+            &trace.source,
+            device,
+            &EvalOptions {
+                policy: policy.clone(),
+                capacity_bytes: Some(capacity),
+                find_min_capacity: false,
+            },
+        )
+        .unwrap()
+        .out_of_memory
+    };
+    assert!(run(min).is_none(), "fits at its min capacity");
+    assert!(
+        run(min - m.min_capacity_resolution_bytes).is_some(),
+        "one step below runs out"
+    );
+}
