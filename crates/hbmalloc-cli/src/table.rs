@@ -33,8 +33,12 @@ pub fn label(settings: &str) -> String {
 fn trace_name(m: &Metrics) -> String {
     let name = m.trace.trim_end_matches(".gz").trim_end_matches(".json");
     let name = name.trim_end_matches(".pickle").trim_end_matches(".pkl");
-    if name.len() > 34 {
-        format!("{}…", &name[..33])
+    // Keep both ends: file names often share a long prefix.
+    let chars: Vec<char> = name.chars().collect();
+    if chars.len() > 34 {
+        let head: String = chars[..16].iter().collect();
+        let tail: String = chars[chars.len() - 17..].iter().collect();
+        format!("{head}…{tail}")
     } else {
         name.to_string()
     }
