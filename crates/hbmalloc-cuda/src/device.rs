@@ -4,11 +4,12 @@
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use hbmalloc::{
-    CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
-    PhysicalHandle, StreamId,
+    CallCounts, CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId,
+    MemoryInfo, PhysicalHandle, StreamId,
 };
 
 use crate::driver::{CuContext, CuError, CuEvent, CudaDriver};
@@ -47,6 +48,8 @@ pub struct CudaDevice {
     /// peer that can access its memory.
     access_ordinals: Vec<i32>,
     events: Mutex<EventTable>,
+    /// `Device` calls made, by kind (indexed like `CallKind::ALL`).
+    calls: [AtomicU64; CallKind::ALL.len()],
 }
 
 /// Makes a device's context current for one call; restores the thread's
@@ -117,6 +120,7 @@ impl CudaDevice {
             granularity: None,
             access_ordinals: vec![device_ordinal],
             events: Mutex::new(EventTable::default()),
+            calls: std::array::from_fn(|_| AtomicU64::new(0)),
         };
         let granularity = {
             let _current = cuda.make_current(SETUP_CALL_KIND)?;
@@ -168,6 +172,20 @@ impl CudaDevice {
     /// Events in the pool, ready for reuse without a `cuEventCreate`.
     pub fn pooled_events(&self) -> usize {
         self.lock_events().free.len()
+    }
+
+    /// `Device` calls made so far, by kind, failed ones included (like
+    /// `SimDevice::call_counts`; `simulated_ns` stays 0).
+    pub fn call_counts(&self) -> CallCounts {
+        let mut counts = CallCounts::default();
+        for (slot, count) in counts.by_kind.iter_mut().zip(&self.calls) {
+            *slot = count.load(Ordering::Relaxed);
+        }
+        counts
+    }
+
+    fn count(&self, call: CallKind) {
+        self.calls[call as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     fn lock_events(&self) -> MutexGuard<'_, EventTable> {
@@ -243,6 +261,7 @@ impl Device for CudaDevice {
 
     fn memory_info(&self) -> DeviceResult<MemoryInfo> {
         let call = CallKind::MemoryInfo;
+        self.count(call);
         let _current = self.make_current(call)?;
         let (free_bytes, total_bytes) = self
             .driver
@@ -256,6 +275,7 @@ impl Device for CudaDevice {
 
     fn segment_alloc(&self, size: u64) -> DeviceResult<DevicePtr> {
         let call = CallKind::SegmentAlloc;
+        self.count(call);
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
         self.driver
@@ -265,6 +285,7 @@ impl Device for CudaDevice {
 
     fn segment_free(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
         let call = CallKind::SegmentFree;
+        self.count(call);
         let _current = self.make_current(call)?;
         self.driver
             .mem_free(ptr)
@@ -277,6 +298,7 @@ impl Device for CudaDevice {
 
     fn address_reserve(&self, size: u64) -> DeviceResult<DevicePtr> {
         let call = CallKind::AddressReserve;
+        self.count(call);
         self.require_vmm(call)?;
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
@@ -287,6 +309,7 @@ impl Device for CudaDevice {
 
     fn address_free(&self, base: DevicePtr, size: u64) -> DeviceResult<()> {
         let call = CallKind::AddressFree;
+        self.count(call);
         self.require_vmm(call)?;
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
@@ -297,6 +320,7 @@ impl Device for CudaDevice {
 
     fn physical_create(&self, size: u64) -> DeviceResult<PhysicalHandle> {
         let call = CallKind::PhysicalCreate;
+        self.count(call);
         self.require_vmm(call)?;
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
@@ -308,6 +332,7 @@ impl Device for CudaDevice {
 
     fn physical_release(&self, handle: PhysicalHandle) -> DeviceResult<()> {
         let call = CallKind::PhysicalRelease;
+        self.count(call);
         self.require_vmm(call)?;
         let _current = self.make_current(call)?;
         self.driver
@@ -317,6 +342,7 @@ impl Device for CudaDevice {
 
     fn map(&self, va: DevicePtr, size: u64, handle: PhysicalHandle) -> DeviceResult<()> {
         let call = CallKind::Map;
+        self.count(call);
         self.require_vmm(call)?;
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
@@ -331,6 +357,7 @@ impl Device for CudaDevice {
 
     fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
         let call = CallKind::SetAccess;
+        self.count(call);
         self.require_vmm(call)?;
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
@@ -347,6 +374,7 @@ impl Device for CudaDevice {
 
     fn unmap(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
         let call = CallKind::Unmap;
+        self.count(call);
         self.require_vmm(call)?;
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
@@ -357,6 +385,7 @@ impl Device for CudaDevice {
 
     fn record_event(&self, stream: StreamId) -> DeviceResult<EventId> {
         let call = CallKind::EventRecord;
+        self.count(call);
         let _current = self.make_current(call)?;
         let mut table = self.lock_events();
         let event = match table.free.pop() {
@@ -378,6 +407,7 @@ impl Device for CudaDevice {
 
     fn query_event(&self, event: EventId) -> DeviceResult<bool> {
         let call = CallKind::EventQuery;
+        self.count(call);
         // Held across the query so two threads cannot retire one event twice;
         // cuEventQuery does not block.
         let mut table = self.lock_events();
@@ -397,6 +427,7 @@ impl Device for CudaDevice {
 
     fn synchronize_event(&self, event: EventId) -> DeviceResult<()> {
         let call = CallKind::EventSynchronize;
+        self.count(call);
         // Taken out of the table so the lock is not held while blocking.
         let Some(cu_event) = self.lock_events().recorded.remove(&event.0) else {
             return Err(CudaDevice::unknown_event(call, event));
@@ -416,6 +447,7 @@ impl Device for CudaDevice {
 
     fn synchronize_device(&self) -> DeviceResult<()> {
         let call = CallKind::DeviceSynchronize;
+        self.count(call);
         let _current = self.make_current(call)?;
         self.driver
             .ctx_synchronize()

@@ -573,4 +573,7 @@ fn the_double_behaves_like_the_simulated_device() {
     assert_eq!(on_cuda, on_sim);
     assert_eq!(on_cuda.failures(), Vec::<&str>::new());
     assert_eq!(on_cuda.granularity, Some(GRANULE));
+    // Both counted the same calls, failed ones included.
+    assert_eq!(cuda.call_counts().by_kind, sim.call_counts().by_kind);
+    assert_eq!(cuda.call_counts().get(CallKind::Map), 3);
 }
