@@ -44,7 +44,7 @@ fn loading_a_nonexistent_path_is_no_driver_with_a_clear_message() {
     assert!(err.to_string().contains("no driver present"), "{err}");
 }
 
-#[cfg(target_os = "linux")]
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[test]
 fn loading_a_library_without_the_driver_symbols_is_no_driver() {
     let _serial = exclusive();
