@@ -1,0 +1,1127 @@
+//! A test double of the CUDA driver library (`libcuda`).
+//!
+//! Built as a `cdylib`, it exports the driver functions `hbmalloc-cuda` uses,
+//! under the same C names and signatures, so `CudaDriver::load_from` can load
+//! it in place of the real driver on a machine without a GPU. It is backed by
+//! host memory:
+//!
+//! - `cuMemAlloc_v2` really allocates (zeroed, 256-byte aligned), so a test
+//!   can write and read bytes through the returned pointer;
+//! - the virtual-memory API is modelled, not backed: `cuMemAddressReserve`
+//!   hands out fake address ranges (never dereference them), `cuMemCreate`
+//!   holds a host buffer per handle, and map / unmap / set-access / release /
+//!   address-free are validated like the real driver (mapping inside one
+//!   reserved range, no overlap, unmap exactly one mapping, release only when
+//!   unmapped, address free only when nothing is mapped in it);
+//! - two devices, each able to access the other's memory, each with a
+//!   configurable capacity (1 GiB by default) past which allocation fails
+//!   with `CUDA_ERROR_OUT_OF_MEMORY`; 2 MiB granularity;
+//! - events complete immediately by default, or only when the test says so;
+//! - contexts are per thread as in the driver: calls that need one fail with
+//!   `CUDA_ERROR_INVALID_CONTEXT` when the thread has no valid current context.
+//!
+//! Tests steer it through the `hbm_double_*` functions (reset, capacity,
+//! fault injection, event completion, call counts, live bytes). Setting
+//! `HBM_DOUBLE_NO_DEVICE=1` makes `cuInit` fail with `CUDA_ERROR_NO_DEVICE`;
+//! it is read on every `cuInit` call so one process can test both cases.
+//!
+//! State lives behind one global mutex. No function panics across the C
+//! boundary: every body runs under `catch_unwind` and a panic becomes
+//! `CUDA_ERROR_UNKNOWN`. Null output pointers give `CUDA_ERROR_INVALID_VALUE`.
+
+// The exported names are the driver's own, which are not snake case.
+#![allow(non_snake_case)]
+
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Mutex, MutexGuard};
+
+/// The driver's status code (`CUresult`).
+pub type CUresult = c_int;
+/// A device ordinal (`CUdevice`).
+pub type CUdevice = c_int;
+/// A device address (`CUdeviceptr`, 64 bits on every supported platform).
+pub type CUdeviceptr = c_ulonglong;
+/// Physical memory from `cuMemCreate` (`CUmemGenericAllocationHandle`).
+pub type CUmemGenericAllocationHandle = c_ulonglong;
+/// A context handle (`CUcontext`).
+pub type CUcontext = *mut c_void;
+/// An event handle (`CUevent`).
+pub type CUevent = *mut c_void;
+/// A stream handle (`CUstream`).
+pub type CUstream = *mut c_void;
+
+/// `CUmemLocation`, laid out as in `cuda.h`.
+#[repr(C)]
+#[derive(Copy, Clone, Debug)]
+pub struct CUmemLocation {
+    /// `CUmemLocationType` (1 = device).
+    pub location_type: c_uint,
+    /// The device ordinal.
+    pub id: c_int,
+}
+
+/// The `allocFlags` member of `CUmemAllocationProp`.
+#[repr(C)]
+#[derive(Copy, Clone, Debug)]
+pub struct CUmemAllocationPropFlags {
+    /// `CUmemAllocationCompType`.
+    pub compression_type: u8,
+    /// Non-zero to request GPUDirect RDMA capable memory.
+    pub gpu_direct_rdma_capable: u8,
+    /// `CUmemCreateUsage` bits.
+    pub usage: u16,
+    /// Must be zero.
+    pub reserved: [u8; 4],
+}
+
+/// `CUmemAllocationProp`, laid out as in `cuda.h`.
+#[repr(C)]
+#[derive(Copy, Clone, Debug)]
+pub struct CUmemAllocationProp {
+    /// `CUmemAllocationType` (1 = pinned).
+    pub allocation_type: c_uint,
+    /// `CUmemAllocationHandleType` bits.
+    pub requested_handle_types: c_uint,
+    /// Where the memory lives.
+    pub location: CUmemLocation,
+    /// Windows IPC metadata; null here.
+    pub win32_handle_meta_data: *mut c_void,
+    /// Compression, RDMA and usage flags.
+    pub alloc_flags: CUmemAllocationPropFlags,
+}
+
+/// `CUmemAccessDesc`, laid out as in `cuda.h`.
+#[repr(C)]
+#[derive(Copy, Clone, Debug)]
+pub struct CUmemAccessDesc {
+    /// Who gets access.
+    pub location: CUmemLocation,
+    /// `CUmemAccess_flags` (0 none, 1 read, 3 read-write).
+    pub flags: c_uint,
+}
+
+/// `CUDA_SUCCESS`.
+pub const CUDA_SUCCESS: CUresult = 0;
+/// `CUDA_ERROR_INVALID_VALUE`.
+pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
+/// `CUDA_ERROR_OUT_OF_MEMORY`.
+pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
+/// `CUDA_ERROR_NOT_INITIALIZED`.
+pub const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
+/// `CUDA_ERROR_NO_DEVICE`.
+pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;
+/// `CUDA_ERROR_INVALID_DEVICE`.
+pub const CUDA_ERROR_INVALID_DEVICE: CUresult = 101;
+/// `CUDA_ERROR_INVALID_CONTEXT`.
+pub const CUDA_ERROR_INVALID_CONTEXT: CUresult = 201;
+/// `CUDA_ERROR_INVALID_HANDLE`.
+pub const CUDA_ERROR_INVALID_HANDLE: CUresult = 400;
+/// `CUDA_ERROR_NOT_READY`.
+pub const CUDA_ERROR_NOT_READY: CUresult = 600;
+/// `CUDA_ERROR_UNKNOWN`.
+pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
+
+/// Every status code the double knows a name for, as `cuGetErrorName` gives it.
+const ERROR_NAMES: &[(CUresult, &CStr)] = &[
+    (0, c"CUDA_SUCCESS"),
+    (1, c"CUDA_ERROR_INVALID_VALUE"),
+    (2, c"CUDA_ERROR_OUT_OF_MEMORY"),
+    (3, c"CUDA_ERROR_NOT_INITIALIZED"),
+    (4, c"CUDA_ERROR_DEINITIALIZED"),
+    (100, c"CUDA_ERROR_NO_DEVICE"),
+    (101, c"CUDA_ERROR_INVALID_DEVICE"),
+    (201, c"CUDA_ERROR_INVALID_CONTEXT"),
+    (208, c"CUDA_ERROR_ALREADY_MAPPED"),
+    (211, c"CUDA_ERROR_NOT_MAPPED"),
+    (217, c"CUDA_ERROR_PEER_ACCESS_UNSUPPORTED"),
+    (400, c"CUDA_ERROR_INVALID_HANDLE"),
+    (500, c"CUDA_ERROR_NOT_FOUND"),
+    (600, c"CUDA_ERROR_NOT_READY"),
+    (700, c"CUDA_ERROR_ILLEGAL_ADDRESS"),
+    (801, c"CUDA_ERROR_NOT_SUPPORTED"),
+    (999, c"CUDA_ERROR_UNKNOWN"),
+];
+
+/// Devices the double pretends to have.
+pub const DEVICE_COUNT: usize = 2;
+/// Virtual-memory granularity, minimum and recommended (as on current GPUs).
+pub const GRANULARITY: u64 = 2 << 20;
+/// Capacity of each device after `hbm_double_reset`.
+pub const DEFAULT_CAPACITY: u64 = 1 << 30;
+/// `cuMemAlloc` guarantees at least this alignment.
+const SEGMENT_ALIGN: u64 = 256;
+/// Fake context handles are `CONTEXT_BASE + ordinal * CONTEXT_STRIDE`: never
+/// dereferenced, only compared.
+const CONTEXT_BASE: usize = 0xC0DE_0000;
+const CONTEXT_STRIDE: usize = 0x1000;
+/// Fake event handles start here and step by 16.
+const EVENT_BASE: u64 = 0xE7E0_0000;
+/// Fake virtual addresses for reserved ranges start here.
+const VA_BASE: u64 = 0x7e00_0000_0000;
+
+const LOCATION_TYPE_DEVICE: c_uint = 1;
+const ALLOCATION_TYPE_PINNED: c_uint = 1;
+
+/// A segment from `cuMemAlloc_v2`: real host memory.
+struct Segment {
+    /// Owns the bytes; the handed-out pointer lies inside, aligned.
+    _buffer: Vec<u8>,
+    size: u64,
+    device: usize,
+}
+
+/// Physical memory from `cuMemCreate`.
+struct Physical {
+    /// Backing store, so that capacity is real host memory too.
+    _buffer: Vec<u8>,
+    size: u64,
+    device: usize,
+    /// How many mappings use it.
+    mappings: u64,
+}
+
+/// One `cuMemMap` of (part of) a handle.
+struct Mapping {
+    size: u64,
+    handle: CUmemGenericAllocationHandle,
+    /// Bit `d` set when device `d` may read and write the range.
+    access_mask: u32,
+}
+
+/// A fault armed by `hbm_double_fail_nth`.
+struct Fault {
+    call: String,
+    /// The value of the call's counter at which it fires.
+    at_count: u64,
+    code: CUresult,
+}
+
+/// Everything the double knows, behind [`STATE`].
+struct State {
+    initialized: bool,
+    capacity: u64,
+    used: [u64; DEVICE_COUNT],
+    primary_retains: [u64; DEVICE_COUNT],
+    segments: BTreeMap<CUdeviceptr, Segment>,
+    reservations: BTreeMap<CUdeviceptr, u64>,
+    next_va: u64,
+    physical: BTreeMap<CUmemGenericAllocationHandle, Physical>,
+    next_handle: u64,
+    mappings: BTreeMap<CUdeviceptr, Mapping>,
+    /// Live events: `true` while recorded work is pending.
+    events: BTreeMap<u64, bool>,
+    next_event: u64,
+    events_complete: bool,
+    calls: BTreeMap<String, u64>,
+    faults: Vec<Fault>,
+}
+
+impl State {
+    const fn new() -> Self {
+        State {
+            initialized: false,
+            capacity: DEFAULT_CAPACITY,
+            used: [0; DEVICE_COUNT],
+            primary_retains: [0; DEVICE_COUNT],
+            segments: BTreeMap::new(),
+            reservations: BTreeMap::new(),
+            next_va: VA_BASE,
+            physical: BTreeMap::new(),
+            next_handle: 0x1000,
+            mappings: BTreeMap::new(),
+            events: BTreeMap::new(),
+            next_event: EVENT_BASE,
+            events_complete: true,
+            calls: BTreeMap::new(),
+            faults: Vec::new(),
+        }
+    }
+
+    /// Counts a call of `name`; returns the injected error if one fires now.
+    fn enter(&mut self, name: &str) -> Result<(), CUresult> {
+        let count = self.calls.entry(name.to_string()).or_insert(0);
+        *count += 1;
+        let count = *count;
+        if let Some(i) = self
+            .faults
+            .iter()
+            .position(|f| f.call == name && f.at_count == count)
+        {
+            return Err(self.faults.remove(i).code);
+        }
+        Ok(())
+    }
+
+    fn require_init(&self) -> Result<(), CUresult> {
+        if self.initialized {
+            Ok(())
+        } else {
+            Err(CUDA_ERROR_NOT_INITIALIZED)
+        }
+    }
+
+    fn device(&self, ordinal: CUdevice) -> Result<usize, CUresult> {
+        self.require_init()?;
+        usize::try_from(ordinal)
+            .ok()
+            .filter(|&d| d < DEVICE_COUNT)
+            .ok_or(CUDA_ERROR_INVALID_DEVICE)
+    }
+
+    /// The device of `context` if it is a retained primary context.
+    fn context_device(&self, context: usize) -> Option<usize> {
+        let offset = context.checked_sub(CONTEXT_BASE)?;
+        let device = offset / CONTEXT_STRIDE;
+        let valid = offset % CONTEXT_STRIDE == 0
+            && device < DEVICE_COUNT
+            && self.primary_retains[device] > 0;
+        valid.then_some(device)
+    }
+
+    /// The device of the calling thread's current context.
+    fn current_device(&self) -> Result<usize, CUresult> {
+        self.require_init()?;
+        self.context_device(CURRENT_CONTEXT.with(Cell::get))
+            .ok_or(CUDA_ERROR_INVALID_CONTEXT)
+    }
+
+    fn check_capacity(&self, device: usize, size: u64) -> Result<(), CUresult> {
+        if size > self.capacity.saturating_sub(self.used[device]) {
+            Err(CUDA_ERROR_OUT_OF_MEMORY)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn complete_all_events(&mut self) {
+        for pending in self.events.values_mut() {
+            *pending = false;
+        }
+    }
+
+    fn validate_prop(&self, prop: &CUmemAllocationProp) -> Result<usize, CUresult> {
+        if prop.allocation_type != ALLOCATION_TYPE_PINNED
+            || prop.location.location_type != LOCATION_TYPE_DEVICE
+        {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        self.device(prop.location.id)
+    }
+
+    /// The reserved range holding all of `[va, va + size)`, if any.
+    fn reservation_of(&self, va: u64, size: u64) -> Option<(u64, u64)> {
+        let (&base, &len) = self.reservations.range(..=va).next_back()?;
+        (va.checked_add(size)? <= base + len).then_some((base, len))
+    }
+
+    fn overlaps_mapping(&self, va: u64, size: u64) -> bool {
+        let before = self
+            .mappings
+            .range(..va)
+            .next_back()
+            .is_some_and(|(&start, m)| start + m.size > va);
+        before || self.mappings.range(va..va + size).next().is_some()
+    }
+
+    fn live_bytes(&self) -> u64 {
+        self.used.iter().sum()
+    }
+}
+
+static STATE: Mutex<State> = Mutex::new(State::new());
+
+thread_local! {
+    /// The calling thread's current context, as in the real driver.
+    static CURRENT_CONTEXT: Cell<usize> = const { Cell::new(0) };
+}
+
+fn lock() -> MutexGuard<'static, State> {
+    // Every mutation completes before anything that could panic, so a
+    // poisoned lock still guards consistent state.
+    STATE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Runs one driver call: counts it, fires an armed fault, then runs `body`.
+/// A panic becomes `CUDA_ERROR_UNKNOWN` instead of unwinding into C.
+fn driver_call<T>(
+    name: &str,
+    body: impl FnOnce(&mut State) -> Result<T, CUresult>,
+) -> Result<T, CUresult> {
+    catch_unwind(AssertUnwindSafe(|| {
+        let mut state = lock();
+        state.enter(name)?;
+        body(&mut state)
+    }))
+    .unwrap_or(Err(CUDA_ERROR_UNKNOWN))
+}
+
+/// Runs a control function, turning a panic into `fallback`.
+fn control<T>(fallback: T, body: impl FnOnce(&mut State) -> T) -> T {
+    catch_unwind(AssertUnwindSafe(|| body(&mut lock()))).unwrap_or(fallback)
+}
+
+fn non_null<T>(ptr: *const T) -> Result<(), CUresult> {
+    if ptr.is_null() {
+        Err(CUDA_ERROR_INVALID_VALUE)
+    } else {
+        Ok(())
+    }
+}
+
+fn status(result: Result<(), CUresult>) -> CUresult {
+    result.err().unwrap_or(CUDA_SUCCESS)
+}
+
+/// Writes a successful result through `out`.
+///
+/// # Safety
+/// When `result` is `Ok`, `out` must be non-null and valid for a write of `T`.
+unsafe fn write_out<T>(out: *mut T, result: Result<T, CUresult>) -> CUresult {
+    match result {
+        Ok(value) => {
+            // SAFETY: every caller checks `out` for null inside the call body
+            // before producing `Ok`, and the C caller promises it points to
+            // writable storage for a `T` (the driver API contract).
+            unsafe { out.write_unaligned(value) };
+            CUDA_SUCCESS
+        }
+        Err(code) => code,
+    }
+}
+
+fn granular(value: u64) -> bool {
+    value != 0 && value % GRANULARITY == 0
+}
+
+// ---------------------------------------------------------------------------
+// Driver API
+// ---------------------------------------------------------------------------
+
+/// `cuInit`: fails with `CUDA_ERROR_NO_DEVICE` while `HBM_DOUBLE_NO_DEVICE=1`.
+#[no_mangle]
+pub extern "C" fn cuInit(flags: c_uint) -> CUresult {
+    status(driver_call("cuInit", |s| {
+        if flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // Read on every call, so one process can test both outcomes.
+        if std::env::var("HBM_DOUBLE_NO_DEVICE").is_ok_and(|v| v == "1") {
+            s.initialized = false;
+            return Err(CUDA_ERROR_NO_DEVICE);
+        }
+        s.initialized = true;
+        Ok(())
+    }))
+}
+
+/// `cuDeviceGetCount`.
+///
+/// # Safety
+/// `count` must be null or valid for writing an `int`.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CUresult {
+    let result = driver_call("cuDeviceGetCount", |s| {
+        non_null(count)?;
+        s.require_init()?;
+        Ok(DEVICE_COUNT as c_int)
+    });
+    // SAFETY: checked non-null above; the caller promises it is writable.
+    unsafe { write_out(count, result) }
+}
+
+/// `cuDeviceGet`.
+///
+/// # Safety
+/// `device` must be null or valid for writing a `CUdevice`.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGet(device: *mut CUdevice, ordinal: c_int) -> CUresult {
+    let result = driver_call("cuDeviceGet", |s| {
+        non_null(device)?;
+        s.device(ordinal).map(|_| ordinal)
+    });
+    // SAFETY: checked non-null above; the caller promises it is writable.
+    unsafe { write_out(device, result) }
+}
+
+/// `cuDeviceGetName`: writes a nul-terminated name, truncated to `len` bytes.
+///
+/// # Safety
+/// `name` must be null or valid for writing `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetName(
+    name: *mut c_char,
+    len: c_int,
+    device: CUdevice,
+) -> CUresult {
+    let result = driver_call("cuDeviceGetName", |s| {
+        non_null(name)?;
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|&l| l > 0)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let ordinal = s.device(device)?;
+        let mut text = format!("hbmalloc CUDA driver double, device {ordinal}").into_bytes();
+        text.truncate(len - 1);
+        text.push(0);
+        Ok(text)
+    });
+    match result {
+        Ok(text) => {
+            // SAFETY: `name` is non-null (checked above) and the caller
+            // promises `len` writable bytes; `text` has at most `len` bytes.
+            unsafe { std::ptr::copy_nonoverlapping(text.as_ptr(), name.cast::<u8>(), text.len()) };
+            CUDA_SUCCESS
+        }
+        Err(code) => code,
+    }
+}
+
+/// `cuDeviceTotalMem_v2`: the configured capacity.
+///
+/// # Safety
+/// `bytes` must be null or valid for writing a `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, device: CUdevice) -> CUresult {
+    let result = driver_call("cuDeviceTotalMem_v2", |s| {
+        non_null(bytes)?;
+        s.device(device)?;
+        Ok(s.capacity as usize)
+    });
+    // SAFETY: checked non-null above; the caller promises it is writable.
+    unsafe { write_out(bytes, result) }
+}
+
+/// `cuDeviceCanAccessPeer`: every device can access every other one.
+///
+/// # Safety
+/// `can_access` must be null or valid for writing an `int`.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceCanAccessPeer(
+    can_access: *mut c_int,
+    device: CUdevice,
+    peer: CUdevice,
+) -> CUresult {
+    let result = driver_call("cuDeviceCanAccessPeer", |s| {
+        non_null(can_access)?;
+        let (a, b) = (s.device(device)?, s.device(peer)?);
+        Ok(c_int::from(a != b))
+    });
+    // SAFETY: checked non-null above; the caller promises it is writable.
+    unsafe { write_out(can_access, result) }
+}
+
+/// `cuDevicePrimaryCtxRetain`.
+///
+/// # Safety
+/// `context` must be null or valid for writing a `CUcontext`.
+#[no_mangle]
+pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(
+    context: *mut CUcontext,
+    device: CUdevice,
+) -> CUresult {
+    let result = driver_call("cuDevicePrimaryCtxRetain", |s| {
+        non_null(context)?;
+        let d = s.device(device)?;
+        s.primary_retains[d] += 1;
+        Ok((CONTEXT_BASE + d * CONTEXT_STRIDE) as CUcontext)
+    });
+    // SAFETY: checked non-null above; the caller promises it is writable.
+    unsafe { write_out(context, result) }
+}
+
+/// `cuDevicePrimaryCtxRelease_v2`.
+#[no_mangle]
+pub extern "C" fn cuDevicePrimaryCtxRelease_v2(device: CUdevice) -> CUresult {
+    status(driver_call("cuDevicePrimaryCtxRelease_v2", |s| {
+        let d = s.device(device)?;
+        if s.primary_retains[d] == 0 {
+            return Err(CUDA_ERROR_INVALID_CONTEXT);
+        }
+        s.primary_retains[d] -= 1;
+        Ok(())
+    }))
+}
+
+/// `cuCtxSetCurrent`: null, or a retained primary context.
+#[no_mangle]
+pub extern "C" fn cuCtxSetCurrent(context: CUcontext) -> CUresult {
+    status(driver_call("cuCtxSetCurrent", |s| {
+        s.require_init()?;
+        let value = context as usize;
+        if value != 0 && s.context_device(value).is_none() {
+            return Err(CUDA_ERROR_INVALID_CONTEXT);
+        }
+        CURRENT_CONTEXT.with(|c| c.set(value));
+        Ok(())
+    }))
+}
+
+/// `cuCtxGetCurrent`.
+///
+/// # Safety
+/// `context` must be null or valid for writing a `CUcontext`.
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxGetCurrent(context: *mut CUcontext) -> CUresult {
+    let result = driver_call("cuCtxGetCurrent", |s| {
+        non_null(context)?;
+        s.require_init()?;
+        Ok(CURRENT_CONTEXT.with(Cell::get) as CUcontext)
+    });
+    // SAFETY: checked non-null above; the caller promises it is writable.
+    unsafe { write_out(context, result) }
+}
+
+/// `cuCtxSynchronize`: completes every event.
+#[no_mangle]
+pub extern "C" fn cuCtxSynchronize() -> CUresult {
+    status(driver_call("cuCtxSynchronize", |s| {
+        s.current_device()?;
+        s.complete_all_events();
+        Ok(())
+    }))
+}
+
+/// `cuMemGetInfo_v2`, for the current context's device.
+///
+/// # Safety
+/// `free` and `total` must each be null or valid for writing a `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
+    let result = driver_call("cuMemGetInfo_v2", |s| {
+        non_null(free)?;
+        non_null(total)?;
+        let d = s.current_device()?;
+        Ok((s.capacity.saturating_sub(s.used[d]), s.capacity))
+    });
+    match result {
+        Ok((free_bytes, total_bytes)) => {
+            // SAFETY: both checked non-null above; the caller promises they
+            // are writable.
+            unsafe {
+                free.write_unaligned(free_bytes as usize);
+                total.write_unaligned(total_bytes as usize);
+            }
+            CUDA_SUCCESS
+        }
+        Err(code) => code,
+    }
+}
+
+/// `cuMemAlloc_v2`: real, zeroed, 256-byte aligned host memory.
+///
+/// # Safety
+/// `dptr` must be null or valid for writing a `CUdeviceptr`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
+    let result = driver_call("cuMemAlloc_v2", |s| {
+        non_null(dptr)?;
+        let d = s.current_device()?;
+        let size = bytesize as u64;
+        if size == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        s.check_capacity(d, size)?;
+        // Zeroed allocation is lazily committed by the OS, so a large
+        // capacity costs nothing until written.
+        let buffer = vec![0u8; bytesize + SEGMENT_ALIGN as usize];
+        let start = buffer.as_ptr() as u64;
+        let ptr = start.next_multiple_of(SEGMENT_ALIGN);
+        s.segments.insert(
+            ptr,
+            Segment {
+                _buffer: buffer,
+                size,
+                device: d,
+            },
+        );
+        s.used[d] += size;
+        Ok(ptr)
+    });
+    // SAFETY: checked non-null above; the caller promises it is writable.
+    unsafe { write_out(dptr, result) }
+}
+
+/// `cuMemFree_v2`: also completes every event, as `cudaFree` synchronizes.
+#[no_mangle]
+pub extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
+    status(driver_call("cuMemFree_v2", |s| {
+        s.current_device()?;
+        let segment = s.segments.remove(&dptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        s.used[segment.device] -= segment.size;
+        s.complete_all_events();
+        Ok(())
+    }))
+}
+
+/// `cuMemGetAllocationGranularity`: 2 MiB, minimum and recommended.
+///
+/// # Safety
+/// `granularity` must be null or valid for writing a `size_t`; `prop` null
+/// or valid for reading a `CUmemAllocationProp`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetAllocationGranularity(
+    granularity: *mut usize,
+    prop: *const CUmemAllocationProp,
+    option: c_uint,
+) -> CUresult {
+    let result = driver_call("cuMemGetAllocationGranularity", |s| {
+        non_null(granularity)?;
+        non_null(prop)?;
+        // SAFETY: checked non-null above; the caller promises it points to
+        // a readable `CUmemAllocationProp`.
+        let prop = unsafe { prop.read_unaligned() };
+        s.validate_prop(&prop)?;
+        if option > 1 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        Ok(GRANULARITY as usize)
+    });
+    // SAFETY: checked non-null above; the caller promises it is writable.
+    unsafe { write_out(granularity, result) }
+}
+
+/// `cuMemAddressReserve`: a fake, never-dereferenceable address range.
+///
+/// # Safety
+/// `ptr` must be null or valid for writing a `CUdeviceptr`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAddressReserve(
+    ptr: *mut CUdeviceptr,
+    size: usize,
+    alignment: usize,
+    _addr: CUdeviceptr,
+    flags: c_ulonglong,
+) -> CUresult {
+    let result = driver_call("cuMemAddressReserve", |s| {
+        non_null(ptr)?;
+        s.require_init()?;
+        let size = size as u64;
+        let alignment = alignment as u64;
+        if !granular(size) || flags != 0 || (alignment != 0 && !alignment.is_power_of_two()) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let base = s.next_va.next_multiple_of(alignment.max(GRANULARITY));
+        // A one-granule gap keeps adjacent ranges from looking like one.
+        s.next_va = base + size + GRANULARITY;
+        s.reservations.insert(base, size);
+        Ok(base)
+    });
+    // SAFETY: checked non-null above; the caller promises it is writable.
+    unsafe { write_out(ptr, result) }
+}
+
+/// `cuMemAddressFree`: the exact range, with nothing mapped in it.
+#[no_mangle]
+pub extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUresult {
+    status(driver_call("cuMemAddressFree", |s| {
+        s.require_init()?;
+        let size = size as u64;
+        if s.reservations.get(&ptr) != Some(&size) || s.overlaps_mapping(ptr, size) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        s.reservations.remove(&ptr);
+        Ok(())
+    }))
+}
+
+/// `cuMemCreate`: physical memory backed by a host buffer.
+///
+/// # Safety
+/// `handle` must be null or valid for writing a handle; `prop` null or valid
+/// for reading a `CUmemAllocationProp`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemCreate(
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+    flags: c_ulonglong,
+) -> CUresult {
+    let result = driver_call("cuMemCreate", |s| {
+        non_null(handle)?;
+        non_null(prop)?;
+        // SAFETY: checked non-null above; the caller promises it points to
+        // a readable `CUmemAllocationProp`.
+        let prop = unsafe { prop.read_unaligned() };
+        let d = s.validate_prop(&prop)?;
+        let size64 = size as u64;
+        if !granular(size64) || flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        s.check_capacity(d, size64)?;
+        let value = s.next_handle;
+        s.next_handle += 1;
+        s.physical.insert(
+            value,
+            Physical {
+                _buffer: vec![0u8; size],
+                size: size64,
+                device: d,
+                mappings: 0,
+            },
+        );
+        s.used[d] += size64;
+        Ok(value)
+    });
+    // SAFETY: checked non-null above; the caller promises it is writable.
+    unsafe { write_out(handle, result) }
+}
+
+/// `cuMemRelease`: only once the handle is no longer mapped (the real driver
+/// defers the release instead; the double is stricter to catch leaks).
+#[no_mangle]
+pub extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
+    status(driver_call("cuMemRelease", |s| {
+        s.require_init()?;
+        match s.physical.get(&handle) {
+            None => return Err(CUDA_ERROR_INVALID_HANDLE),
+            Some(p) if p.mappings > 0 => return Err(CUDA_ERROR_INVALID_VALUE),
+            Some(_) => {}
+        }
+        if let Some(p) = s.physical.remove(&handle) {
+            s.used[p.device] -= p.size;
+        }
+        Ok(())
+    }))
+}
+
+/// `cuMemMap`: inside one reserved range, overlapping no other mapping.
+#[no_mangle]
+pub extern "C" fn cuMemMap(
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: CUmemGenericAllocationHandle,
+    flags: c_ulonglong,
+) -> CUresult {
+    status(driver_call("cuMemMap", |s| {
+        s.require_init()?;
+        let (size, offset) = (size as u64, offset as u64);
+        if flags != 0 || !granular(size) || ptr % GRANULARITY != 0 || offset % GRANULARITY != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let physical_size = s
+            .physical
+            .get(&handle)
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?
+            .size;
+        if offset
+            .checked_add(size)
+            .map_or(true, |end| end > physical_size)
+            || s.reservation_of(ptr, size).is_none()
+            || s.overlaps_mapping(ptr, size)
+        {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        s.mappings.insert(
+            ptr,
+            Mapping {
+                size,
+                handle,
+                access_mask: 0,
+            },
+        );
+        if let Some(p) = s.physical.get_mut(&handle) {
+            p.mappings += 1;
+        }
+        Ok(())
+    }))
+}
+
+/// `cuMemUnmap`: exactly one earlier mapping.
+#[no_mangle]
+pub extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
+    status(driver_call("cuMemUnmap", |s| {
+        s.require_init()?;
+        if s.mappings.get(&ptr).map(|m| m.size) != Some(size as u64) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if let Some(m) = s.mappings.remove(&ptr) {
+            if let Some(p) = s.physical.get_mut(&m.handle) {
+                p.mappings -= 1;
+            }
+        }
+        Ok(())
+    }))
+}
+
+/// `cuMemSetAccess`: the range must be exactly covered by mappings.
+///
+/// # Safety
+/// `desc` must be null or valid for reading `count` `CUmemAccessDesc`s.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemSetAccess(
+    ptr: CUdeviceptr,
+    size: usize,
+    desc: *const CUmemAccessDesc,
+    count: usize,
+) -> CUresult {
+    status(driver_call("cuMemSetAccess", |s| {
+        s.require_init()?;
+        non_null(desc)?;
+        if count == 0 || size == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: checked non-null above; the caller promises `count`
+        // readable descriptors, which are plain integers.
+        let descs = unsafe { std::slice::from_raw_parts(desc, count) }.to_vec();
+        let mut grant = 0u32;
+        let mut revoke = 0u32;
+        for d in &descs {
+            if d.location.location_type != LOCATION_TYPE_DEVICE {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            let bit = 1u32 << s.device(d.location.id)?;
+            match d.flags {
+                0 => revoke |= bit,
+                1 | 3 => grant |= bit,
+                _ => return Err(CUDA_ERROR_INVALID_VALUE),
+            }
+        }
+        // The mappings must tile [ptr, ptr + size) with no hole.
+        let end = ptr
+            .checked_add(size as u64)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let mut cursor = ptr;
+        for (&start, m) in s.mappings.range(ptr..end) {
+            if start != cursor {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            cursor = start + m.size;
+        }
+        if cursor != end {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        for (_, m) in s.mappings.range_mut(ptr..end) {
+            m.access_mask = (m.access_mask | grant) & !revoke;
+        }
+        Ok(())
+    }))
+}
+
+/// `cuEventCreate`.
+///
+/// # Safety
+/// `event` must be null or valid for writing a `CUevent`.
+#[no_mangle]
+pub unsafe extern "C" fn cuEventCreate(event: *mut CUevent, flags: c_uint) -> CUresult {
+    let result = driver_call("cuEventCreate", |s| {
+        non_null(event)?;
+        s.current_device()?;
+        if flags > 0xF {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let value = s.next_event;
+        s.next_event += 16;
+        s.events.insert(value, false);
+        Ok(value as usize as CUevent)
+    });
+    // SAFETY: checked non-null above; the caller promises it is writable.
+    unsafe { write_out(event, result) }
+}
+
+/// `cuEventRecord`: pending until completed, unless events complete at once.
+#[no_mangle]
+pub extern "C" fn cuEventRecord(event: CUevent, _stream: CUstream) -> CUresult {
+    status(driver_call("cuEventRecord", |s| {
+        s.current_device()?;
+        let pending_after_record = !s.events_complete;
+        let pending = s
+            .events
+            .get_mut(&(event as usize as u64))
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        *pending = pending_after_record;
+        Ok(())
+    }))
+}
+
+/// `cuEventQuery`: `CUDA_ERROR_NOT_READY` while pending.
+#[no_mangle]
+pub extern "C" fn cuEventQuery(event: CUevent) -> CUresult {
+    status(driver_call("cuEventQuery", |s| {
+        s.require_init()?;
+        match s.events.get(&(event as usize as u64)) {
+            None => Err(CUDA_ERROR_INVALID_HANDLE),
+            Some(true) => Err(CUDA_ERROR_NOT_READY),
+            Some(false) => Ok(()),
+        }
+    }))
+}
+
+/// `cuEventSynchronize`: the wait is simulated; the event completes.
+#[no_mangle]
+pub extern "C" fn cuEventSynchronize(event: CUevent) -> CUresult {
+    status(driver_call("cuEventSynchronize", |s| {
+        s.require_init()?;
+        let pending = s
+            .events
+            .get_mut(&(event as usize as u64))
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        *pending = false;
+        Ok(())
+    }))
+}
+
+/// `cuEventDestroy_v2`.
+#[no_mangle]
+pub extern "C" fn cuEventDestroy_v2(event: CUevent) -> CUresult {
+    status(driver_call("cuEventDestroy_v2", |s| {
+        s.require_init()?;
+        s.events
+            .remove(&(event as usize as u64))
+            .map(|_| ())
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)
+    }))
+}
+
+/// `cuGetErrorName`: the driver's name for a status code.
+///
+/// # Safety
+/// `name` must be null or valid for writing a `const char*`.
+#[no_mangle]
+pub unsafe extern "C" fn cuGetErrorName(error: CUresult, name: *mut *const c_char) -> CUresult {
+    let result = driver_call("cuGetErrorName", |_| {
+        non_null(name)?;
+        ERROR_NAMES
+            .iter()
+            .find(|(code, _)| *code == error)
+            .map(|(_, text)| text.as_ptr())
+            .ok_or(CUDA_ERROR_INVALID_VALUE)
+    });
+    // SAFETY: checked non-null above; the caller promises it is writable.
+    // The strings are `'static`, so the pointer stays valid.
+    unsafe { write_out(name, result) }
+}
+
+// ---------------------------------------------------------------------------
+// Control functions for tests
+// ---------------------------------------------------------------------------
+
+/// Forgets everything: memory, ranges, events, contexts, counts, faults;
+/// capacity back to 1 GiB, events complete at once, `cuInit` needed again.
+#[no_mangle]
+pub extern "C" fn hbm_double_reset() {
+    control((), |s| *s = State::new());
+}
+
+/// Sets each device's capacity in bytes.
+#[no_mangle]
+pub extern "C" fn hbm_double_set_capacity(bytes: u64) {
+    control((), |s| s.capacity = bytes);
+}
+
+/// Makes the `nth` call (1 = the next) of driver function `call_name` from
+/// now fail with `error_code`. Returns `CUDA_SUCCESS`, or
+/// `CUDA_ERROR_INVALID_VALUE` for a null or non-UTF-8 name or `nth == 0`.
+///
+/// # Safety
+/// `call_name` must be null or a valid nul-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn hbm_double_fail_nth(
+    call_name: *const c_char,
+    nth: u64,
+    error_code: CUresult,
+) -> CUresult {
+    if call_name.is_null() || nth == 0 {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    // SAFETY: checked non-null above; the caller promises a nul-terminated
+    // string that outlives this call.
+    let Ok(call) = unsafe { CStr::from_ptr(call_name) }.to_str() else {
+        return CUDA_ERROR_INVALID_VALUE;
+    };
+    control(CUDA_ERROR_UNKNOWN, |s| {
+        let seen = s.calls.get(call).copied().unwrap_or(0);
+        s.faults.push(Fault {
+            call: call.to_string(),
+            at_count: seen + nth,
+            code: error_code,
+        });
+        CUDA_SUCCESS
+    })
+}
+
+/// With `true` (the default), recorded events complete at once; with
+/// `false`, they stay pending until completed or synchronized.
+#[no_mangle]
+pub extern "C" fn hbm_double_set_events_complete(complete: bool) {
+    control((), |s| s.events_complete = complete);
+}
+
+/// Completes every pending event.
+#[no_mangle]
+pub extern "C" fn hbm_double_complete_all_events() {
+    control((), State::complete_all_events);
+}
+
+/// Calls of driver function `call_name` since the last reset (0 for null).
+///
+/// # Safety
+/// `call_name` must be null or a valid nul-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn hbm_double_call_count(call_name: *const c_char) -> u64 {
+    if call_name.is_null() {
+        return 0;
+    }
+    // SAFETY: checked non-null above; the caller promises a nul-terminated
+    // string that outlives this call.
+    let name = unsafe { CStr::from_ptr(call_name) }.to_string_lossy();
+    control(0, |s| s.calls.get(name.as_ref()).copied().unwrap_or(0))
+}
+
+/// Bytes held by segments and physical memory on all devices.
+#[no_mangle]
+pub extern "C" fn hbm_double_live_bytes() -> u64 {
+    control(0, |s| s.live_bytes())
+}
+
+/// Events created and not yet destroyed.
+#[no_mangle]
+pub extern "C" fn hbm_double_live_events() -> u64 {
+    control(0, |s| s.events.len() as u64)
+}
+
+/// Outstanding `cuDevicePrimaryCtxRetain`s of `device` (0 for a bad ordinal).
+#[no_mangle]
+pub extern "C" fn hbm_double_primary_context_retains(device: c_int) -> u64 {
+    control(0, |s| {
+        usize::try_from(device)
+            .ok()
+            .and_then(|d| s.primary_retains.get(d).copied())
+            .unwrap_or(0)
+    })
+}
+
+/// Bit `d` set when device `d` may access the mapping starting at `va`
+/// (0 when there is no mapping there).
+#[no_mangle]
+pub extern "C" fn hbm_double_access_mask(va: u64) -> u32 {
+    control(0, |s| s.mappings.get(&va).map_or(0, |m| m.access_mask))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_match_cuda_h() {
+        assert_eq!(std::mem::size_of::<CUmemLocation>(), 8);
+        assert_eq!(std::mem::size_of::<CUmemAccessDesc>(), 12);
+        assert_eq!(std::mem::size_of::<CUmemAllocationProp>(), 32);
+        assert_eq!(std::mem::offset_of!(CUmemAllocationProp, location), 8);
+        assert_eq!(
+            std::mem::offset_of!(CUmemAllocationProp, win32_handle_meta_data),
+            16
+        );
+        assert_eq!(std::mem::offset_of!(CUmemAllocationProp, alloc_flags), 24);
+    }
+
+    #[test]
+    fn error_names_are_unique() {
+        for (i, (code, _)) in ERROR_NAMES.iter().enumerate() {
+            assert!(ERROR_NAMES[i + 1..].iter().all(|(c, _)| c != code));
+        }
+    }
+}

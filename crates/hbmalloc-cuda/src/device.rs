@@ -1,0 +1,476 @@
+//! `CudaDevice`: [`hbmalloc::Device`] over the CUDA driver API.
+//!
+//! No `unsafe` here: every driver call goes through `CudaDriver`'s wrappers.
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use hbmalloc::{
+    CallCounts, CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId,
+    MemoryInfo, PhysicalHandle, StreamId,
+};
+
+use crate::driver::{CuContext, CuError, CuEvent, CudaDriver};
+use crate::ffi::{CUdevice, CUDA_ERROR_NOT_SUPPORTED};
+use crate::SETUP_CALL_KIND;
+
+/// Events handed out by `record_event` and the pool they return to.
+#[derive(Debug, Default)]
+struct EventTable {
+    /// Completed events, ready to record again. Creating an event costs a
+    /// driver call; the engine records one per cross-stream free.
+    free: Vec<CuEvent>,
+    /// Recorded and not yet retired.
+    recorded: HashMap<u64, CuEvent>,
+    next_id: u64,
+}
+
+/// One CUDA device, driven through its primary context (the context the
+/// CUDA runtime and PyTorch use, so pointers are interchangeable with them).
+///
+/// Every call makes the primary context current on the calling thread first
+/// (one `cuCtxGetCurrent`, plus a `cuCtxSetCurrent` only when another
+/// context is current; that other context is restored afterwards).
+///
+/// Dropping it destroys its pooled events and releases the primary context.
+#[derive(Debug)]
+pub struct CudaDevice {
+    driver: Arc<CudaDriver>,
+    ordinal: i32,
+    device: CUdevice,
+    context: CuContext,
+    name: String,
+    total_bytes: u64,
+    granularity: Option<u64>,
+    /// Ordinals granted access by `set_access`: this device, then every
+    /// peer that can access its memory.
+    access_ordinals: Vec<i32>,
+    events: Mutex<EventTable>,
+    /// `Device` calls made, by kind (indexed like `CallKind::ALL`).
+    calls: [AtomicU64; CallKind::ALL.len()],
+}
+
+/// Makes a device's context current for one call; restores the thread's
+/// previous context on drop if it was a different, non-null one.
+struct ContextGuard<'a> {
+    driver: &'a CudaDriver,
+    restore: Option<CuContext>,
+}
+
+impl Drop for ContextGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(previous) = self.restore {
+            // Nothing to report to: the call itself already succeeded or
+            // failed, and a stale current context is repaired by the next
+            // guard on this thread.
+            let _ = self.driver.ctx_set_current(previous);
+        }
+    }
+}
+
+impl CudaDevice {
+    /// Opens device `device_ordinal`: `cuInit(0)`, checks the ordinal against
+    /// `cuDeviceGetCount`, retains the primary context, queries the name,
+    /// memory, VMM granularity and peers.
+    ///
+    /// Errors carry [`SETUP_CALL_KIND`] and name the failing driver function
+    /// in their detail.
+    pub fn new(driver: Arc<CudaDriver>, device_ordinal: i32) -> Result<Self, DeviceError> {
+        let setup = |e: CuError, context: &str| {
+            DeviceError::new(
+                SETUP_CALL_KIND,
+                driver.error_kind(e.code),
+                driver.describe(e, context),
+            )
+        };
+        driver.init().map_err(|e| setup(e, ""))?;
+        let count = driver.get_device_count().map_err(|e| setup(e, ""))?;
+        if !(0..count).contains(&device_ordinal) {
+            return Err(DeviceError::new(
+                SETUP_CALL_KIND,
+                DeviceErrorKind::Driver("CUDA_ERROR_INVALID_DEVICE".into()),
+                format!(
+                    "CUDA device ordinal {device_ordinal} is out of range: the driver sees {count} device(s)"
+                ),
+            ));
+        }
+        let for_device = format!("device {device_ordinal}");
+        let device = driver
+            .device_get(device_ordinal)
+            .map_err(|e| setup(e, &for_device))?;
+        let name = driver
+            .device_name(device)
+            .map_err(|e| setup(e, &for_device))?;
+        let total_bytes = driver
+            .device_total_mem(device)
+            .map_err(|e| setup(e, &for_device))?;
+        let context = driver
+            .primary_ctx_retain(device)
+            .map_err(|e| setup(e, &for_device))?;
+        // From here on `Drop` releases the context if a later step fails.
+        let mut cuda = CudaDevice {
+            driver: Arc::clone(&driver),
+            ordinal: device_ordinal,
+            device,
+            context,
+            name,
+            total_bytes,
+            granularity: None,
+            access_ordinals: vec![device_ordinal],
+            events: Mutex::new(EventTable::default()),
+            calls: std::array::from_fn(|_| AtomicU64::new(0)),
+        };
+        let granularity = {
+            let _current = cuda.make_current(SETUP_CALL_KIND)?;
+            match driver.mem_get_allocation_granularity(device_ordinal) {
+                Ok(g) if g > 0 => Some(g),
+                // No virtual-memory API on this device or driver.
+                Ok(_) => None,
+                Err(e) if e.code == CUDA_ERROR_NOT_SUPPORTED => None,
+                Err(e) => return Err(setup(e, &for_device)),
+            }
+        };
+        cuda.granularity = granularity;
+        for peer_ordinal in (0..count).filter(|&p| p != device_ordinal) {
+            let for_peer = format!("peer {peer_ordinal} of device {device_ordinal}");
+            let peer = driver
+                .device_get(peer_ordinal)
+                .map_err(|e| setup(e, &for_peer))?;
+            if driver
+                .can_access_peer(peer, device)
+                .map_err(|e| setup(e, &for_peer))?
+            {
+                cuda.access_ordinals.push(peer_ordinal);
+            }
+        }
+        Ok(cuda)
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// Total device memory (`cuDeviceTotalMem`).
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+
+    /// The devices that `set_access` grants access to: this one first, then
+    /// every peer that `cuDeviceCanAccessPeer` says can access its memory.
+    pub fn access_ordinals(&self) -> &[i32] {
+        &self.access_ordinals
+    }
+
+    /// The driver this device uses.
+    pub fn driver(&self) -> &Arc<CudaDriver> {
+        &self.driver
+    }
+
+    /// Events in the pool, ready for reuse without a `cuEventCreate`.
+    pub fn pooled_events(&self) -> usize {
+        self.lock_events().free.len()
+    }
+
+    /// `Device` calls made so far, by kind, failed ones included (like
+    /// `SimDevice::call_counts`; `simulated_ns` stays 0).
+    pub fn call_counts(&self) -> CallCounts {
+        let mut counts = CallCounts::default();
+        for (slot, count) in counts.by_kind.iter_mut().zip(&self.calls) {
+            *slot = count.load(Ordering::Relaxed);
+        }
+        counts
+    }
+
+    fn count(&self, call: CallKind) {
+        self.calls[call as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn lock_events(&self) -> MutexGuard<'_, EventTable> {
+        // The table is updated in single steps that cannot panic halfway,
+        // so a poisoned lock still guards a consistent table.
+        self.events.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn error(&self, call: CallKind, e: CuError, context: &str) -> DeviceError {
+        DeviceError::new(
+            call,
+            self.driver.error_kind(e.code),
+            self.driver.describe(e, context),
+        )
+    }
+
+    fn make_current(&self, call: CallKind) -> DeviceResult<ContextGuard<'_>> {
+        let previous = self
+            .driver
+            .ctx_get_current()
+            .map_err(|e| self.error(call, e, ""))?;
+        if previous == self.context {
+            return Ok(ContextGuard {
+                driver: &self.driver,
+                restore: None,
+            });
+        }
+        self.driver
+            .ctx_set_current(self.context)
+            .map_err(|e| self.error(call, e, ""))?;
+        Ok(ContextGuard {
+            driver: &self.driver,
+            // A thread with no context keeps ours, as the CUDA runtime does:
+            // the next call then needs no switch at all.
+            restore: (!previous.is_null()).then_some(previous),
+        })
+    }
+
+    fn require_vmm(&self, call: CallKind) -> DeviceResult<()> {
+        match self.granularity {
+            Some(_) => Ok(()),
+            None => Err(DeviceError::new(
+                call,
+                DeviceErrorKind::Unsupported,
+                format!("device {} has no virtual-memory API", self.ordinal),
+            )),
+        }
+    }
+
+    fn size_arg(call: CallKind, size: u64) -> DeviceResult<usize> {
+        usize::try_from(size).map_err(|_| {
+            DeviceError::new(
+                call,
+                DeviceErrorKind::Driver("CUDA_ERROR_INVALID_VALUE".into()),
+                format!("size {size} does not fit in size_t"),
+            )
+        })
+    }
+
+    fn unknown_event(call: CallKind, event: EventId) -> DeviceError {
+        DeviceError::new(
+            call,
+            DeviceErrorKind::Driver("CUDA_ERROR_INVALID_HANDLE".into()),
+            format!("event {} was never recorded or is already retired", event.0),
+        )
+    }
+}
+
+impl Device for CudaDevice {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn memory_info(&self) -> DeviceResult<MemoryInfo> {
+        let call = CallKind::MemoryInfo;
+        self.count(call);
+        let _current = self.make_current(call)?;
+        let (free_bytes, total_bytes) = self
+            .driver
+            .mem_get_info()
+            .map_err(|e| self.error(call, e, ""))?;
+        Ok(MemoryInfo {
+            free_bytes,
+            total_bytes,
+        })
+    }
+
+    fn segment_alloc(&self, size: u64) -> DeviceResult<DevicePtr> {
+        let call = CallKind::SegmentAlloc;
+        self.count(call);
+        let bytes = CudaDevice::size_arg(call, size)?;
+        let _current = self.make_current(call)?;
+        self.driver
+            .mem_alloc(bytes)
+            .map_err(|e| self.error(call, e, &format!("size {size}")))
+    }
+
+    fn segment_free(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
+        let call = CallKind::SegmentFree;
+        self.count(call);
+        let _current = self.make_current(call)?;
+        self.driver
+            .mem_free(ptr)
+            .map_err(|e| self.error(call, e, &format!("segment {ptr:#x} of {size} bytes")))
+    }
+
+    fn granularity(&self) -> Option<u64> {
+        self.granularity
+    }
+
+    fn address_reserve(&self, size: u64) -> DeviceResult<DevicePtr> {
+        let call = CallKind::AddressReserve;
+        self.count(call);
+        self.require_vmm(call)?;
+        let bytes = CudaDevice::size_arg(call, size)?;
+        let _current = self.make_current(call)?;
+        self.driver
+            .mem_address_reserve(bytes)
+            .map_err(|e| self.error(call, e, &format!("size {size}")))
+    }
+
+    fn address_free(&self, base: DevicePtr, size: u64) -> DeviceResult<()> {
+        let call = CallKind::AddressFree;
+        self.count(call);
+        self.require_vmm(call)?;
+        let bytes = CudaDevice::size_arg(call, size)?;
+        let _current = self.make_current(call)?;
+        self.driver
+            .mem_address_free(base, bytes)
+            .map_err(|e| self.error(call, e, &format!("range {base:#x}+{size}")))
+    }
+
+    fn physical_create(&self, size: u64) -> DeviceResult<PhysicalHandle> {
+        let call = CallKind::PhysicalCreate;
+        self.count(call);
+        self.require_vmm(call)?;
+        let bytes = CudaDevice::size_arg(call, size)?;
+        let _current = self.make_current(call)?;
+        self.driver
+            .mem_create(bytes, self.ordinal)
+            .map(PhysicalHandle)
+            .map_err(|e| self.error(call, e, &format!("size {size}")))
+    }
+
+    fn physical_release(&self, handle: PhysicalHandle) -> DeviceResult<()> {
+        let call = CallKind::PhysicalRelease;
+        self.count(call);
+        self.require_vmm(call)?;
+        let _current = self.make_current(call)?;
+        self.driver
+            .mem_release(handle.0)
+            .map_err(|e| self.error(call, e, &format!("handle {:#x}", handle.0)))
+    }
+
+    fn map(&self, va: DevicePtr, size: u64, handle: PhysicalHandle) -> DeviceResult<()> {
+        let call = CallKind::Map;
+        self.count(call);
+        self.require_vmm(call)?;
+        let bytes = CudaDevice::size_arg(call, size)?;
+        let _current = self.make_current(call)?;
+        self.driver.mem_map(va, bytes, handle.0).map_err(|e| {
+            self.error(
+                call,
+                e,
+                &format!("handle {:#x} at {va:#x}+{size}", handle.0),
+            )
+        })
+    }
+
+    fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
+        let call = CallKind::SetAccess;
+        self.count(call);
+        self.require_vmm(call)?;
+        let bytes = CudaDevice::size_arg(call, size)?;
+        let _current = self.make_current(call)?;
+        self.driver
+            .mem_set_access(va, bytes, &self.access_ordinals)
+            .map_err(|e| {
+                self.error(
+                    call,
+                    e,
+                    &format!("{va:#x}+{size} for devices {:?}", self.access_ordinals),
+                )
+            })
+    }
+
+    fn unmap(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
+        let call = CallKind::Unmap;
+        self.count(call);
+        self.require_vmm(call)?;
+        let bytes = CudaDevice::size_arg(call, size)?;
+        let _current = self.make_current(call)?;
+        self.driver
+            .mem_unmap(va, bytes)
+            .map_err(|e| self.error(call, e, &format!("{va:#x}+{size}")))
+    }
+
+    fn record_event(&self, stream: StreamId) -> DeviceResult<EventId> {
+        let call = CallKind::EventRecord;
+        self.count(call);
+        let _current = self.make_current(call)?;
+        let mut table = self.lock_events();
+        let event = match table.free.pop() {
+            Some(event) => event,
+            None => self
+                .driver
+                .event_create()
+                .map_err(|e| self.error(call, e, ""))?,
+        };
+        if let Err(e) = self.driver.event_record(event, stream.0) {
+            table.free.push(event);
+            return Err(self.error(call, e, &format!("stream {:#x}", stream.0)));
+        }
+        table.next_id += 1;
+        let id = table.next_id;
+        table.recorded.insert(id, event);
+        Ok(EventId(id))
+    }
+
+    fn query_event(&self, event: EventId) -> DeviceResult<bool> {
+        let call = CallKind::EventQuery;
+        self.count(call);
+        // Held across the query so two threads cannot retire one event twice;
+        // cuEventQuery does not block.
+        let mut table = self.lock_events();
+        let Some(&cu_event) = table.recorded.get(&event.0) else {
+            return Err(CudaDevice::unknown_event(call, event));
+        };
+        let done = self
+            .driver
+            .event_query(cu_event)
+            .map_err(|e| self.error(call, e, &format!("event {}", event.0)))?;
+        if done {
+            table.recorded.remove(&event.0);
+            table.free.push(cu_event);
+        }
+        Ok(done)
+    }
+
+    fn synchronize_event(&self, event: EventId) -> DeviceResult<()> {
+        let call = CallKind::EventSynchronize;
+        self.count(call);
+        // Taken out of the table so the lock is not held while blocking.
+        let Some(cu_event) = self.lock_events().recorded.remove(&event.0) else {
+            return Err(CudaDevice::unknown_event(call, event));
+        };
+        match self.driver.event_synchronize(cu_event) {
+            Ok(()) => {
+                self.lock_events().free.push(cu_event);
+                Ok(())
+            }
+            Err(e) => {
+                // Not retired: the caller may query or wait again.
+                self.lock_events().recorded.insert(event.0, cu_event);
+                Err(self.error(call, e, &format!("event {}", event.0)))
+            }
+        }
+    }
+
+    fn synchronize_device(&self) -> DeviceResult<()> {
+        let call = CallKind::DeviceSynchronize;
+        self.count(call);
+        let _current = self.make_current(call)?;
+        self.driver
+            .ctx_synchronize()
+            .map_err(|e| self.error(call, e, ""))
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // Errors cannot be reported from drop; each step is independent, so
+        // a failure in one still lets the others run.
+        let table = std::mem::take(self.events.get_mut().unwrap_or_else(|e| e.into_inner()));
+        let current = self.make_current(SETUP_CALL_KIND);
+        for event in table.free.into_iter().chain(table.recorded.into_values()) {
+            // A still-pending event may be destroyed: the driver frees it
+            // once its work completes.
+            let _ = self.driver.event_destroy(event);
+        }
+        drop(current);
+        let _ = self.driver.primary_ctx_release(self.device);
+        // Don't leave a released context current on this thread.
+        if self.driver.ctx_get_current() == Ok(self.context) {
+            let _ = self.driver.ctx_set_current(CuContext::NULL);
+        }
+    }
+}

@@ -1,0 +1,59 @@
+//! `hbmalloc-cuda`: the CUDA backend of hbmalloc.
+//!
+//! [`CudaDevice`] implements [`hbmalloc::Device`] over the CUDA driver API.
+//! The driver library is loaded at run time by [`CudaDriver`], so building
+//! and testing this crate never needs CUDA; on a machine without a driver,
+//! loading fails with [`hbmalloc::DeviceErrorKind::NoDriver`] and a message
+//! saying what was tried.
+//!
+//! ```no_run
+//! use hbmalloc::Device;
+//! use hbmalloc_cuda::{CudaDevice, CudaDriver};
+//!
+//! let driver = CudaDriver::load()?;
+//! let device = CudaDevice::new(driver, 0)?;
+//! let ptr = device.segment_alloc(1 << 20)?;
+//! device.segment_free(ptr, 1 << 20)?;
+//! # Ok::<(), hbmalloc::DeviceError>(())
+//! ```
+//!
+//! Tests run against `cuda-driver-double`, a stand-in for `libcuda` built
+//! from this workspace; `cargo run -p hbmalloc-cuda --example driver_check`
+//! runs [`exercise::exercise_device`] on a real GPU.
+
+mod device;
+mod driver;
+pub mod exercise;
+mod ffi;
+
+pub use device::CudaDevice;
+pub use driver::{CudaDriver, DEFAULT_DRIVER_NAMES, DRIVER_PATH_ENV, DRIVER_SYMBOLS};
+
+use hbmalloc::CallKind;
+
+/// The [`CallKind`] carried by errors from loading the driver and opening a
+/// device (`cuInit`, `cuDeviceGet`, `cuDevicePrimaryCtxRetain`, ...).
+///
+/// `CallKind` has no variant for setup, so these use the trait's only
+/// query-only kind; the error's `detail` names the actual driver function.
+pub const SETUP_CALL_KIND: CallKind = CallKind::MemoryInfo;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_device_is_send_and_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<CudaDevice>();
+        assert_send_sync::<CudaDriver>();
+    }
+
+    #[test]
+    fn every_symbol_is_listed_once() {
+        assert_eq!(DRIVER_SYMBOLS.len(), 28);
+        for (i, name) in DRIVER_SYMBOLS.iter().enumerate() {
+            assert!(!DRIVER_SYMBOLS[i + 1..].contains(name), "{name} twice");
+        }
+    }
+}

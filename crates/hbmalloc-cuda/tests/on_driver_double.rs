@@ -1,0 +1,579 @@
+//! `CudaDevice` against `cuda-driver-double`, the host-memory stand-in for
+//! libcuda: every code path of the backend, with no GPU and no CUDA.
+
+mod support;
+
+use std::sync::Arc;
+
+use hbmalloc::{
+    CallKind, Device, DeviceErrorKind, DeviceResult, PhysicalHandle, SimDevice, StreamId,
+};
+use hbmalloc_cuda::exercise::exercise_device;
+use hbmalloc_cuda::{CudaDevice, CudaDriver, DRIVER_PATH_ENV, SETUP_CALL_KIND};
+use support::{double_path, exclusive};
+
+const MIB: u64 = 1 << 20;
+const GRANULE: u64 = 2 * MIB;
+const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
+const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
+/// Injected where a test needs an error no natural path produces.
+const CUDA_ERROR_ILLEGAL_ADDRESS: i32 = 700;
+
+fn driver() -> Arc<CudaDriver> {
+    CudaDriver::load_from(double_path()).expect("the double loads as a driver")
+}
+
+fn open(ordinal: i32) -> CudaDevice {
+    CudaDevice::new(driver(), ordinal).expect("the double has devices 0 and 1")
+}
+
+fn driver_error(name: &str) -> DeviceErrorKind {
+    DeviceErrorKind::Driver(name.to_string())
+}
+
+#[test]
+fn loading_a_nonexistent_path_is_no_driver_with_a_clear_message() {
+    let _serial = exclusive();
+    let err = CudaDriver::load_from("/nonexistent/libcuda.so.1").unwrap_err();
+    assert_eq!(err.kind, DeviceErrorKind::NoDriver);
+    assert!(
+        err.detail.contains("/nonexistent/libcuda.so.1") && err.detail.contains("cannot load"),
+        "{}",
+        err.detail
+    );
+    assert!(err.to_string().contains("no driver present"), "{err}");
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[test]
+fn loading_a_library_without_the_driver_symbols_is_no_driver() {
+    let _serial = exclusive();
+    // The C library loads but is no CUDA driver.
+    let err = CudaDriver::load_from("libc.so.6").unwrap_err();
+    assert_eq!(err.kind, DeviceErrorKind::NoDriver);
+    assert!(err.detail.contains("lacks symbol cuInit"), "{}", err.detail);
+}
+
+#[test]
+fn load_follows_the_driver_path_env_var() {
+    let _serial = exclusive();
+    std::env::set_var(DRIVER_PATH_ENV, double_path());
+    let driver = CudaDriver::load().expect("loads the double named by the env var");
+    assert_eq!(driver.path(), double_path().display().to_string());
+    assert_eq!(driver.device_count(), Ok(2));
+    std::env::set_var(DRIVER_PATH_ENV, "/nonexistent/driver.so");
+    let err = CudaDriver::load().unwrap_err();
+    assert_eq!(err.kind, DeviceErrorKind::NoDriver);
+    assert!(
+        err.detail.contains("/nonexistent/driver.so"),
+        "{}",
+        err.detail
+    );
+    std::env::remove_var(DRIVER_PATH_ENV);
+}
+
+#[test]
+fn segment_round_trip_through_real_bytes() {
+    let (_serial, double) = exclusive();
+    let dev = open(0);
+    let size = 3 * MIB + 123;
+    let ptr = dev.segment_alloc(size).unwrap();
+    assert_ne!(ptr, 0);
+    assert_eq!(ptr % 256, 0);
+    assert_eq!(double.live_bytes(), size);
+    let bytes = ptr as usize as *mut u8;
+    for i in 0..size as usize {
+        // SAFETY: the double backs segments with host memory of `size`
+        // bytes at `ptr`, live until the segment_free below.
+        unsafe { bytes.add(i).write((i % 251) as u8) };
+    }
+    for i in (0..size as usize).step_by(4099) {
+        // SAFETY: as above.
+        assert_eq!(unsafe { bytes.add(i).read() }, (i % 251) as u8);
+    }
+    dev.segment_free(ptr, size).unwrap();
+    assert_eq!(double.live_bytes(), 0);
+    let err = dev.segment_free(ptr, size).unwrap_err();
+    assert_eq!(err.call, CallKind::SegmentFree);
+    assert_eq!(err.kind, driver_error("CUDA_ERROR_INVALID_VALUE"));
+    assert_eq!(double.call_count("cuMemAlloc_v2"), 1);
+    assert_eq!(double.call_count("cuMemFree_v2"), 2);
+}
+
+#[test]
+fn granularity_is_the_drivers_2_mib() {
+    let (_serial, double) = exclusive();
+    assert_eq!(open(0).granularity(), Some(GRANULE));
+    assert_eq!(double.call_count("cuMemGetAllocationGranularity"), 1);
+}
+
+#[test]
+fn vmm_reserve_create_map_set_access_unmap_release() {
+    let (_serial, double) = exclusive();
+    let dev = open(0);
+    assert_eq!(dev.access_ordinals(), &[0, 1], "device 1 is a peer");
+    let base = dev.address_reserve(8 * GRANULE).unwrap();
+    assert_eq!(base % GRANULE, 0);
+    let a = dev.physical_create(2 * GRANULE).unwrap();
+    let b = dev.physical_create(GRANULE).unwrap();
+    assert_eq!(double.live_bytes(), 3 * GRANULE);
+
+    dev.map(base, 2 * GRANULE, a).unwrap();
+    dev.set_access(base, 2 * GRANULE).unwrap();
+    assert_eq!(double.access_mask(base), 0b11, "itself and its peer");
+    let invalid = driver_error("CUDA_ERROR_INVALID_VALUE");
+    // Overlap, outside the reservation, partial unmap, busy release/free.
+    assert_eq!(
+        dev.map(base + GRANULE, GRANULE, b).unwrap_err().kind,
+        invalid
+    );
+    assert_eq!(
+        dev.map(base + 8 * GRANULE, GRANULE, b).unwrap_err().kind,
+        invalid
+    );
+    assert_eq!(dev.set_access(base, 3 * GRANULE).unwrap_err().kind, invalid);
+    dev.map(base + 2 * GRANULE, GRANULE, b).unwrap();
+    dev.set_access(base, 3 * GRANULE).unwrap();
+    assert_eq!(dev.unmap(base, GRANULE).unwrap_err().kind, invalid);
+    let busy = dev.physical_release(a).unwrap_err();
+    assert_eq!(
+        (busy.call, busy.kind),
+        (CallKind::PhysicalRelease, invalid.clone())
+    );
+    let busy = dev.address_free(base, 8 * GRANULE).unwrap_err();
+    assert_eq!(
+        (busy.call, busy.kind),
+        (CallKind::AddressFree, invalid.clone())
+    );
+
+    dev.unmap(base, 2 * GRANULE).unwrap();
+    dev.unmap(base + 2 * GRANULE, GRANULE).unwrap();
+    assert_eq!(double.access_mask(base), 0);
+    dev.physical_release(a).unwrap();
+    dev.physical_release(b).unwrap();
+    dev.address_free(base, 8 * GRANULE).unwrap();
+    assert_eq!(double.live_bytes(), 0);
+    let gone = dev.physical_release(PhysicalHandle(a.0)).unwrap_err();
+    assert_eq!(gone.kind, driver_error("CUDA_ERROR_INVALID_HANDLE"));
+    assert_eq!(double.call_count("cuMemSetAccess"), 3);
+}
+
+#[test]
+fn events_are_not_ready_then_ready_and_pooled() {
+    let (_serial, double) = exclusive();
+    double.set_events_complete(false);
+    let dev = open(0);
+    let first = dev.record_event(StreamId(0)).unwrap();
+    assert_eq!(dev.query_event(first), Ok(false));
+    assert_eq!(dev.query_event(first), Ok(false));
+    double.complete_all_events();
+    assert_eq!(dev.query_event(first), Ok(true));
+    let retired = dev.query_event(first).unwrap_err();
+    assert_eq!(retired.call, CallKind::EventQuery);
+    assert_eq!(dev.pooled_events(), 1);
+
+    // The completed CUevent is reused: no second cuEventCreate.
+    let second = dev.record_event(StreamId(0x7f00_1234)).unwrap();
+    assert_ne!(second, first);
+    assert_eq!(double.call_count("cuEventCreate"), 1);
+    assert_eq!(dev.query_event(second), Ok(false));
+    dev.synchronize_event(second).unwrap();
+    assert_eq!(dev.pooled_events(), 1);
+    assert_eq!(
+        dev.synchronize_event(second).unwrap_err().call,
+        CallKind::EventSynchronize
+    );
+
+    // Device synchronization completes pending events.
+    let third = dev.record_event(StreamId(0)).unwrap();
+    let fourth = dev.record_event(StreamId(0)).unwrap();
+    assert_eq!(double.call_count("cuEventCreate"), 2);
+    dev.synchronize_device().unwrap();
+    assert_eq!(dev.query_event(third), Ok(true));
+    assert_eq!(dev.query_event(fourth), Ok(true));
+    assert_eq!(double.live_events(), 2);
+    let _pending = dev.record_event(StreamId(0)).unwrap();
+    drop(dev);
+    assert_eq!(
+        double.live_events(),
+        0,
+        "drop destroys pooled and pending events"
+    );
+    assert_eq!(
+        double.primary_context_retains(0),
+        0,
+        "drop releases the context"
+    );
+}
+
+#[test]
+fn memory_info_follows_allocations_per_device() {
+    let (_serial, double) = exclusive();
+    double.set_capacity(256 * MIB);
+    let zero = open(0);
+    let one = open(1);
+    assert_eq!(zero.total_bytes(), 256 * MIB);
+    assert!(zero.name().contains("device 0"), "{}", zero.name());
+    let ptr = zero.segment_alloc(64 * MIB).unwrap();
+    let info = zero.memory_info().unwrap();
+    assert_eq!((info.free_bytes, info.total_bytes), (192 * MIB, 256 * MIB));
+    // Switching contexts: device 1's call runs in device 1's context.
+    assert_eq!(one.memory_info().unwrap().free_bytes, 256 * MIB);
+    assert_eq!(zero.memory_info().unwrap().free_bytes, 192 * MIB);
+    zero.segment_free(ptr, 64 * MIB).unwrap();
+    assert_eq!(zero.memory_info().unwrap().free_bytes, 256 * MIB);
+}
+
+#[test]
+fn out_of_memory_maps_to_out_of_memory() {
+    let (_serial, double) = exclusive();
+    double.set_capacity(8 * MIB);
+    let dev = open(0);
+    let err = dev.segment_alloc(16 * MIB).unwrap_err();
+    assert_eq!(err.call, CallKind::SegmentAlloc);
+    assert!(err.is_out_of_memory(), "{err}");
+    assert!(err.detail.contains("cuMemAlloc_v2"), "{}", err.detail);
+    let err = dev.physical_create(5 * GRANULE).unwrap_err();
+    assert_eq!(err.call, CallKind::PhysicalCreate);
+    assert!(err.is_out_of_memory(), "{err}");
+    // An injected CUDA_ERROR_OUT_OF_MEMORY is out-of-memory too.
+    double.fail_nth("cuMemAddressReserve", 1, CUDA_ERROR_OUT_OF_MEMORY);
+    assert!(dev.address_reserve(GRANULE).unwrap_err().is_out_of_memory());
+}
+
+/// One driver call the device makes while running, and how to reach it:
+/// `run` does any setup, calls `arm` (which arms the fault), then the call.
+struct RuntimeCase {
+    symbol: &'static str,
+    call: CallKind,
+    run: fn(&CudaDevice, &dyn Fn()) -> DeviceResult<()>,
+}
+
+fn runtime_cases() -> Vec<RuntimeCase> {
+    fn mapped(dev: &CudaDevice) -> u64 {
+        let base = dev.address_reserve(GRANULE).unwrap();
+        let handle = dev.physical_create(GRANULE).unwrap();
+        dev.map(base, GRANULE, handle).unwrap();
+        base
+    }
+    vec![
+        RuntimeCase {
+            symbol: "cuMemAlloc_v2",
+            call: CallKind::SegmentAlloc,
+            run: |dev, arm| {
+                arm();
+                dev.segment_alloc(MIB).map(drop)
+            },
+        },
+        RuntimeCase {
+            symbol: "cuMemFree_v2",
+            call: CallKind::SegmentFree,
+            run: |dev, arm| {
+                let ptr = dev.segment_alloc(MIB)?;
+                arm();
+                dev.segment_free(ptr, MIB)
+            },
+        },
+        RuntimeCase {
+            symbol: "cuMemGetInfo_v2",
+            call: CallKind::MemoryInfo,
+            run: |dev, arm| {
+                arm();
+                dev.memory_info().map(drop)
+            },
+        },
+        RuntimeCase {
+            symbol: "cuCtxSynchronize",
+            call: CallKind::DeviceSynchronize,
+            run: |dev, arm| {
+                arm();
+                dev.synchronize_device()
+            },
+        },
+        RuntimeCase {
+            symbol: "cuCtxGetCurrent",
+            call: CallKind::SegmentAlloc,
+            run: |dev, arm| {
+                arm();
+                dev.segment_alloc(MIB).map(drop)
+            },
+        },
+        RuntimeCase {
+            symbol: "cuCtxSetCurrent",
+            call: CallKind::MemoryInfo,
+            run: |dev, arm| {
+                arm();
+                // A fresh thread has no current context, so the device
+                // must set its own.
+                std::thread::scope(|s| s.spawn(|| dev.memory_info().map(drop)).join())
+                    .expect("no panic")
+            },
+        },
+        RuntimeCase {
+            symbol: "cuMemAddressReserve",
+            call: CallKind::AddressReserve,
+            run: |dev, arm| {
+                arm();
+                dev.address_reserve(GRANULE).map(drop)
+            },
+        },
+        RuntimeCase {
+            symbol: "cuMemAddressFree",
+            call: CallKind::AddressFree,
+            run: |dev, arm| {
+                let base = dev.address_reserve(GRANULE)?;
+                arm();
+                dev.address_free(base, GRANULE)
+            },
+        },
+        RuntimeCase {
+            symbol: "cuMemCreate",
+            call: CallKind::PhysicalCreate,
+            run: |dev, arm| {
+                arm();
+                dev.physical_create(GRANULE).map(drop)
+            },
+        },
+        RuntimeCase {
+            symbol: "cuMemRelease",
+            call: CallKind::PhysicalRelease,
+            run: |dev, arm| {
+                let handle = dev.physical_create(GRANULE)?;
+                arm();
+                dev.physical_release(handle)
+            },
+        },
+        RuntimeCase {
+            symbol: "cuMemMap",
+            call: CallKind::Map,
+            run: |dev, arm| {
+                let base = dev.address_reserve(GRANULE)?;
+                let handle = dev.physical_create(GRANULE)?;
+                arm();
+                dev.map(base, GRANULE, handle)
+            },
+        },
+        RuntimeCase {
+            symbol: "cuMemSetAccess",
+            call: CallKind::SetAccess,
+            run: |dev, arm| {
+                let base = mapped(dev);
+                arm();
+                dev.set_access(base, GRANULE)
+            },
+        },
+        RuntimeCase {
+            symbol: "cuMemUnmap",
+            call: CallKind::Unmap,
+            run: |dev, arm| {
+                let base = mapped(dev);
+                arm();
+                dev.unmap(base, GRANULE)
+            },
+        },
+        RuntimeCase {
+            symbol: "cuEventCreate",
+            call: CallKind::EventRecord,
+            run: |dev, arm| {
+                arm();
+                dev.record_event(StreamId(0)).map(drop)
+            },
+        },
+        RuntimeCase {
+            symbol: "cuEventRecord",
+            call: CallKind::EventRecord,
+            run: |dev, arm| {
+                arm();
+                dev.record_event(StreamId(0)).map(drop)
+            },
+        },
+        RuntimeCase {
+            symbol: "cuEventQuery",
+            call: CallKind::EventQuery,
+            run: |dev, arm| {
+                let event = dev.record_event(StreamId(0))?;
+                arm();
+                dev.query_event(event).map(drop)
+            },
+        },
+        RuntimeCase {
+            symbol: "cuEventSynchronize",
+            call: CallKind::EventSynchronize,
+            run: |dev, arm| {
+                let event = dev.record_event(StreamId(0))?;
+                arm();
+                dev.synchronize_event(event)
+            },
+        },
+    ]
+}
+
+#[test]
+fn an_injected_failure_of_every_runtime_driver_call_is_a_typed_error() {
+    for case in runtime_cases() {
+        let (_serial, double) = exclusive();
+        let dev = open(0);
+        let arm = || double.fail_nth(case.symbol, 1, CUDA_ERROR_ILLEGAL_ADDRESS);
+        let err = (case.run)(&dev, &arm).expect_err(&format!("{} was armed to fail", case.symbol));
+        assert_eq!(err.call, case.call, "{}: {err}", case.symbol);
+        assert_eq!(
+            err.kind,
+            driver_error("CUDA_ERROR_ILLEGAL_ADDRESS"),
+            "{}",
+            case.symbol
+        );
+        assert!(
+            err.detail.contains(case.symbol) && err.detail.contains("(700)"),
+            "{}: {}",
+            case.symbol,
+            err.detail
+        );
+        // The device still works after the failure.
+        dev.memory_info().unwrap();
+    }
+}
+
+#[test]
+fn an_injected_failure_of_every_setup_driver_call_is_a_typed_error_and_leaks_nothing() {
+    let setup_symbols = [
+        "cuInit",
+        "cuDeviceGetCount",
+        "cuDeviceGet",
+        "cuDeviceGetName",
+        "cuDeviceTotalMem_v2",
+        "cuDevicePrimaryCtxRetain",
+        "cuCtxGetCurrent",
+        "cuCtxSetCurrent",
+        "cuMemGetAllocationGranularity",
+        "cuDeviceCanAccessPeer",
+    ];
+    for symbol in setup_symbols {
+        let (_serial, double) = exclusive();
+        let driver = driver();
+        double.fail_nth(symbol, 1, CUDA_ERROR_ILLEGAL_ADDRESS);
+        let err = CudaDevice::new(driver, 0).expect_err(symbol);
+        assert_eq!(err.call, SETUP_CALL_KIND, "{symbol}");
+        assert_eq!(
+            err.kind,
+            driver_error("CUDA_ERROR_ILLEGAL_ADDRESS"),
+            "{symbol}"
+        );
+        assert!(err.detail.contains(symbol), "{symbol}: {}", err.detail);
+        assert_eq!(
+            double.primary_context_retains(0),
+            0,
+            "{symbol} leaked the context"
+        );
+    }
+}
+
+#[test]
+fn teardown_and_error_name_failures_are_survived() {
+    let (_serial, double) = exclusive();
+    let dev = open(0);
+    let event = dev.record_event(StreamId(0)).unwrap();
+    dev.synchronize_event(event).unwrap();
+    double.fail_nth("cuEventDestroy_v2", 1, CUDA_ERROR_ILLEGAL_ADDRESS);
+    double.fail_nth(
+        "cuDevicePrimaryCtxRelease_v2",
+        1,
+        CUDA_ERROR_ILLEGAL_ADDRESS,
+    );
+    drop(dev);
+    assert_eq!(double.call_count("cuEventDestroy_v2"), 1);
+    assert_eq!(double.call_count("cuDevicePrimaryCtxRelease_v2"), 1);
+
+    // When cuGetErrorName itself fails, the built-in table still names it.
+    double.reset();
+    let dev = open(0);
+    double.fail_nth("cuGetErrorName", 1, CUDA_ERROR_ILLEGAL_ADDRESS);
+    double.fail_nth("cuMemAlloc_v2", 1, CUDA_ERROR_ILLEGAL_ADDRESS);
+    let err = dev.segment_alloc(MIB).unwrap_err();
+    assert_eq!(err.kind, driver_error("CUDA_ERROR_ILLEGAL_ADDRESS"));
+    assert!(double.call_count("cuGetErrorName") >= 1);
+}
+
+#[test]
+fn a_device_without_vmm_reports_unsupported() {
+    let (_serial, double) = exclusive();
+    let driver = driver();
+    double.fail_nth("cuMemGetAllocationGranularity", 1, CUDA_ERROR_NOT_SUPPORTED);
+    let dev = CudaDevice::new(driver, 0).unwrap();
+    assert_eq!(dev.granularity(), None);
+    let err = dev.address_reserve(GRANULE).unwrap_err();
+    assert_eq!(
+        (err.call, err.kind),
+        (CallKind::AddressReserve, DeviceErrorKind::Unsupported)
+    );
+    assert_eq!(double.call_count("cuMemAddressReserve"), 0);
+    // Segments still work.
+    let ptr = dev.segment_alloc(MIB).unwrap();
+    dev.segment_free(ptr, MIB).unwrap();
+}
+
+#[test]
+fn an_ordinal_out_of_range_is_a_clear_error() {
+    let (_serial, double) = exclusive();
+    for ordinal in [2, -1, 1000] {
+        let err = CudaDevice::new(driver(), ordinal).unwrap_err();
+        assert_eq!(err.kind, driver_error("CUDA_ERROR_INVALID_DEVICE"));
+        assert!(
+            err.detail
+                .contains(&format!("ordinal {ordinal} is out of range"))
+                && err.detail.contains("2 device(s)"),
+            "{}",
+            err.detail
+        );
+    }
+    assert_eq!(double.call_count("cuDevicePrimaryCtxRetain"), 0);
+}
+
+#[test]
+fn no_device_from_cu_init_is_a_clear_error() {
+    let (_serial, _double) = exclusive();
+    let driver = driver();
+    std::env::set_var("HBM_DOUBLE_NO_DEVICE", "1");
+    let err = CudaDevice::new(Arc::clone(&driver), 0).unwrap_err();
+    std::env::remove_var("HBM_DOUBLE_NO_DEVICE");
+    assert_eq!(err.kind, driver_error("CUDA_ERROR_NO_DEVICE"));
+    assert!(err.detail.contains("cuInit"), "{}", err.detail);
+    assert!(err.to_string().contains("CUDA_ERROR_NO_DEVICE"), "{err}");
+    // The same loaded driver works once a device is there.
+    CudaDevice::new(driver, 0).unwrap();
+}
+
+#[test]
+fn threads_share_one_device() {
+    let (_serial, double) = exclusive();
+    let dev = open(1);
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                for _ in 0..50 {
+                    let ptr = dev.segment_alloc(MIB).unwrap();
+                    let event = dev.record_event(StreamId(0)).unwrap();
+                    dev.synchronize_event(event).unwrap();
+                    dev.segment_free(ptr, MIB).unwrap();
+                }
+            });
+        }
+    });
+    assert_eq!(double.live_bytes(), 0);
+    assert!(double.call_count("cuEventCreate") <= 4, "events are pooled");
+}
+
+#[test]
+fn the_double_behaves_like_the_simulated_device() {
+    let (_serial, _double) = exclusive();
+    let cuda = open(0);
+    // The double's default capacity.
+    let sim = SimDevice::with_capacity(1 << 30);
+    let on_cuda = exercise_device(&cuda).expect("exercise on the double");
+    let on_sim = exercise_device(&sim).expect("exercise on SimDevice");
+    assert_eq!(on_cuda, on_sim);
+    assert_eq!(on_cuda.failures(), Vec::<&str>::new());
+    assert_eq!(on_cuda.granularity, Some(GRANULE));
+    // Both counted the same calls, failed ones included.
+    assert_eq!(cuda.call_counts().by_kind, sim.call_counts().by_kind);
+    assert_eq!(cuda.call_counts().get(CallKind::Map), 3);
+}

@@ -1,0 +1,188 @@
+//! Finds (building it if needed) and steers `cuda-driver-double`, the
+//! stand-in for libcuda these tests load through `CudaDriver::load_from`.
+//!
+//! The double keeps its state in the loaded library, one copy per test
+//! process, so every test takes [`exclusive`] first: it serialises the tests
+//! of this binary and resets the double.
+
+use std::ffi::{c_char, CString};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use libloading::Library;
+
+/// `target/<profile>/` of the running test binary (`target/<profile>/deps/test-...`).
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary knows its path");
+    let deps = exe
+        .parent()
+        .expect("the test binary lives in target/<profile>/deps");
+    deps.parent()
+        .expect("deps lives in target/<profile>")
+        .to_path_buf()
+}
+
+fn library_file_name() -> String {
+    format!(
+        "{}cuda_driver_double{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    )
+}
+
+/// Builds the double with the running cargo, into the same target directory
+/// and profile as this test. Cargo does nothing when it is already fresh,
+/// so an edited double is never tested stale.
+fn build_double(profile_dir: &Path) -> Result<(), String> {
+    let target_dir = profile_dir.parent().ok_or("profile dir has no parent")?;
+    let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
+        Some("debug") | None => "dev".to_string(),
+        Some(other) => other.to_string(),
+    };
+    let output = Command::new(env!("CARGO"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["build", "-p", "cuda-driver-double", "--profile", &profile])
+        .arg("--target-dir")
+        .arg(target_dir)
+        .output()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&output.stderr).into_owned())
+    }
+}
+
+/// The double's library, built once per test process.
+pub fn double_path() -> &'static Path {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let dir = profile_dir();
+        let path = dir.join(library_file_name());
+        if let Err(why) = build_double(&dir) {
+            // A library built earlier still serves; say why it may be stale.
+            assert!(path.exists(), "cannot build cuda-driver-double: {why}");
+            eprintln!(
+                "warning: using existing {}: rebuild failed: {why}",
+                path.display()
+            );
+        }
+        path
+    })
+}
+
+/// The double's control functions (`hbm_double_*`).
+pub struct Double {
+    reset: extern "C" fn(),
+    set_capacity: extern "C" fn(u64),
+    fail_nth: unsafe extern "C" fn(*const c_char, u64, i32) -> i32,
+    set_events_complete: extern "C" fn(bool),
+    complete_all_events: extern "C" fn(),
+    call_count: unsafe extern "C" fn(*const c_char) -> u64,
+    live_bytes: extern "C" fn() -> u64,
+    live_events: extern "C" fn() -> u64,
+    primary_context_retains: extern "C" fn(i32) -> u64,
+    access_mask: extern "C" fn(u64) -> u32,
+    // Keeps the functions above loaded.
+    _library: Library,
+}
+
+macro_rules! symbol {
+    ($library:expr, $name:literal) => {
+        // SAFETY: the type is the signature `cuda-driver-double` exports
+        // under this name; the pointer is used only while `Double` holds
+        // the library.
+        *unsafe { $library.get(concat!($name, "\0").as_bytes()) }
+            .expect(concat!("the double exports ", $name))
+    };
+}
+
+impl Double {
+    fn load() -> Double {
+        // SAFETY: the double's initialisers are Rust statics with constant
+        // initialisers; loading it has no other side effect.
+        let library = unsafe { Library::new(double_path()) }.expect("the double loads");
+        Double {
+            reset: symbol!(library, "hbm_double_reset"),
+            set_capacity: symbol!(library, "hbm_double_set_capacity"),
+            fail_nth: symbol!(library, "hbm_double_fail_nth"),
+            set_events_complete: symbol!(library, "hbm_double_set_events_complete"),
+            complete_all_events: symbol!(library, "hbm_double_complete_all_events"),
+            call_count: symbol!(library, "hbm_double_call_count"),
+            live_bytes: symbol!(library, "hbm_double_live_bytes"),
+            live_events: symbol!(library, "hbm_double_live_events"),
+            primary_context_retains: symbol!(library, "hbm_double_primary_context_retains"),
+            access_mask: symbol!(library, "hbm_double_access_mask"),
+            _library: library,
+        }
+    }
+
+    /// Forgets everything (memory, faults, counts); capacity 1 GiB.
+    pub fn reset(&self) {
+        (self.reset)()
+    }
+
+    /// Each device's capacity in bytes.
+    pub fn set_capacity(&self, bytes: u64) {
+        (self.set_capacity)(bytes)
+    }
+
+    /// The `nth` call of `symbol` from now fails with `code`.
+    pub fn fail_nth(&self, symbol: &str, nth: u64, code: i32) {
+        let name = CString::new(symbol).expect("no nul in a symbol name");
+        // SAFETY: `name` is a valid nul-terminated string for the call.
+        let status = unsafe { (self.fail_nth)(name.as_ptr(), nth, code) };
+        assert_eq!(status, 0, "arming a fault on {symbol}");
+    }
+
+    /// With `false`, recorded events stay pending until completed.
+    pub fn set_events_complete(&self, complete: bool) {
+        (self.set_events_complete)(complete)
+    }
+
+    /// Completes every pending event.
+    pub fn complete_all_events(&self) {
+        (self.complete_all_events)()
+    }
+
+    /// Calls of `symbol` since the last reset.
+    pub fn call_count(&self, symbol: &str) -> u64 {
+        let name = CString::new(symbol).expect("no nul in a symbol name");
+        // SAFETY: `name` is a valid nul-terminated string for the call.
+        unsafe { (self.call_count)(name.as_ptr()) }
+    }
+
+    /// Bytes of segments and physical memory held on all devices.
+    pub fn live_bytes(&self) -> u64 {
+        (self.live_bytes)()
+    }
+
+    /// Events created and not destroyed.
+    pub fn live_events(&self) -> u64 {
+        (self.live_events)()
+    }
+
+    /// Outstanding primary-context retains of `device`.
+    pub fn primary_context_retains(&self, device: i32) -> u64 {
+        (self.primary_context_retains)(device)
+    }
+
+    /// Bit `d` set when device `d` may access the mapping at `va`.
+    pub fn access_mask(&self, va: u64) -> u32 {
+        (self.access_mask)(va)
+    }
+}
+
+/// Serialises this binary's tests and resets the double for the caller.
+pub fn exclusive() -> (MutexGuard<'static, ()>, &'static Double) {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    static DOUBLE: OnceLock<Double> = OnceLock::new();
+    // A failed test poisons the lock; the next one resets the double anyway.
+    let guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let double = DOUBLE.get_or_init(Double::load);
+    double.reset();
+    std::env::remove_var("HBM_DOUBLE_NO_DEVICE");
+    std::env::remove_var(hbmalloc_cuda::DRIVER_PATH_ENV);
+    (guard, double)
+}
