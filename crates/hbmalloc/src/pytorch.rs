@@ -559,11 +559,7 @@ impl PytorchPolicy {
         }
         let streams: Vec<StreamId> = self.cuda_events.keys().copied().collect();
         for stream in streams {
-            loop {
-                let Some(&(event, id)) = self.cuda_events.get(&stream).and_then(|q| q.front())
-                else {
-                    break;
-                };
+            while let Some(&(event, id)) = self.cuda_events.get(&stream).and_then(|q| q.front()) {
                 if !dev.query_event(event)? {
                     break;
                 }

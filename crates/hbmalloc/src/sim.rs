@@ -402,7 +402,7 @@ impl SimState {
                 "no virtual-memory API",
             ));
         };
-        if value == 0 || value % g != 0 {
+        if value == 0 || !value.is_multiple_of(g) {
             return Err(invalid(
                 call,
                 format!("{what} {value} is not a positive multiple of the granularity {g}"),
