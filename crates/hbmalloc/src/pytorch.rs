@@ -932,8 +932,10 @@ impl PytorchPolicy {
             self.config.large_segment_size
         };
         // Address space for 9/8 of the device, as PyTorch reserves, so pages
-        // can be unmapped early and remapped at the end.
-        let wanted = self.device_total / 8 * 9;
+        // can be unmapped early and remapped at the end. PyTorch computes
+        // `total + total / 8` (`find_expandable_block`); `total / 8 * 9` drops
+        // `total % 8` bytes and can come out one page short.
+        let wanted = self.device_total + self.device_total / 8;
         let pages = wanted.div_ceil(page_size).max(1);
         let reserved_size = pages * page_size;
         let base = dev.address_reserve(reserved_size)?;

@@ -1134,3 +1134,64 @@ fn oom_from_physical_create_goes_through_the_retry_path() {
     assert_eq!(a.device().used_bytes(), 40 * MIB);
     consistent(&a);
 }
+
+#[test]
+fn expandable_reserves_total_plus_an_eighth_rounded_up_to_pages() {
+    // PyTorch reserves numSegments(total + total / 8) pages. For a device of
+    // 160 MiB + 7 bytes that is 180 MiB + 7 bytes -> 10 pages of 20 MiB (200 MiB),
+    // where total / 8 * 9 would give exactly 180 MiB (9 pages).
+    let mut a = allocator("expandable_segments:True", 160 * MIB + 7);
+    let p = a.malloc(2 * MIB, S0).unwrap();
+    let q = a.malloc(2 * MIB, S1).unwrap();
+    // The simulated device leaves a 2 MiB gap after each reserved range.
+    assert_eq!(q - p, 200 * MIB + 2 * MIB);
+    consistent(&a);
+}
+
+#[test]
+fn segment_free_failure_during_empty_cache_stays_consistent() {
+    let mut a = default_allocator();
+    let p = a.malloc(12 * MIB, S0).unwrap();
+    let q = a.malloc(14 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    a.free(q).unwrap();
+    a.device().inject(Fault {
+        call: CallKind::SegmentFree,
+        nth: 2,
+        error: driver_error(),
+        sticky: false,
+    });
+    assert!(a.empty_cache().is_err());
+    consistent(&a);
+    assert_eq!(a.device().used_bytes(), 14 * MIB);
+    a.empty_cache().unwrap();
+    assert_eq!(a.device().used_bytes(), 0);
+    consistent(&a);
+}
+
+#[test]
+fn event_record_failure_on_free_keeps_the_block_unusable_until_a_sync() {
+    let mut a = default_allocator();
+    let p = a.malloc(12 * MIB, S0).unwrap();
+    a.record_stream(p, S1).unwrap();
+    a.device().inject(Fault {
+        call: CallKind::EventRecord,
+        nth: 1,
+        error: driver_error(),
+        sticky: false,
+    });
+    assert!(matches!(a.free(p), Err(AllocError::Device(_))));
+    consistent(&a);
+    // The free was requested: the pointer is gone, the block is not reusable.
+    assert_eq!(a.free(p), Err(AllocError::UnknownPointer { ptr: p }));
+    assert_eq!(stat(&a, "allocation.all.current"), 0);
+    assert_eq!(stat(&a, "active.all.current"), 1);
+    let q = a.malloc(12 * MIB, S0).unwrap();
+    assert_ne!(q, p);
+    a.free(q).unwrap();
+    // empty_cache synchronizes the device and releases both segments.
+    a.empty_cache().unwrap();
+    assert_eq!(stat(&a, "active.all.current"), 0);
+    assert_eq!(a.device().used_bytes(), 0);
+    consistent(&a);
+}
