@@ -1094,6 +1094,12 @@ impl PytorchPolicy {
         // The stream may still be using the memory: wait for it first.
         let event = dev.record_event(seg_stream)?;
         dev.synchronize_event(event)?;
+        // A driver failure part-way must not leave the books claiming pages
+        // that are gone (or the reverse): account for the pages actually
+        // unmapped so far, then report the error. A page whose physical
+        // memory cannot be released is mapped back, so it stays usable.
+        let mut failure = None;
+        let mut done = end;
         for i in begin..end {
             let handle = {
                 let seg = self.expandable_segments[index as usize]
@@ -1102,12 +1108,37 @@ impl PytorchPolicy {
                 seg.handles[i as usize]
             };
             let Some(handle) = handle else { continue };
-            dev.unmap(base + i * page, page)?;
-            dev.physical_release(handle)?;
+            let va = base + i * page;
+            if let Err(e) = dev.unmap(va, page) {
+                failure = Some(e);
+                done = i;
+                break;
+            }
+            if let Err(e) = dev.physical_release(handle) {
+                let remapped = dev
+                    .map(va, page, handle)
+                    .and_then(|()| dev.set_access(va, page))
+                    .is_ok();
+                failure = Some(e);
+                done = if remapped { i } else { i + 1 };
+                if remapped {
+                    break;
+                }
+            }
             if let Some(seg) = self.expandable_segments[index as usize].as_mut() {
                 seg.handles[i as usize] = None;
             }
+            if failure.is_some() {
+                break;
+            }
         }
+        if done == begin {
+            return match failure {
+                Some(e) => Err(e.into()),
+                None => Ok(id),
+            };
+        }
+        let end = done;
         let unmapped_ptr = base + begin * page;
         let unmapped_size = (end - begin) * page;
         self.pool_erase(id);
@@ -1155,7 +1186,10 @@ impl PytorchPolicy {
         self.stats.num_device_free += 1;
         self.history
             .record(Action::SegmentUnmap, unmapped_ptr, unmapped_size, stream);
-        Ok(id)
+        match failure {
+            Some(e) => Err(e.into()),
+            None => Ok(id),
+        }
     }
 
     fn release_expandable_segment(

@@ -1149,6 +1149,39 @@ fn expandable_reserves_total_plus_an_eighth_rounded_up_to_pages() {
 }
 
 #[test]
+fn expandable_unmap_failure_during_empty_cache_stays_consistent() {
+    for (call, nth) in [
+        (CallKind::Unmap, 1),
+        (CallKind::Unmap, 2),
+        (CallKind::PhysicalRelease, 2),
+    ] {
+        let mut a = allocator("expandable_segments:True", GIB);
+        let p = a.malloc(60 * MIB, S0).unwrap();
+        a.free(p).unwrap();
+        a.device().inject(Fault {
+            call,
+            nth,
+            error: driver_error(),
+            sticky: false,
+        });
+        let err = a.empty_cache().unwrap_err();
+        assert!(
+            matches!(&err, AllocError::Device(e) if e.call == call),
+            "{err:?}"
+        );
+        consistent(&a);
+        // The cache still works and releases everything once the driver does.
+        let q = a.malloc(60 * MIB, S0).unwrap();
+        assert_eq!(q, p);
+        a.free(q).unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(a.device().used_bytes(), 0, "{call:?} {nth}");
+        assert_eq!(stat(&a, "reserved_bytes.all.current"), 0);
+        consistent(&a);
+    }
+}
+
+#[test]
 fn segment_free_failure_during_empty_cache_stays_consistent() {
     let mut a = default_allocator();
     let p = a.malloc(12 * MIB, S0).unwrap();
