@@ -928,8 +928,10 @@ impl PytorchPolicy {
             self.config.large_segment_size
         };
         // Address space for 9/8 of the device, as PyTorch reserves, so pages
-        // can be unmapped early and remapped at the end.
-        let wanted = self.device_total / 8 * 9;
+        // can be unmapped early and remapped at the end. PyTorch computes
+        // `total + total / 8` (`find_expandable_block`); `total / 8 * 9` drops
+        // `total % 8` bytes and can come out one page short.
+        let wanted = self.device_total + self.device_total / 8;
         let pages = wanted.div_ceil(page_size).max(1);
         let reserved_size = pages * page_size;
         let base = dev.address_reserve(reserved_size)?;
@@ -1088,6 +1090,12 @@ impl PytorchPolicy {
         // The stream may still be using the memory: wait for it first.
         let event = dev.record_event(seg_stream)?;
         dev.synchronize_event(event)?;
+        // A driver failure part-way must not leave the books claiming pages
+        // that are gone (or the reverse): account for the pages actually
+        // unmapped so far, then report the error. A page whose physical
+        // memory cannot be released is mapped back, so it stays usable.
+        let mut failure = None;
+        let mut done = end;
         for i in begin..end {
             let handle = {
                 let seg = self.expandable_segments[index as usize]
@@ -1096,12 +1104,37 @@ impl PytorchPolicy {
                 seg.handles[i as usize]
             };
             let Some(handle) = handle else { continue };
-            dev.unmap(base + i * page, page)?;
-            dev.physical_release(handle)?;
+            let va = base + i * page;
+            if let Err(e) = dev.unmap(va, page) {
+                failure = Some(e);
+                done = i;
+                break;
+            }
+            if let Err(e) = dev.physical_release(handle) {
+                let remapped = dev
+                    .map(va, page, handle)
+                    .and_then(|()| dev.set_access(va, page))
+                    .is_ok();
+                failure = Some(e);
+                done = if remapped { i } else { i + 1 };
+                if remapped {
+                    break;
+                }
+            }
             if let Some(seg) = self.expandable_segments[index as usize].as_mut() {
                 seg.handles[i as usize] = None;
             }
+            if failure.is_some() {
+                break;
+            }
         }
+        if done == begin {
+            return match failure {
+                Some(e) => Err(e.into()),
+                None => Ok(id),
+            };
+        }
+        let end = done;
         let unmapped_ptr = base + begin * page;
         let unmapped_size = (end - begin) * page;
         self.pool_erase(id);
@@ -1149,7 +1182,10 @@ impl PytorchPolicy {
         self.stats.num_device_free += 1;
         self.history
             .record(Action::SegmentUnmap, unmapped_ptr, unmapped_size, stream);
-        Ok(id)
+        match failure {
+            Some(e) => Err(e.into()),
+            None => Ok(id),
+        }
     }
 
     fn release_expandable_segment(
