@@ -8,7 +8,7 @@ use hbmalloc::{LatencyModel, PolicyConfig};
 use hbmalloc_replay::{PreparedTrace, ReplayOptions};
 use hbmalloc_trace::Trace;
 
-use crate::table::label;
+use crate::table::{label, trace_name};
 
 pub fn run(
     traces: &[Trace],
@@ -17,7 +17,7 @@ pub fn run(
     json: bool,
 ) -> Result<(), String> {
     if !json {
-        print!("{:<40} {:>4}", "trace", "dev");
+        print!("{:<35} {:>4}", "trace", "dev");
         for policy in runs {
             print!(" {:>24}", format!("{} ns/op", label(&policy.to_settings())));
         }
@@ -55,7 +55,7 @@ pub fn run(
                     );
                 }
             } else {
-                print!("{:<40} {:>4}", trace.source, device.device);
+                print!("{:<35} {:>4}", trace_name(&trace.source), device.device);
                 for ns in &medians {
                     print!(" {:>24.1}", ns);
                 }

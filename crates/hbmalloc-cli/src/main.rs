@@ -70,6 +70,9 @@ enum Command {
         /// Also bisect for the smallest capacity the trace fits.
         #[arg(long)]
         min_capacity: bool,
+        /// Also print PyTorch's `memory_summary()` table of the allocator after the replay.
+        #[arg(long)]
+        summary: bool,
         /// Print one JSON object per trace and device.
         #[arg(long)]
         json: bool,
@@ -153,6 +156,7 @@ fn run(command: Command) -> Result<(), String> {
             config,
             capacity,
             min_capacity,
+            summary,
             json,
         } => {
             let policy = PolicyConfig::parse(&policy, &config).map_err(|e| e.to_string())?;
@@ -169,6 +173,12 @@ fn run(command: Command) -> Result<(), String> {
                         println!("{}", to_json(&m));
                     } else {
                         print!("{}", table::metrics_text(&m));
+                    }
+                    if summary {
+                        println!(
+                            "{}",
+                            hbmalloc::memory_summary(&m.final_stats, device.device, false)
+                        );
                     }
                 }
             }

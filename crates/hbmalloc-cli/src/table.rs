@@ -30,8 +30,9 @@ pub fn label(settings: &str) -> String {
         .replace(',', "+")
 }
 
-fn trace_name(m: &Metrics) -> String {
-    let name = m.trace.trim_end_matches(".gz").trim_end_matches(".json");
+/// A trace's file name, shortened for a 35-column cell.
+pub fn trace_name(source: &str) -> String {
+    let name = source.trim_end_matches(".gz").trim_end_matches(".json");
     let name = name.trim_end_matches(".pickle").trim_end_matches(".pkl");
     // Keep both ends: file names often share a long prefix.
     let chars: Vec<char> = name.chars().collect();
@@ -86,7 +87,7 @@ pub fn compare_table(rows: &[Vec<Metrics>]) -> String {
         let _ = write!(
             out,
             "{:<35} {:>4} {:>8} {:>8}",
-            trace_name(m0),
+            trace_name(&m0.trace),
             m0.device,
             short(m0.peak_live_bytes),
             recorded

@@ -12,8 +12,9 @@ use std::fmt;
 use std::time::Instant;
 
 use hbmalloc::{
-    AllocError, Allocator, AllocatorConfig, BlockImage, CallCounts, DevicePtr, LatencyModel,
-    OomReport, PolicyConfig, SegmentImage, SimConfig, SimDevice, StreamId, TraceEntry,
+    AllocError, Allocator, AllocatorConfig, BlockImage, CallCounts, DevicePtr, DeviceStats,
+    LatencyModel, OomReport, PolicyConfig, SegmentImage, SimConfig, SimDevice, StreamId,
+    TraceEntry,
 };
 use hbmalloc_trace::{AllocId, DeviceTrace, InitialBlockState, Op, SegmentEventKind};
 
@@ -120,6 +121,8 @@ pub struct RunResult {
     /// Recorded out-of-memory requests that the replay served instead of failing
     /// (only with `emulate_recorded_ooms`).
     pub unreproduced_ooms: u64,
+    /// The allocator's statistics when the replay ended (peaks included).
+    pub final_stats: DeviceStats,
 }
 
 /// A trace's ops with allocation ids renumbered densely, ready to replay many
@@ -311,6 +314,7 @@ impl PreparedTrace {
             loop_ns: 0,
             segment_events: Vec::new(),
             unreproduced_ooms: 0,
+            final_stats: DeviceStats::default(),
         };
 
         for (image, slots) in &self.initial {
@@ -466,6 +470,7 @@ fn finish(
     result.peak_reserved_bytes = device.peak_used_bytes();
     result.calls = device.call_counts();
     result.steady_state_calls = result.calls.since(at_half);
+    result.final_stats = allocator.stats().clone();
     result
 }
 

@@ -70,6 +70,9 @@ pub struct Metrics {
     pub out_of_memory: Option<String>,
     /// What the recorded allocator did, where the trace says.
     pub recorded: Option<RecordedMetrics>,
+    /// The allocator's PyTorch-compatible statistics at the end of the main run.
+    #[serde(skip)]
+    pub final_stats: hbmalloc::DeviceStats,
 }
 
 /// The max over time of the sum of live requested sizes, computed from the
@@ -161,6 +164,7 @@ pub fn evaluate(
             peak_reserved_bytes: r.peak_reserved_bytes,
             segment_events: r.segment_events.len(),
         }),
+        final_stats: run.final_stats,
     })
 }
 
