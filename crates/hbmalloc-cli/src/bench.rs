@@ -4,7 +4,12 @@
 //! engine's own work per malloc or free in the replay loop. Each configuration
 //! is replayed `repeat` times, interleaved, and the median is reported.
 
-use hbmalloc::{LatencyModel, PolicyConfig};
+use std::sync::Mutex;
+
+use hbmalloc::{
+    Allocator, AllocatorConfig, LatencyModel, PolicyConfig, SharedAllocator, SimConfig, SimDevice,
+    StreamId, ThreadSafeAllocator,
+};
 use hbmalloc_replay::{PreparedTrace, ReplayOptions};
 use hbmalloc_trace::Trace;
 
@@ -77,4 +82,155 @@ pub fn run(
 fn median(samples: &mut [f64]) -> f64 {
     samples.sort_by(|a, b| a.total_cmp(b));
     samples[samples.len() / 2]
+}
+
+/// One measured workload for the thread-scaling table.
+enum Workload<'a> {
+    /// Thread `t` replays trace `t % n` on its own streams.
+    Traces(&'a [PreparedTrace]),
+    /// Each thread allocates and frees small blocks, keeping a window live.
+    SmallBlockChurn { ops_per_thread: u64 },
+}
+
+fn run_workload(
+    workload: &Workload<'_>,
+    allocator: &dyn ThreadSafeAllocator,
+    threads: usize,
+) -> Result<(u64, f64), String> {
+    let started = std::time::Instant::now();
+    let results: Vec<Result<u64, String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                scope.spawn(move || -> Result<u64, String> {
+                    let stream_offset = (t as u64 + 1) << 40;
+                    match workload {
+                        Workload::Traces(traces) => traces[t % traces.len()]
+                            .run_shared(allocator, stream_offset)
+                            .map_err(|e| e.to_string()),
+                        Workload::SmallBlockChurn { ops_per_thread } => small_block_churn(
+                            allocator,
+                            StreamId(stream_offset),
+                            *ops_per_thread,
+                            t as u64,
+                        ),
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("benchmark thread panicked".into()))
+            })
+            .collect()
+    });
+    let seconds = started.elapsed().as_secs_f64();
+    let mut ops = 0;
+    for r in results {
+        ops += r?;
+    }
+    Ok((ops, seconds))
+}
+
+/// Mallocs and frees of 512 B to 64 KiB, keeping 512 blocks live: the
+/// pattern of many small tensors (optimizer states, activations of small layers).
+fn small_block_churn(
+    allocator: &dyn ThreadSafeAllocator,
+    stream: StreamId,
+    ops: u64,
+    seed: u64,
+) -> Result<u64, String> {
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (seed + 1);
+    let mut live: Vec<u64> = Vec::with_capacity(512);
+    let mut done = 0;
+    while done < ops {
+        rng ^= rng >> 12;
+        rng ^= rng << 25;
+        rng ^= rng >> 27;
+        let r = rng.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        if live.len() < 512 {
+            let size = 512 + (r >> 16) % (64 << 10);
+            live.push(allocator.malloc(size, stream).map_err(|e| e.to_string())?);
+        } else {
+            let ptr = live.swap_remove((r % 512) as usize);
+            allocator.free(ptr).map_err(|e| e.to_string())?;
+        }
+        done += 1;
+    }
+    for ptr in live {
+        allocator.free(ptr).map_err(|e| e.to_string())?;
+    }
+    Ok(done)
+}
+
+fn zero_latency_device() -> SimDevice {
+    SimDevice::with_config(SimConfig {
+        capacity_bytes: 1 << 40,
+        latency: LatencyModel::zero(),
+        ..SimConfig::default()
+    })
+}
+
+/// `hbmalloc bench-threads`: operations per second for 1..N threads, the
+/// sharded allocator against a single mutex around the same engine.
+pub fn threads(
+    traces: &[Trace],
+    policy: &PolicyConfig,
+    thread_counts: &[usize],
+    shards: usize,
+    repeat: usize,
+) -> Result<(), String> {
+    let mut prepared = Vec::new();
+    for trace in traces {
+        for device in &trace.devices {
+            prepared.push(
+                PreparedTrace::new(device)
+                    .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?,
+            );
+        }
+    }
+    let config = AllocatorConfig {
+        policy: policy.clone(),
+        history_entries: 0,
+    };
+    let workloads = [
+        ("traces", Workload::Traces(&prepared)),
+        (
+            "small-block churn",
+            Workload::SmallBlockChurn {
+                ops_per_thread: 200_000,
+            },
+        ),
+    ];
+    println!(
+        "{:<18} {:>7} {:>16} {:>16} {:>8}",
+        "workload", "threads", "1 mutex Mops/s", "sharded Mops/s", "ratio"
+    );
+    for (name, workload) in &workloads {
+        for &threads in thread_counts {
+            let mut baseline = Vec::new();
+            let mut sharded = Vec::new();
+            for _ in 0..repeat {
+                let single = Mutex::new(
+                    Allocator::new(zero_latency_device(), config.clone())
+                        .map_err(|e| e.to_string())?,
+                );
+                let (ops, secs) = run_workload(workload, &single, threads)?;
+                baseline.push(ops as f64 / secs / 1e6);
+                let shared = SharedAllocator::new(zero_latency_device(), config.clone(), shards)
+                    .map_err(|e| e.to_string())?;
+                let (ops, secs) = run_workload(workload, &shared, threads)?;
+                sharded.push(ops as f64 / secs / 1e6);
+            }
+            let (b, s) = (median(&mut baseline), median(&mut sharded));
+            println!("{name:<18} {threads:>7} {b:>16.2} {s:>16.2} {:>8.2}", s / b);
+        }
+    }
+    println!(
+        "\nMops/s: million mallocs+frees per second, all threads together (median of {repeat}); \
+         each thread uses its own streams.\nThis machine has {} cores: beyond that, threads share cores.",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    Ok(())
 }

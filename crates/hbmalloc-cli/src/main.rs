@@ -100,6 +100,28 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Measure operations per second for several threads: the sharded
+    /// thread-safe allocator against one mutex around the same engine.
+    BenchThreads {
+        /// Trace files, one per thread in turn; default: the bundled trace.
+        traces: Vec<PathBuf>,
+        /// Settings of the engine.
+        #[arg(
+            long = "run",
+            value_name = "SETTINGS",
+            default_value = "policy:pytorch"
+        )]
+        settings: String,
+        /// Thread counts to measure.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+        threads: Vec<usize>,
+        /// Engine shards of the sharded allocator.
+        #[arg(long, default_value_t = 16)]
+        shards: usize,
+        /// Runs per measurement (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        repeat: usize,
+    },
 }
 
 fn main() -> ExitCode {
@@ -209,6 +231,20 @@ fn run(command: Command) -> Result<(), String> {
             let runs = parse_runs(&runs)?;
             let traces = load_or_bundled(&traces)?;
             bench::run(&traces, &runs, repeat.max(1), json)
+        }
+        Command::BenchThreads {
+            traces,
+            settings,
+            threads,
+            shards,
+            repeat,
+        } => {
+            let policy = PolicyConfig::from_settings(&settings).map_err(|e| e.to_string())?;
+            let traces = load_or_bundled(&traces)?;
+            if threads.iter().any(|&t| t == 0 || t > 256) {
+                return Err("--threads: each count must be between 1 and 256".into());
+            }
+            bench::threads(&traces, &policy, &threads, shards, repeat.max(1))
         }
     }
 }

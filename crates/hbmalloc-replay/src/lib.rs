@@ -14,7 +14,7 @@ use std::time::Instant;
 use hbmalloc::{
     AllocError, Allocator, AllocatorConfig, BlockImage, CallCounts, DevicePtr, DeviceStats,
     LatencyModel, OomReport, PolicyConfig, SegmentImage, SimConfig, SimDevice, StreamId,
-    TraceEntry,
+    ThreadSafeAllocator, TraceEntry,
 };
 use hbmalloc_trace::{AllocId, DeviceTrace, InitialBlockState, Op, SegmentEventKind};
 
@@ -384,6 +384,48 @@ impl PreparedTrace {
         }
         result.loop_ns = started.elapsed().as_nanos() as u64;
         Ok(finish(result, &allocator, &calls_at_half))
+    }
+
+    /// Replays the mallocs, frees and `empty_cache` calls through a shared,
+    /// thread-safe allocator, on streams shifted by `stream_offset` so that
+    /// several threads can replay side by side. Cross-stream uses are left
+    /// out (there is no simulated stream to complete them from here). Returns
+    /// the number of mallocs and frees made.
+    pub fn run_shared(
+        &self,
+        allocator: &dyn ThreadSafeAllocator,
+        stream_offset: u64,
+    ) -> Result<u64, ReplayError> {
+        let mut ptrs: Vec<DevicePtr> = vec![0; self.slots];
+        let mut ops = 0;
+        for (i, op) in self.ops.iter().enumerate() {
+            let failed = |e: AllocError| ReplayError {
+                op_index: Some(i),
+                message: e.to_string(),
+            };
+            match *op {
+                DenseOp::Alloc { slot, size, stream } if size > 0 => {
+                    ptrs[slot] = allocator
+                        .malloc(size, StreamId(stream.wrapping_add(stream_offset)))
+                        .map_err(failed)?;
+                    ops += 1;
+                }
+                DenseOp::Free { slot } if ptrs[slot] != 0 => {
+                    allocator.free(ptrs[slot]).map_err(failed)?;
+                    ptrs[slot] = 0;
+                    ops += 1;
+                }
+                DenseOp::EmptyCache => allocator.empty_cache().map_err(failed)?,
+                _ => {}
+            }
+        }
+        for ptr in ptrs.into_iter().filter(|&p| p != 0) {
+            allocator.free(ptr).map_err(|e| ReplayError {
+                op_index: None,
+                message: e.to_string(),
+            })?;
+        }
+        Ok(ops)
     }
 
     #[inline]

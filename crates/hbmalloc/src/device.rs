@@ -252,3 +252,56 @@ pub trait Device: Send + Sync {
     /// Blocks until all work on the device has completed.
     fn synchronize_device(&self) -> DeviceResult<()>;
 }
+
+/// A shared device: several allocators (the shards of a
+/// [`crate::SharedAllocator`]) use one driver.
+impl<D: Device + ?Sized> Device for std::sync::Arc<D> {
+    fn name(&self) -> String {
+        (**self).name()
+    }
+    fn memory_info(&self) -> DeviceResult<MemoryInfo> {
+        (**self).memory_info()
+    }
+    fn segment_alloc(&self, size: u64) -> DeviceResult<DevicePtr> {
+        (**self).segment_alloc(size)
+    }
+    fn segment_free(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
+        (**self).segment_free(ptr, size)
+    }
+    fn granularity(&self) -> Option<u64> {
+        (**self).granularity()
+    }
+    fn address_reserve(&self, size: u64) -> DeviceResult<DevicePtr> {
+        (**self).address_reserve(size)
+    }
+    fn address_free(&self, base: DevicePtr, size: u64) -> DeviceResult<()> {
+        (**self).address_free(base, size)
+    }
+    fn physical_create(&self, size: u64) -> DeviceResult<PhysicalHandle> {
+        (**self).physical_create(size)
+    }
+    fn physical_release(&self, handle: PhysicalHandle) -> DeviceResult<()> {
+        (**self).physical_release(handle)
+    }
+    fn map(&self, va: DevicePtr, size: u64, handle: PhysicalHandle) -> DeviceResult<()> {
+        (**self).map(va, size, handle)
+    }
+    fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
+        (**self).set_access(va, size)
+    }
+    fn unmap(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
+        (**self).unmap(va, size)
+    }
+    fn record_event(&self, stream: StreamId) -> DeviceResult<EventId> {
+        (**self).record_event(stream)
+    }
+    fn query_event(&self, event: EventId) -> DeviceResult<bool> {
+        (**self).query_event(event)
+    }
+    fn synchronize_event(&self, event: EventId) -> DeviceResult<()> {
+        (**self).synchronize_event(event)
+    }
+    fn synchronize_device(&self) -> DeviceResult<()> {
+        (**self).synchronize_device()
+    }
+}

@@ -150,6 +150,24 @@ impl DeviceStats {
         ]
     }
 
+    /// Adds `other` counter by counter. Peaks add too, so a sum over shards
+    /// has peaks that are upper bounds of the true combined peak.
+    pub(crate) fn accumulate(&mut self, other: &DeviceStats) {
+        let theirs: Vec<Stat> = other.clone().all_stats_mut().map(|s| *s).collect();
+        for (mine, theirs) in self.all_stats_mut().zip(theirs) {
+            mine.current += theirs.current;
+            mine.peak += theirs.peak;
+            mine.allocated += theirs.allocated;
+            mine.freed += theirs.freed;
+        }
+        self.num_alloc_retries += other.num_alloc_retries;
+        self.num_ooms += other.num_ooms;
+        self.num_sync_all_streams += other.num_sync_all_streams;
+        self.num_device_alloc += other.num_device_alloc;
+        self.num_device_free += other.num_device_free;
+        self.num_oom_rejections += other.num_oom_rejections;
+    }
+
     /// Every [`Stat`] (per-pool and oversize), for the resets that apply to all of them.
     fn all_stats_mut(&mut self) -> impl Iterator<Item = &mut Stat> {
         [

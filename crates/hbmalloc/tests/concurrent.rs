@@ -1,0 +1,157 @@
+//! `SharedAllocator` under many threads: invariants hold, nothing is lost,
+//! frees from other threads find their shard, and one shard's cache never
+//! causes another shard's out-of-memory error.
+
+use std::sync::mpsc;
+use std::sync::Arc;
+
+use hbmalloc::{
+    AllocError, AllocatorConfig, PolicyConfig, SharedAllocator, SimConfig, SimDevice, StreamId,
+    ThreadSafeAllocator,
+};
+
+const MIB: u64 = 1 << 20;
+
+fn assert_send_sync<T: Send + Sync>() {}
+
+#[test]
+fn shared_allocator_is_send_and_sync() {
+    assert_send_sync::<SharedAllocator<SimDevice>>();
+    assert_send_sync::<std::sync::Mutex<hbmalloc::Allocator<SimDevice>>>();
+}
+
+fn config(settings: &str) -> AllocatorConfig {
+    AllocatorConfig {
+        policy: PolicyConfig::from_settings(settings).unwrap(),
+        history_entries: 0,
+    }
+}
+
+/// xorshift64*: deterministic per thread.
+fn next(state: &mut u64) -> u64 {
+    *state ^= *state >> 12;
+    *state ^= *state << 25;
+    *state ^= *state >> 27;
+    state.wrapping_mul(0x2545_F491_4F6C_DD1D)
+}
+
+fn churn(settings: &str, shards: usize) {
+    let device = SimDevice::with_config(SimConfig {
+        capacity_bytes: 4 << 30,
+        ..SimConfig::default()
+    });
+    let alloc = Arc::new(SharedAllocator::new(device, config(settings), shards).unwrap());
+    let threads = 4;
+    // Each thread hands some of its pointers to the next thread to free.
+    let (senders, receivers): (Vec<_>, Vec<_>) =
+        (0..threads).map(|_| mpsc::channel::<u64>()).unzip();
+    let mut handles = Vec::new();
+    for (t, receiver) in receivers.into_iter().enumerate() {
+        let alloc = Arc::clone(&alloc);
+        let to_next = senders[(t + 1) % threads].clone();
+        handles.push(std::thread::spawn(move || {
+            let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (t as u64 + 1);
+            let stream = StreamId(t as u64 + 1);
+            let mut live = Vec::new();
+            for step in 0..4000 {
+                let r = next(&mut rng);
+                if live.len() < 64 && r % 3 != 0 {
+                    let size = match r % 10 {
+                        0 => 8 * MIB + r % (8 * MIB),
+                        1..=3 => MIB + r % MIB,
+                        _ => 1 + r % 65536,
+                    };
+                    let ptr = alloc.malloc(size, stream).expect("capacity is ample");
+                    if r % 7 == 0 {
+                        alloc.record_stream(ptr, StreamId(99)).unwrap();
+                    }
+                    live.push(ptr);
+                } else if !live.is_empty() {
+                    let ptr = live.swap_remove((r as usize / 7) % live.len());
+                    if r % 5 == 0 {
+                        to_next.send(ptr).unwrap();
+                    } else {
+                        alloc.free(ptr).unwrap();
+                    }
+                }
+                while let Ok(ptr) = receiver.try_recv() {
+                    alloc.free(ptr).unwrap();
+                }
+                if step % 1000 == 999 {
+                    alloc.empty_cache().unwrap();
+                }
+            }
+            for ptr in live {
+                alloc.free(ptr).unwrap();
+            }
+            drop(to_next);
+            receiver
+        }));
+    }
+    drop(senders);
+    let receivers: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for receiver in receivers {
+        while let Ok(ptr) = receiver.try_recv() {
+            alloc.free(ptr).unwrap();
+        }
+    }
+    alloc.check_invariants().unwrap();
+    assert_eq!(alloc.stats().allocation[0].current, 0);
+    // A double free is caught, whichever thread tries it.
+    let ptr = alloc.malloc(4096, StreamId(1)).unwrap();
+    alloc.free(ptr).unwrap();
+    assert!(matches!(
+        alloc.free(ptr),
+        Err(AllocError::UnknownPointer { .. })
+    ));
+    alloc.device().complete_all();
+    alloc.empty_cache().unwrap();
+    assert_eq!(
+        alloc.device().used_bytes(),
+        0,
+        "everything returns to the device"
+    );
+    assert_eq!(alloc.stats().reserved_bytes[0].current, 0);
+}
+
+#[test]
+fn four_threads_churn_pytorch_policy_sharded() {
+    churn("policy:pytorch", 8);
+}
+
+#[test]
+fn four_threads_churn_pytorch_policy_one_shard() {
+    churn("policy:pytorch", 1);
+}
+
+#[test]
+fn four_threads_churn_expandable_segments() {
+    churn("policy:pytorch,expandable_segments:True", 8);
+}
+
+#[test]
+fn a_shard_out_of_memory_releases_the_other_shards_caches() {
+    let device = SimDevice::with_capacity(64 * MIB);
+    let alloc = SharedAllocator::new(device, config("policy:pytorch"), 4).unwrap();
+    // Find two streams that land on different shards.
+    let a = StreamId(1);
+    let b = (2..100)
+        .map(StreamId)
+        .find(|s| {
+            let probe =
+                SharedAllocator::new(SimDevice::new(), config("policy:pytorch"), 4).unwrap();
+            let pa = probe.malloc(1, a).unwrap();
+            let pb = probe.malloc(1, *s).unwrap();
+            // Different shards allocate different small segments.
+            pa >> 21 != pb >> 21
+        })
+        .unwrap();
+    let big = alloc.malloc(48 * MIB, a).unwrap();
+    alloc.free(big).unwrap();
+    // Stream a's shard caches 48 MiB; stream b needs 40 MiB of a 64 MiB device.
+    let other = alloc
+        .malloc(40 * MIB, b)
+        .expect("the cache of shard a is released");
+    alloc.free(other).unwrap();
+    alloc.check_invariants().unwrap();
+}
