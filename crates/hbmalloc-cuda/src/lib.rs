@@ -25,18 +25,18 @@ mod device;
 mod driver;
 pub mod exercise;
 mod ffi;
+mod pool;
 
 pub use device::CudaDevice;
 pub use driver::{CudaDriver, DEFAULT_DRIVER_NAMES, DRIVER_PATH_ENV, DRIVER_SYMBOLS};
+pub use pool::{CudaPool, DeviceBuffer};
 
 use hbmalloc::CallKind;
 
 /// The [`CallKind`] carried by errors from loading the driver and opening a
-/// device (`cuInit`, `cuDeviceGet`, `cuDevicePrimaryCtxRetain`, ...).
-///
-/// `CallKind` has no variant for setup, so these use the trait's only
-/// query-only kind; the error's `detail` names the actual driver function.
-pub const SETUP_CALL_KIND: CallKind = CallKind::MemoryInfo;
+/// device (`cuInit`, `cuDeviceGet`, `cuDevicePrimaryCtxRetain`, ...); the
+/// error's `detail` names the actual driver function.
+pub const SETUP_CALL_KIND: CallKind = CallKind::Setup;
 
 #[cfg(test)]
 mod tests {

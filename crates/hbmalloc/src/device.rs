@@ -68,11 +68,14 @@ pub enum CallKind {
     DeviceSynchronize,
     /// `cuMemGetInfo`.
     MemoryInfo,
+    /// Loading the driver and opening the device (`cuInit`, `cuDeviceGet`,
+    /// retaining the primary context, ...).
+    Setup,
 }
 
 impl CallKind {
     /// Every kind, in declaration order.
-    pub const ALL: [CallKind; 14] = [
+    pub const ALL: [CallKind; 15] = [
         CallKind::SegmentAlloc,
         CallKind::SegmentFree,
         CallKind::AddressReserve,
@@ -87,6 +90,7 @@ impl CallKind {
         CallKind::EventSynchronize,
         CallKind::DeviceSynchronize,
         CallKind::MemoryInfo,
+        CallKind::Setup,
     ];
 
     /// The metric name used in JSON and tables (`segment_alloc`, `map`, ...).
@@ -106,6 +110,7 @@ impl CallKind {
             CallKind::EventSynchronize => "event_synchronize",
             CallKind::DeviceSynchronize => "device_synchronize",
             CallKind::MemoryInfo => "memory_info",
+            CallKind::Setup => "setup",
         }
     }
 

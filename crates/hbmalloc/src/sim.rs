@@ -48,6 +48,7 @@ impl LatencyModel {
                 CallKind::EventSynchronize => 1_000,
                 CallKind::DeviceSynchronize => 10_000,
                 CallKind::MemoryInfo => 1_000,
+                CallKind::Setup => 0,
             };
         }
         model

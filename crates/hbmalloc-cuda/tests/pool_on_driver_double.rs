@@ -1,0 +1,87 @@
+//! `CudaPool` (the Rust API for frameworks) on the driver double: buffers
+//! hold real (host-backed) memory, free themselves on drop, respect streams.
+
+#[allow(dead_code)] // Each test binary uses part of the support module.
+mod support;
+
+use hbmalloc::{AllocError, StreamId};
+use hbmalloc_cuda::{CudaPool, DRIVER_PATH_ENV};
+
+fn pool(settings: &str) -> std::sync::Arc<CudaPool> {
+    std::env::set_var(DRIVER_PATH_ENV, support::double_path());
+    CudaPool::new(0, settings).expect("pool on the double")
+}
+
+#[test]
+fn buffers_hold_memory_and_return_it_on_drop() {
+    let (_guard, double) = support::exclusive();
+    let pool = pool("policy:pytorch");
+    let stream = StreamId(0);
+    {
+        let buffer = pool.alloc(3 << 20, stream).unwrap();
+        assert_eq!(buffer.len(), 3 << 20);
+        // The double backs segments with host memory: write and read it back.
+        let bytes = buffer.device_ptr() as *mut u8;
+        // SAFETY: the double's segments are host allocations of at least
+        // `len` bytes, live while `buffer` is.
+        unsafe {
+            std::ptr::write_bytes(bytes, 0xAB, buffer.len());
+            assert_eq!(*bytes.add(buffer.len() - 1), 0xAB);
+        }
+        assert_eq!(pool.stats().allocation[0].current, 1);
+    }
+    assert_eq!(pool.stats().allocation[0].current, 0, "drop freed it");
+    // Cached, then returned to the driver.
+    assert!(double.live_bytes() > 0);
+    pool.empty_cache().unwrap();
+    assert_eq!(double.live_bytes(), 0);
+    assert!(pool.summary().contains("memory summary, device ID 0"));
+}
+
+#[test]
+fn a_buffer_used_on_another_stream_is_not_reused_before_that_stream_completes() {
+    let (_guard, double) = support::exclusive();
+    double.set_events_complete(false);
+    let pool = pool("policy:pytorch");
+    let (compute, copy) = (StreamId(0), StreamId(0x1000));
+    let first = pool.alloc(1 << 20, compute).unwrap();
+    let first_ptr = first.device_ptr();
+    first.record_stream(copy).unwrap();
+    drop(first);
+    let second = pool.alloc(1 << 20, compute).unwrap();
+    assert_ne!(
+        second.device_ptr(),
+        first_ptr,
+        "still in use on the copy stream"
+    );
+    drop(second);
+    double.complete_all_events();
+    let third = pool.alloc(1 << 20, compute).unwrap();
+    assert_eq!(
+        third.device_ptr(),
+        first_ptr,
+        "reused once the copy stream completed"
+    );
+}
+
+#[test]
+fn out_of_memory_and_bad_settings_are_errors() {
+    let (_guard, double) = support::exclusive();
+    double.set_capacity(64 << 20);
+    let pool = pool("policy:pytorch");
+    match pool.alloc(1 << 30, StreamId(0)) {
+        Err(AllocError::OutOfMemory(report)) => {
+            assert_eq!(report.requested_bytes, 1 << 30);
+            assert_eq!(report.device_total_bytes, 64 << 20);
+        }
+        other => panic!("expected out of memory, got {other:?}"),
+    }
+    std::env::set_var(DRIVER_PATH_ENV, support::double_path());
+    assert!(matches!(
+        CudaPool::new(0, "policy:pytorch,expandable_segments:true"),
+        Err(AllocError::InvalidConfig(_))
+    ));
+    std::env::set_var(DRIVER_PATH_ENV, "/nonexistent/libcuda.so");
+    let err = CudaPool::new(0, "").unwrap_err();
+    assert!(err.to_string().contains("/nonexistent/libcuda.so"), "{err}");
+}
