@@ -73,6 +73,11 @@ enum Command {
         /// Also print PyTorch's `memory_summary()` table of the allocator after the replay.
         #[arg(long)]
         summary: bool,
+        /// Skip the out-of-memory errors the trace recorded instead of
+        /// reproducing them (by making the simulated device report the free
+        /// memory the real one reported at that moment).
+        #[arg(long)]
+        ignore_recorded_ooms: bool,
         /// Print one JSON object per trace and device.
         #[arg(long)]
         json: bool,
@@ -155,6 +160,7 @@ fn run(command: Command) -> Result<(), String> {
                             policy: policy.clone(),
                             capacity_bytes: capacity,
                             find_min_capacity: !no_min_capacity,
+                            reproduce_recorded_ooms: false,
                         };
                         let m = evaluate(&trace.source, device, &options).map_err(|e| {
                             format!("{} device {}: {e}", trace.source, device.device)
@@ -179,6 +185,7 @@ fn run(command: Command) -> Result<(), String> {
             capacity,
             min_capacity,
             summary,
+            ignore_recorded_ooms,
             json,
         } => {
             let policy = PolicyConfig::parse(&policy, &config).map_err(|e| e.to_string())?;
@@ -188,6 +195,7 @@ fn run(command: Command) -> Result<(), String> {
                         policy: policy.clone(),
                         capacity_bytes: capacity,
                         find_min_capacity: min_capacity,
+                        reproduce_recorded_ooms: !ignore_recorded_ooms,
                     };
                     let m = evaluate(&trace.source, device, &options)
                         .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
@@ -195,6 +203,9 @@ fn run(command: Command) -> Result<(), String> {
                         println!("{}", to_json(&m));
                     } else {
                         print!("{}", table::metrics_text(&m));
+                    }
+                    if !json && (m.out_of_memory.is_some() || !m.reproduced_ooms.is_empty()) {
+                        print!("{}", what_would_help(&trace.source, device, &policy)?);
                     }
                     if summary {
                         println!(
@@ -247,6 +258,40 @@ fn run(command: Command) -> Result<(), String> {
             bench::threads(&traces, &policy, &threads, shards, repeat.max(1))
         }
     }
+}
+
+/// After an out-of-memory error: the smallest device on which the trace
+/// completes under this configuration and the alternatives, from replay.
+fn what_would_help(
+    source: &str,
+    device: &hbmalloc_trace::DeviceTrace,
+    current: &PolicyConfig,
+) -> Result<String, String> {
+    let mut candidates = vec![current.clone()];
+    for settings in DEFAULT_RUNS {
+        let policy = PolicyConfig::from_settings(settings).map_err(|e| e.to_string())?;
+        if !candidates.contains(&policy) {
+            candidates.push(policy);
+        }
+    }
+    let mut out = String::from("  smallest device on which every request that succeeded in the trace succeeds (replayed):\n");
+    for policy in candidates {
+        let options = EvalOptions {
+            policy: policy.clone(),
+            capacity_bytes: None,
+            find_min_capacity: true,
+            reproduce_recorded_ooms: false,
+        };
+        let m = evaluate(source, device, &options).map_err(|e| e.to_string())?;
+        let needed = m.min_capacity_bytes.map_or("unknown".to_string(), human);
+        out += &format!(
+            "    {:<45} {} (peak live {})\n",
+            policy.to_settings(),
+            needed,
+            human(m.peak_live_bytes)
+        );
+    }
+    Ok(out)
 }
 
 fn to_json(m: &Metrics) -> String {

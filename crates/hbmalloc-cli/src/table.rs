@@ -192,6 +192,17 @@ pub fn metrics_text(m: &Metrics) -> String {
     if let Some(oom) = &m.out_of_memory {
         let _ = writeln!(out, "  out of memory at {oom}");
     }
+    for (op, report) in &m.reproduced_ooms {
+        let _ = writeln!(out, "  recorded out-of-memory error reproduced at op {op}:");
+        for line in report.render().lines() {
+            let _ = writeln!(out, "    {line}");
+        }
+        let _ = writeln!(
+            out,
+            "    PyTorch would say: {}",
+            report.pytorch_message(m.device)
+        );
+    }
     out
 }
 

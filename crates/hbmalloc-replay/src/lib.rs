@@ -123,6 +123,9 @@ pub struct RunResult {
     pub unreproduced_ooms: u64,
     /// The allocator's statistics when the replay ended (peaks included).
     pub final_stats: DeviceStats,
+    /// Recorded out-of-memory requests the replay reproduced, with the
+    /// allocator's report (only with `emulate_recorded_ooms`).
+    pub reproduced_ooms: Vec<(usize, OomReport)>,
 }
 
 /// A trace's ops with allocation ids renumbered densely, ready to replay many
@@ -315,6 +318,7 @@ impl PreparedTrace {
             segment_events: Vec::new(),
             unreproduced_ooms: 0,
             final_stats: DeviceStats::default(),
+            reproduced_ooms: Vec::new(),
         };
 
         for (image, slots) in &self.initial {
@@ -345,7 +349,7 @@ impl PreparedTrace {
             if i == half {
                 calls_at_half = allocator.device().call_counts();
             }
-            let step = self.step(&mut allocator, &mut ptrs, *op, options, &mut result);
+            let step = self.step(&mut allocator, &mut ptrs, (i, *op), options, &mut result);
             if let Err(e) = step {
                 return match e {
                     AllocError::OutOfMemory(report) => {
@@ -433,7 +437,7 @@ impl PreparedTrace {
         &self,
         allocator: &mut Allocator<SimDevice>,
         ptrs: &mut [DevicePtr],
-        op: DenseOp,
+        (index, op): (usize, DenseOp),
         options: &ReplayOptions,
         result: &mut RunResult,
     ) -> Result<(), AllocError> {
@@ -485,7 +489,9 @@ impl PreparedTrace {
                             result.unreproduced_ooms += 1;
                             allocator.free(ptr)?;
                         }
-                        Err(AllocError::OutOfMemory(_)) => {}
+                        Err(AllocError::OutOfMemory(report)) => {
+                            result.reproduced_ooms.push((index, *report));
+                        }
                         Err(e) => return Err(e),
                     }
                 }

@@ -20,6 +20,9 @@ pub struct EvalOptions {
     pub capacity_bytes: Option<u64>,
     /// Bisect for the smallest capacity on which the trace completes.
     pub find_min_capacity: bool,
+    /// Reproduce the out-of-memory errors the trace recorded (the device
+    /// reports the free memory it reported then) and report them.
+    pub reproduce_recorded_ooms: bool,
 }
 
 /// What the recorded allocator did, where the trace says.
@@ -73,6 +76,10 @@ pub struct Metrics {
     /// The allocator's PyTorch-compatible statistics at the end of the main run.
     #[serde(skip)]
     pub final_stats: hbmalloc::DeviceStats,
+    /// Recorded out-of-memory errors reproduced by the replay: the op and the
+    /// allocator's report.
+    #[serde(skip)]
+    pub reproduced_ooms: Vec<(usize, hbmalloc::OomReport)>,
 }
 
 /// The max over time of the sum of live requested sizes, computed from the
@@ -112,6 +119,7 @@ pub fn evaluate(
     let prepared = PreparedTrace::new(trace)?;
     let mut replay = ReplayOptions::new(options.policy.clone());
     replay.capacity_bytes = options.capacity_bytes.unwrap_or(UNBOUNDED_CAPACITY_BYTES);
+    replay.emulate_recorded_ooms = options.reproduce_recorded_ooms;
     let run = prepared.run(&replay)?;
 
     let peak_live = peak_live_bytes(trace);
@@ -165,6 +173,7 @@ pub fn evaluate(
             segment_events: r.segment_events.len(),
         }),
         final_stats: run.final_stats,
+        reproduced_ooms: run.reproduced_ooms,
     })
 }
 

@@ -72,29 +72,49 @@ pub struct OomReport {
 
 impl OomReport {
     /// Works out the verdict from the numbers.
+    ///
+    /// What this allocator could hold at most is what it reserves plus what
+    /// the driver still has free (other processes hold the rest), capped by a
+    /// configured limit. If live memory plus the request exceeds that, no
+    /// policy could have served it; otherwise the memory was there, either
+    /// waiting on other streams or in pieces too small.
     pub fn judge(&mut self) {
-        let available = self
-            .limit_bytes
-            .unwrap_or(u64::MAX)
-            .min(self.device_total_bytes);
-        let needed = self.allocated_bytes + self.rounded_bytes;
-        self.verdict = if self.pending_free_bytes > 0
-            && needed <= available + self.pending_free_bytes
-            && needed > available.saturating_sub(self.pending_free_bytes)
-        {
-            OomVerdict::PendingStreams
-        } else if needed > self.device_total_bytes.min(available) {
-            if self
-                .limit_bytes
-                .is_some_and(|l| needed > l && needed <= self.device_total_bytes)
-            {
+        let reachable = self.reserved_bytes.saturating_add(self.device_free_bytes);
+        let needed = self.allocated_bytes.saturating_add(self.rounded_bytes);
+        let available = self.limit_bytes.map_or(reachable, |l| l.min(reachable));
+        self.verdict = if needed > available {
+            if self.limit_bytes.is_some_and(|l| l < reachable) && needed <= reachable {
                 OomVerdict::ConfiguredLimit
             } else {
                 OomVerdict::RealDemand
             }
+        } else if needed.saturating_add(self.pending_free_bytes) > available {
+            OomVerdict::PendingStreams
         } else {
             OomVerdict::Fragmentation
         };
+    }
+
+    /// The message PyTorch's allocator raises for the same numbers (its
+    /// `OutOfMemoryError` text, less the per-process lines), so users can
+    /// compare. Note that PyTorch names the segment size it tried, not the
+    /// tensor size.
+    pub fn pytorch_message(&self, device: i64) -> String {
+        let allowed = self.limit_bytes.map_or(String::new(), |l| {
+            format!("{} allowed; ", pytorch_format_size(l))
+        });
+        format!(
+            "CUDA out of memory. Tried to allocate {}. GPU {device} has a total capacity of {} of which {} is free. \
+             {allowed}Of the allocated memory {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated. \
+             If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+             to avoid fragmentation.  See documentation for Memory Management  \
+             (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)",
+            pytorch_format_size(self.device_request_bytes),
+            pytorch_format_size(self.device_total_bytes),
+            pytorch_format_size(self.device_free_bytes),
+            pytorch_format_size(self.allocated_bytes),
+            pytorch_format_size(self.reserved_bytes.saturating_sub(self.allocated_bytes)),
+        )
     }
 
     /// A multi-line report: what was asked, what the device held, why it
@@ -109,10 +129,18 @@ impl OomReport {
             self.stream.0
         );
         out += &format!(
-            "  device: {} total, {} free\n",
+            "  device: {} total, {} free",
             format_bytes(self.device_total_bytes),
             format_bytes(self.device_free_bytes)
         );
+        let elsewhere = self
+            .device_total_bytes
+            .saturating_sub(self.device_free_bytes)
+            .saturating_sub(self.reserved_bytes);
+        if elsewhere > 0 {
+            out += &format!(", {} held outside this allocator", format_bytes(elsewhere));
+        }
+        out += "\n";
         out += &format!(
             "  allocator: {} live, {} reserved, {} cached free (largest free block {}), {} pending on other streams\n",
             format_bytes(self.allocated_bytes),
@@ -133,6 +161,21 @@ impl OomReport {
             OomVerdict::Fragmentation => "policy hbm (remaps free granules), or expandable_segments:True under policy pytorch",
         };
         out
+    }
+}
+
+/// PyTorch's C++ `format_size`: two decimals, `bytes` up to 1024, then
+/// KiB, MiB and GiB, each up to and including its upper bound.
+fn pytorch_format_size(size: u64) -> String {
+    let s = size as f64;
+    if size <= 1024 {
+        format!("{size} bytes")
+    } else if size <= 1 << 20 {
+        format!("{:.2} KiB", s / 1024.0)
+    } else if size <= 1 << 30 {
+        format!("{:.2} MiB", s / 1048576.0)
+    } else {
+        format!("{:.2} GiB", s / 1073741824.0)
     }
 }
 
@@ -185,5 +228,66 @@ impl std::error::Error for AllocError {}
 impl From<DeviceError> for AllocError {
     fn from(e: DeviceError) -> Self {
         AllocError::Device(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report() -> OomReport {
+        OomReport {
+            requested_bytes: 3 << 30,
+            rounded_bytes: 3 << 30,
+            device_request_bytes: 3 << 30,
+            stream: StreamId(0),
+            device_total_bytes: 80 << 30,
+            device_free_bytes: 1 << 30,
+            allocated_bytes: 70 << 30,
+            reserved_bytes: 78 << 30,
+            cached_free_bytes: 8 << 30,
+            largest_free_block_bytes: 1 << 30,
+            pending_free_bytes: 0,
+            limit_bytes: None,
+            verdict: OomVerdict::RealDemand,
+        }
+    }
+
+    #[test]
+    fn verdicts() {
+        let mut r = report();
+        r.judge();
+        assert_eq!(
+            r.verdict,
+            OomVerdict::Fragmentation,
+            "73 GiB needed, 79 GiB reachable"
+        );
+        r.allocated_bytes = 77 << 30;
+        r.judge();
+        assert_eq!(
+            r.verdict,
+            OomVerdict::RealDemand,
+            "80 GiB needed, 79 GiB reachable"
+        );
+        r.allocated_bytes = 70 << 30;
+        r.pending_free_bytes = 7 << 30;
+        r.judge();
+        assert_eq!(r.verdict, OomVerdict::PendingStreams);
+        r.pending_free_bytes = 0;
+        r.limit_bytes = Some(72 << 30);
+        r.judge();
+        assert_eq!(r.verdict, OomVerdict::ConfiguredLimit);
+    }
+
+    #[test]
+    fn pytorch_message_uses_pytorch_units() {
+        assert_eq!(pytorch_format_size(1024), "1024 bytes");
+        assert_eq!(pytorch_format_size(1025), "1.00 KiB");
+        assert_eq!(pytorch_format_size(1 << 20), "1024.00 KiB");
+        assert_eq!(pytorch_format_size(3 << 30), "3.00 GiB");
+        let message = report().pytorch_message(0);
+        assert!(message.starts_with(
+            "CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total capacity of 80.00 GiB of which 1024.00 MiB is free. Of the allocated memory 70.00 GiB is allocated by PyTorch, and 8.00 GiB is reserved by PyTorch but unallocated."
+        ), "{message}");
     }
 }
