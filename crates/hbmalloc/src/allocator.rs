@@ -15,6 +15,8 @@ use crate::stats::DeviceStats;
 pub const MAX_REQUEST_BYTES: u64 = 1 << 50;
 
 /// Which policy decides where requests go, and its configuration.
+// Built once per allocator: the size difference does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum PolicyConfig {
     /// PyTorch's native caching allocator, reproduced decision for decision.
@@ -115,6 +117,9 @@ pub struct BlockImage {
     pub allocated: bool,
 }
 
+// One per allocator, and every call dispatches through it: boxing the
+// larger policy would add a pointer chase to the hot path for nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 enum Engine {
     Pytorch(PytorchPolicy),

@@ -71,6 +71,10 @@ const SEGMENT_ROUND: u64 = 2 * MIB;
 const REGION_CAPACITY_FACTOR: u64 = 2;
 
 const DEFAULT_MAX_WASTE_PERCENT: f64 = 2.0;
+/// Mapping ahead is bounded by this share of peak demand whatever the
+/// allowance: memory mapped ahead is pinned by the first small block placed
+/// in it, so larger chunks trade efficiency for fewer calls.
+const MAX_MAP_AHEAD_PERCENT: f64 = 2.0;
 
 /// Configuration of policy `hbm`, in the `key:value,key:value` syntax.
 ///
@@ -192,8 +196,12 @@ struct Region {
     stream: StreamId,
     /// A plain segment: always fully backed, no granules.
     segment: bool,
-    /// The physical handle mapped at each granule.
-    handles: Vec<Option<PhysicalHandle>>,
+    /// Granules in the region.
+    granules: u64,
+    /// Mapped chunks by first granule: (granules, handle). Each chunk is one
+    /// physical handle mapped in one call; a run of granules may be stitched
+    /// together from several chunks.
+    chunks: BTreeMap<u64, (u64, PhysicalHandle)>,
     /// One bit per granule: mapped. Lets the hot path test a whole block's
     /// granules 64 at a time.
     mapped_bits: Vec<u64>,
@@ -204,15 +212,16 @@ impl Region {
         self.segment || self.mapped_bits[(index / 64) as usize] & (1 << (index % 64)) != 0
     }
 
-    fn set_mapped(&mut self, index: u64, handle: Option<PhysicalHandle>) {
-        let bit = 1u64 << (index % 64);
-        let word = &mut self.mapped_bits[(index / 64) as usize];
-        if handle.is_some() {
-            *word |= bit;
-        } else {
-            *word &= !bit;
+    fn set_mapped(&mut self, first: u64, count: u64, mapped: bool) {
+        for index in first..first + count {
+            let bit = 1u64 << (index % 64);
+            let word = &mut self.mapped_bits[(index / 64) as usize];
+            if mapped {
+                *word |= bit;
+            } else {
+                *word &= !bit;
+            }
         }
-        self.handles[index as usize] = handle;
     }
 
     /// True when every granule in `[first, end)` is mapped.
@@ -236,26 +245,6 @@ impl Region {
             i = i - lo + 64;
         }
         true
-    }
-
-    /// Mapped granules in `[first, end)`, highest first.
-    fn mapped_descending(&self, first: u64, end: u64) -> impl Iterator<Item = u64> + '_ {
-        let mut i = end;
-        std::iter::from_fn(move || {
-            while i > first {
-                let index = i - 1;
-                if self.mapped_bits[(index / 64) as usize] == 0 {
-                    // Skip a whole empty word.
-                    i = (index / 64 * 64).max(first);
-                    continue;
-                }
-                i = index;
-                if self.is_mapped(index) {
-                    return Some(index);
-                }
-            }
-            None
-        })
     }
 }
 
@@ -281,7 +270,7 @@ pub(crate) struct HbmPolicy {
     /// Free ranges by (stream, size, address): best fit, lowest address on ties.
     free_by_size: BTreeSet<(StreamId, u64, DevicePtr, u32)>,
     /// Physical handles held but not mapped (left over from failed maps).
-    spare_handles: Vec<PhysicalHandle>,
+    spare_handles: Vec<(PhysicalHandle, u64)>,
     /// Pending end-of-use events, per stream, in record order.
     pending_events: BTreeMap<StreamId, VecDeque<(EventId, DevicePtr)>>,
     /// Physical memory held: mapped granules, spare handles and segments.
@@ -525,7 +514,8 @@ impl HbmPolicy {
                     size: region_size,
                     stream,
                     segment: false,
-                    handles: vec![None; granules as usize],
+                    granules,
+                    chunks: BTreeMap::new(),
                     mapped_bits: vec![0; granules.div_ceil(64) as usize],
                 }
             }
@@ -551,7 +541,8 @@ impl HbmPolicy {
                     size: segment_size,
                     stream,
                     segment: true,
-                    handles: Vec::new(),
+                    granules: 0,
+                    chunks: BTreeMap::new(),
                     mapped_bits: Vec::new(),
                 }
             }
@@ -563,37 +554,70 @@ impl HbmPolicy {
         Ok(Some((base, region_size, index)))
     }
 
-    /// The memory this policy lets itself hold before it steals granules
+    /// The memory this policy lets itself hold before it steals chunks
     /// rather than creating new ones.
     fn allowance_bytes(&self, granule: u64) -> u64 {
         let allowed = self.peak_demand_bytes as f64 * (1.0 + self.config.max_waste_percent / 100.0);
         (allowed as u64).div_ceil(granule) * granule
     }
 
-    /// Creates up to `count` granules within `limit` bytes held; stops at the
-    /// first out-of-memory answer.
-    fn create_granules(
+    /// Creates a handle of `bytes` unless that would hold more than `limit`
+    /// or the device is out of memory.
+    fn create(
+        &mut self,
+        dev: &dyn Device,
+        bytes: u64,
+        limit: u64,
+    ) -> Result<Option<PhysicalHandle>, AllocError> {
+        if self.held_bytes + bytes > limit {
+            return Ok(None);
+        }
+        match dev.physical_create(bytes) {
+            Ok(handle) => {
+                self.add_held(bytes);
+                self.stats.num_device_alloc += 1;
+                Ok(Some(handle))
+            }
+            Err(e) if e.is_out_of_memory() => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Maps `handle` (of `count` granules) at granule `first` of the region.
+    /// On failure the handle is kept as a spare (or as a chunk, if it could
+    /// not be unmapped again), so nothing is ever lost track of.
+    fn map_chunk(
         &mut self,
         dev: &dyn Device,
         granule: u64,
-        count: usize,
-        limit: u64,
-        into: &mut Vec<PhysicalHandle>,
+        region_index: u32,
+        first: u64,
+        count: u64,
+        handle: PhysicalHandle,
     ) -> Result<(), AllocError> {
-        for _ in 0..count {
-            if self.held_bytes + granule > limit {
-                break;
-            }
-            match dev.physical_create(granule) {
-                Ok(handle) => {
-                    self.add_held(granule);
-                    self.stats.num_device_alloc += 1;
-                    into.push(handle);
-                }
-                Err(e) if e.is_out_of_memory() => break,
-                Err(e) => return Err(e.into()),
-            }
+        let (va, stream) = {
+            let r = self.region(region_index);
+            (r.base + first * granule, r.stream)
+        };
+        let bytes = count * granule;
+        if let Err(e) = dev.map(va, bytes, handle) {
+            self.spare_handles.push((handle, bytes));
+            return Err(e.into());
         }
+        self.stats.num_device_alloc += 1;
+        if let Err(e) = dev.set_access(va, bytes) {
+            // Never leave memory mapped without access.
+            if dev.unmap(va, bytes).is_ok() {
+                self.stats.num_device_free += 1;
+                self.spare_handles.push((handle, bytes));
+                return Err(e.into());
+            }
+            // Could not undo: keep it as a chunk, so the books stay right.
+        }
+        let region = self.region_mut(region_index);
+        region.chunks.insert(first, (count, handle));
+        region.set_mapped(first, count, true);
+        self.history.record(Action::SegmentMap, va, bytes, stream);
         Ok(())
     }
 
@@ -616,84 +640,135 @@ impl HbmPolicy {
         if region.all_mapped(first, end) {
             return Ok(Backing::Done);
         }
-        let missing: Vec<u64> = (first..end).filter(|&i| !region.is_mapped(i)).collect();
-        let mut handles: Vec<PhysicalHandle> = Vec::with_capacity(missing.len());
-        let spare_taken = missing.len().min(self.spare_handles.len());
-        handles.extend(
-            self.spare_handles
-                .drain(self.spare_handles.len() - spare_taken..),
-        );
-        let hard_limit = self.limit_bytes.unwrap_or(u64::MAX);
-        let obtained = (|| -> Result<(), AllocError> {
-            // New memory while within the allowance over peak demand...
-            if !pressed {
-                let soft_limit = self.allowance_bytes(granule).min(hard_limit);
-                let want = missing.len() - handles.len();
-                self.create_granules(dev, granule, want, soft_limit, &mut handles)?;
-            }
-            // ... then granules from wholly free ranges elsewhere ...
-            let want = missing.len() - handles.len();
-            if want > 0 {
-                self.steal_granules(dev, granule, want, &mut handles)?;
-            }
-            // ... then new memory up to the hard limit.
-            let want = missing.len() - handles.len();
-            self.create_granules(dev, granule, want, hard_limit, &mut handles)
-        })();
-        if let Err(e) = obtained {
-            self.spare_handles.extend(handles);
-            return Err(e);
-        }
-        if handles.len() < missing.len() {
-            self.spare_handles.extend(handles);
-            return Ok(Backing::OutOfMemory);
-        }
-        let base = self.region(region_index).base;
-        let stream = self.region(region_index).stream;
-        // Map granule by granule; then grant access per contiguous run.
-        let mut run_start = 0;
-        for n in 0..missing.len() {
-            let index = missing[n];
-            let handle = handles[n];
-            if let Err(e) = dev.map(base + index * granule, granule, handle) {
-                self.spare_handles.extend(&handles[n..]);
-                return Err(e.into());
-            }
-            self.region_mut(region_index)
-                .set_mapped(index, Some(handle));
-            self.stats.num_device_alloc += 1;
-            let run_ends = n + 1 == missing.len() || missing[n + 1] != index + 1;
-            if run_ends {
-                let run_ptr = base + missing[run_start] * granule;
-                let run_size = (index + 1 - missing[run_start]) * granule;
-                if let Err(e) = dev.set_access(run_ptr, run_size) {
-                    // Never leave memory mapped without access: unmap the run.
-                    for &i in &missing[run_start..=n] {
-                        let h = self.region(region_index).handles[i as usize];
-                        if dev.unmap(base + i * granule, granule).is_ok() {
-                            self.stats.num_device_free += 1;
-                            self.region_mut(region_index).set_mapped(i, None);
-                            self.spare_handles.extend(h);
-                        }
-                    }
-                    self.spare_handles.extend(&handles[n + 1..]);
-                    return Err(e.into());
+        // Maximal unmapped runs under the block.
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for i in first..end {
+            if !region.is_mapped(i) {
+                match runs.last_mut() {
+                    Some((start, count)) if *start + *count == i => *count += 1,
+                    _ => runs.push((i, 1)),
                 }
-                self.history
-                    .record(Action::SegmentMap, run_ptr, run_size, stream);
-                run_start = n + 1;
+            }
+        }
+        let hard_limit = self.limit_bytes.unwrap_or(u64::MAX);
+        let soft_limit = if pressed {
+            0
+        } else {
+            self.allowance_bytes(granule).min(hard_limit)
+        };
+        // Growth at the top of the heap: map ahead (half the allowance, at
+        // most 1% of peak demand), so a growing heap maps in few large chunks (each
+        // chunk costs a create, a map and an access call) while the memory
+        // mapped ahead stays within the allowance.
+        let needed: u64 = runs.iter().map(|r| r.1).sum::<u64>() * granule;
+        let ahead_percent = self.config.max_waste_percent.min(MAX_MAP_AHEAD_PERCENT) / 2.0;
+        let chunk_granules =
+            (self.peak_demand_bytes as f64 * ahead_percent / 100.0) as u64 / granule;
+        let budget = soft_limit.saturating_sub(self.held_bytes + needed) / granule;
+        if let Some(last) = runs.last_mut() {
+            let target = chunk_granules.min(last.1 + budget);
+            while last.1 < target
+                && last.0 + last.1 < region.granules
+                && !region.is_mapped(last.0 + last.1)
+            {
+                last.1 += 1;
+            }
+        }
+        for (start, count) in runs {
+            if !self.back_run(
+                dev,
+                granule,
+                region_index,
+                start,
+                count,
+                soft_limit,
+                hard_limit,
+            )? {
+                return Ok(Backing::OutOfMemory);
             }
         }
         Ok(Backing::Done)
     }
 
-    /// Mapped granules lying wholly inside free ranges, highest address first
+    /// Backs the unmapped granules `[start, start + count)`: spare handles
+    /// that fit; one new handle within the allowance; chunks stolen from free
+    /// ranges (stitched in where they fit, released where they do not); one
+    /// new handle within the hard limit. False: out of memory.
+    #[allow(clippy::too_many_arguments)]
+    fn back_run(
+        &mut self,
+        dev: &dyn Device,
+        granule: u64,
+        region_index: u32,
+        start: u64,
+        count: u64,
+        soft_limit: u64,
+        hard_limit: u64,
+    ) -> Result<bool, AllocError> {
+        let end = start + count;
+        let mut cursor = self.stitch_spares(dev, granule, region_index, start, end)?;
+        if cursor == end {
+            return Ok(true);
+        }
+        let remaining = (end - cursor) * granule;
+        if let Some(handle) = self.create(dev, remaining, soft_limit)? {
+            self.map_chunk(dev, granule, region_index, cursor, end - cursor, handle)?;
+            return Ok(true);
+        }
+        let victims = self.free_chunks(granule, remaining);
+        self.unmap_chunks(dev, granule, &victims)?;
+        cursor = self.stitch_spares(dev, granule, region_index, cursor, end)?;
+        if cursor == end {
+            return Ok(true);
+        }
+        // What is left over is too big to stitch in: give it back, then
+        // create exactly what is missing.
+        self.release_spares(dev, granule)?;
+        let remaining = (end - cursor) * granule;
+        match self.create(dev, remaining, hard_limit)? {
+            Some(handle) => {
+                self.map_chunk(dev, granule, region_index, cursor, end - cursor, handle)?;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// Maps spare handles that fit into `[cursor, end)`, largest first;
+    /// returns the first granule still unmapped.
+    fn stitch_spares(
+        &mut self,
+        dev: &dyn Device,
+        granule: u64,
+        region_index: u32,
+        mut cursor: u64,
+        end: u64,
+    ) -> Result<u64, AllocError> {
+        while cursor < end {
+            let room = (end - cursor) * granule;
+            let best = self
+                .spare_handles
+                .iter()
+                .enumerate()
+                .filter(|(_, &(_, bytes))| bytes <= room)
+                .max_by_key(|(i, &(_, bytes))| (bytes, usize::MAX - i))
+                .map(|(i, _)| i);
+            let Some(i) = best else { break };
+            let (handle, bytes) = self.spare_handles.swap_remove(i);
+            self.map_chunk(dev, granule, region_index, cursor, bytes / granule, handle)?;
+            cursor += bytes / granule;
+        }
+        Ok(cursor)
+    }
+
+    /// Chunks lying wholly inside free ranges, highest address first
     /// (placement favours low addresses, so the top is the least likely to be
-    /// wanted again soon), at most `count`.
-    fn free_mapped_granules(&self, granule: u64, count: usize) -> Vec<(u32, u64)> {
+    /// wanted again soon), until they add up to `bytes`.
+    fn free_chunks(&self, granule: u64, bytes: u64) -> Vec<(u32, u64)> {
         let mut victims = Vec::new();
+        let mut found = 0u64;
         for (&ptr, range) in self.free_by_addr.iter().rev() {
-            if victims.len() >= count {
+            if found >= bytes {
                 break;
             }
             if range.size < granule {
@@ -705,24 +780,26 @@ impl HbmPolicy {
             }
             let first = (ptr - region.base).div_ceil(granule);
             let end = (ptr + range.size - region.base) / granule;
-            for index in region.mapped_descending(first, end) {
-                if victims.len() >= count {
+            for (&start, &(count, _)) in region.chunks.range(first..end).rev() {
+                if found >= bytes {
                     break;
                 }
-                victims.push((range.region, index));
+                if start + count <= end {
+                    victims.push((range.region, start));
+                    found += count * granule;
+                }
             }
         }
         victims
     }
 
-    /// Unmaps the given granules after synchronizing their streams; returns
-    /// their handles through `into` (even on error, for what was unmapped).
-    fn unmap_granules(
+    /// Unmaps the given chunks after synchronizing their streams; their
+    /// handles become spares.
+    fn unmap_chunks(
         &mut self,
         dev: &dyn Device,
         granule: u64,
         victims: &[(u32, u64)],
-        into: &mut Vec<PhysicalHandle>,
     ) -> Result<(), AllocError> {
         // A page may still be touched by kernels queued on its stream before
         // the free: wait for each owning stream once.
@@ -734,33 +811,35 @@ impl HbmPolicy {
             let event = dev.record_event(stream)?;
             dev.synchronize_event(event)?;
         }
-        for &(region_index, index) in victims {
+        for &(region_index, start) in victims {
             let region = self.region(region_index);
-            let va = region.base + index * granule;
+            let (count, handle) = region.chunks[&start];
+            let va = region.base + start * granule;
             let stream = region.stream;
-            let handle = region.handles[index as usize].expect("a mapped granule");
-            dev.unmap(va, granule)?;
-            self.region_mut(region_index).set_mapped(index, None);
+            dev.unmap(va, count * granule)?;
+            let region = self.region_mut(region_index);
+            region.chunks.remove(&start);
+            region.set_mapped(start, count, false);
             self.stats.num_device_free += 1;
             self.history
-                .record(Action::SegmentUnmap, va, granule, stream);
-            into.push(handle);
+                .record(Action::SegmentUnmap, va, count * granule, stream);
+            self.spare_handles.push((handle, count * granule));
         }
         Ok(())
     }
 
-    fn steal_granules(
-        &mut self,
-        dev: &dyn Device,
-        granule: u64,
-        count: usize,
-        into: &mut Vec<PhysicalHandle>,
-    ) -> Result<(), AllocError> {
-        let victims = self.free_mapped_granules(granule, count);
-        if victims.is_empty() {
-            return Ok(());
+    /// Releases every spare handle.
+    fn release_spares(&mut self, dev: &dyn Device, granule: u64) -> Result<(), AllocError> {
+        debug_assert!(self.spare_handles.iter().all(|&(_, b)| b % granule == 0));
+        while let Some((handle, bytes)) = self.spare_handles.pop() {
+            if let Err(e) = dev.physical_release(handle) {
+                self.spare_handles.push((handle, bytes));
+                return Err(e.into());
+            }
+            self.sub_held(bytes);
+            self.stats.num_device_free += 1;
         }
-        self.unmap_granules(dev, granule, &victims, into)
+        Ok(())
     }
 
     // ----- free -----
@@ -942,19 +1021,9 @@ impl HbmPolicy {
     pub(crate) fn empty_cache(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
         self.synchronize_and_free_events(dev)?;
         if let Some(granule) = self.granule {
-            let victims = self.free_mapped_granules(granule, usize::MAX);
-            let mut handles = Vec::new();
-            let unmapped = self.unmap_granules(dev, granule, &victims, &mut handles);
-            self.spare_handles.extend(handles);
-            unmapped?;
-            while let Some(handle) = self.spare_handles.pop() {
-                if let Err(e) = dev.physical_release(handle) {
-                    self.spare_handles.push(handle);
-                    return Err(e.into());
-                }
-                self.sub_held(granule);
-                self.stats.num_device_free += 1;
-            }
+            let victims = self.free_chunks(granule, u64::MAX);
+            self.unmap_chunks(dev, granule, &victims)?;
+            self.release_spares(dev, granule)?;
         }
         self.release_free_segments(dev)
     }
@@ -976,7 +1045,11 @@ impl HbmPolicy {
         // With remapping, every wholly free mapped granule is usable by any
         // request: that is the largest piece the allocator could offer.
         let largest_free = match self.granule {
-            Some(g) => self.free_mapped_granules(g, usize::MAX).len() as u64 * g,
+            Some(g) => self
+                .free_chunks(g, u64::MAX)
+                .iter()
+                .map(|&(r, start)| self.region(r).chunks[&start].0 * g)
+                .sum(),
             None => self
                 .free_by_addr
                 .values()
@@ -1051,7 +1124,7 @@ impl HbmPolicy {
             let runs: Vec<(DevicePtr, u64)> = match self.granule {
                 Some(g) if !region.segment => {
                     let mut runs: Vec<(DevicePtr, u64)> = Vec::new();
-                    for index in 0..region.handles.len() as u64 {
+                    for index in 0..region.granules {
                         if !region.is_mapped(index) {
                             continue;
                         }
@@ -1180,7 +1253,21 @@ impl HbmPolicy {
             if region.segment {
                 segment_bytes += region.size;
             } else {
-                let counted = region.handles.iter().filter(|h| h.is_some()).count() as u64;
+                let mut next_free_granule = 0;
+                let mut counted = 0;
+                for (&start, &(count, _)) in &region.chunks {
+                    if start < next_free_granule || start + count > region.granules {
+                        return Err(format!("region {:#x}: chunks overlap", region.base));
+                    }
+                    if !region.all_mapped(start, start + count) {
+                        return Err(format!(
+                            "region {:#x}: chunk not in the bitmap",
+                            region.base
+                        ));
+                    }
+                    next_free_granule = start + count;
+                    counted += count;
+                }
                 let bits: u64 = region
                     .mapped_bits
                     .iter()
@@ -1199,8 +1286,8 @@ impl HbmPolicy {
             return Err("blocks in regions that do not exist".into());
         }
         let granule = self.granule.unwrap_or(0);
-        let held =
-            mapped_granules * granule + self.spare_handles.len() as u64 * granule + segment_bytes;
+        let spare: u64 = self.spare_handles.iter().map(|&(_, bytes)| bytes).sum();
+        let held = mapped_granules * granule + spare + segment_bytes;
         if held != self.held_bytes {
             return Err(format!(
                 "reserved {} != mapped granules + spare handles + segments {held}",
@@ -1273,21 +1360,18 @@ mod tests {
             size: 200 * 4096,
             stream: StreamId(0),
             segment: false,
-            handles: vec![None; 200],
+            granules: 200,
+            chunks: BTreeMap::new(),
             mapped_bits: vec![0; 4],
         };
-        for i in 60..140 {
-            r.set_mapped(i, Some(PhysicalHandle(i)));
-        }
+        r.set_mapped(60, 80, true);
         assert!(r.all_mapped(60, 140));
         assert!(r.all_mapped(64, 128));
         assert!(!r.all_mapped(59, 140));
         assert!(!r.all_mapped(60, 141));
         assert!(r.all_mapped(70, 70));
-        let down: Vec<u64> = r.mapped_descending(0, 200).collect();
-        assert_eq!(down.len(), 80);
-        assert_eq!(down[0], 139);
-        assert_eq!(*down.last().unwrap(), 60);
-        assert_eq!(r.mapped_descending(130, 135).count(), 5);
+        r.set_mapped(100, 1, false);
+        assert!(!r.all_mapped(64, 128));
+        assert!(r.is_mapped(99) && !r.is_mapped(100));
     }
 }
