@@ -4,6 +4,7 @@
 use crate::config::{ConfigError, PytorchConfig};
 use crate::device::{Device, DevicePtr, StreamId};
 use crate::error::AllocError;
+use crate::hbm::{HbmConfig, HbmPolicy};
 use crate::history::History;
 use crate::pytorch::PytorchPolicy;
 use crate::snapshot::Snapshot;
@@ -14,18 +15,23 @@ use crate::stats::DeviceStats;
 pub const MAX_REQUEST_BYTES: u64 = 1 << 50;
 
 /// Which policy decides where requests go, and its configuration.
+// Built once per allocator: the size difference does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum PolicyConfig {
     /// PyTorch's native caching allocator, reproduced decision for decision.
     Pytorch(PytorchConfig),
+    /// hbmalloc's own policy: granule remapping, reserved memory tracking live memory.
+    Hbm(HbmConfig),
 }
 
 impl PolicyConfig {
-    /// Parses a policy name (`pytorch`) and its configuration string.
+    /// Parses a policy name (`pytorch` or `hbm`) and its configuration string.
     pub fn parse(policy: &str, conf: &str) -> Result<Self, ConfigError> {
         match policy {
             "pytorch" => Ok(PolicyConfig::Pytorch(PytorchConfig::parse(conf)?)),
-            other => Err(ConfigError::new("policy", other, "pytorch")),
+            "hbm" => Ok(PolicyConfig::Hbm(HbmConfig::parse(conf)?)),
+            other => Err(ConfigError::new("policy", other, "pytorch or hbm")),
         }
     }
 
@@ -50,6 +56,7 @@ impl PolicyConfig {
     pub fn to_settings(&self) -> String {
         let conf = match self {
             PolicyConfig::Pytorch(c) => c.to_conf_string(),
+            PolicyConfig::Hbm(c) => c.to_conf_string(),
         };
         if conf.is_empty() {
             format!("policy:{}", self.policy_name())
@@ -62,6 +69,7 @@ impl PolicyConfig {
     pub fn policy_name(&self) -> &'static str {
         match self {
             PolicyConfig::Pytorch(_) => "pytorch",
+            PolicyConfig::Hbm(_) => "hbm",
         }
     }
 }
@@ -78,7 +86,8 @@ pub struct AllocatorConfig {
 impl Default for AllocatorConfig {
     fn default() -> Self {
         AllocatorConfig {
-            policy: PolicyConfig::Pytorch(PytorchConfig::default()),
+            // hbm is hbmalloc's default policy; `pytorch` is there on request.
+            policy: PolicyConfig::Hbm(HbmConfig::default()),
             history_entries: 0,
         }
     }
@@ -108,9 +117,13 @@ pub struct BlockImage {
     pub allocated: bool,
 }
 
+// One per allocator, and every call dispatches through it: boxing the
+// larger policy would add a pointer chase to the hot path for nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 enum Engine {
     Pytorch(PytorchPolicy),
+    Hbm(HbmPolicy),
 }
 
 /// A caching allocator for one device.
@@ -125,11 +138,13 @@ macro_rules! dispatch {
     ($self:ident, $p:ident => $body:expr) => {
         match &$self.engine {
             Engine::Pytorch($p) => $body,
+            Engine::Hbm($p) => $body,
         }
     };
     (mut $self:ident, $p:ident => $body:expr) => {
         match &mut $self.engine {
             Engine::Pytorch($p) => $body,
+            Engine::Hbm($p) => $body,
         }
     };
 }
@@ -142,6 +157,9 @@ impl<D: Device> Allocator<D> {
         let settings = config.policy.to_settings();
         let engine = match config.policy {
             PolicyConfig::Pytorch(c) => Engine::Pytorch(PytorchPolicy::new(c, total, history)),
+            PolicyConfig::Hbm(c) => {
+                Engine::Hbm(HbmPolicy::new(c, total, device.granularity(), history))
+            }
         };
         Ok(Allocator {
             device,

@@ -11,6 +11,7 @@ pub mod config;
 pub mod device;
 pub mod error;
 pub mod format;
+mod hbm;
 pub mod history;
 mod pytorch;
 pub mod sim;
@@ -28,6 +29,7 @@ pub use device::{
     PhysicalHandle, StreamId,
 };
 pub use error::{AllocError, OomReport, OomVerdict};
+pub use hbm::HbmConfig;
 pub use history::{Action, History, TraceEntry};
 pub use sim::{CallCounts, Fault, LatencyModel, SimConfig, SimDevice};
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};

@@ -1,0 +1,1381 @@
+//! Policy `hbm`: hbmalloc's own policy. Reserved memory tracks live memory,
+//! and a repeating workload makes no driver calls once warm.
+//!
+//! # Design
+//!
+//! * **Address space is cheap, physical memory is not.** Each stream gets a
+//!   large virtual reservation (a *region*, twice the device's capacity; more
+//!   are reserved if one fills up). Inside its regions, a stream's requests are
+//!   placed by address-ordered best fit over byte ranges rounded to 512 bytes,
+//!   with free ranges coalesced. Small requests are therefore packed densely
+//!   next to large ones: there is no segment rounding and no small/large pool
+//!   split to waste memory on.
+//! * **Physical memory comes in chunks of granules** (`Device::granularity()`,
+//!   2 MiB). A chunk is one `physical_create` handle mapped in one call; a
+//!   miss maps each unmapped run under the block as one chunk, so a large
+//!   tensor costs one create, one map and one access call, like one
+//!   `cudaMalloc`. When the heap grows at the top, the run is extended ahead
+//!   (at most 1% of peak demand) so that small requests do not map granule by
+//!   granule. Free ranges keep their mappings: that is the cache. A
+//!   repeating step lands on the same addresses, still mapped, and calls
+//!   nothing. (Measured: one handle per granule gave the tightest memory but
+//!   ten times the driver calls and driver time of PyTorch on real traces.)
+//! * **On a miss** a run gets physical memory from, in order: spare unmapped
+//!   handles that fit; one new handle while the memory held stays within
+//!   `max_waste_percent` of the peak demand seen so far; chunks *stolen* from
+//!   wholly free ranges, highest address first (unmapped there and stitched
+//!   in here where they fit, GMLake-style; those that do not fit are
+//!   released); and only then one new handle beyond the allowance. Before
+//!   unmapping, the owning stream is synchronized through an event, so no
+//!   kernel still running can touch a page that moves. A chunk partly under
+//!   a live block cannot move: that pinning is where `hbm` still wastes.
+//! * **Streams.** A stream only ever reuses free ranges of its own regions.
+//!   Blocks used on other streams (`record_stream`) stay out of the free set
+//!   until events recorded on those streams complete, as in PyTorch.
+//! * **Out of memory:** synchronize pending events (their blocks become
+//!   free), steal ignoring the allowance, search again, and only then raise
+//!   `AllocError::OutOfMemory` with a judged `OomReport`.
+//! * **No virtual-memory API** (`granularity() == None`): regions become plain
+//!   segments (`segment_alloc`, 2 MiB for requests up to 1 MiB, otherwise the
+//!   request rounded up to 2 MiB), always fully backed; best fit and
+//!   coalescing still apply inside them, and wholly free segments are freed by
+//!   `empty_cache` or an out-of-memory retry.
+//!
+//! Hot path (a cache hit): one ordered-set lookup for best fit, a few
+//! ordered-map updates to split, one hash insert, and a bitmap test that the
+//! granules are mapped. No device call, `O(log n)`.
+//!
+//! Statistics keep PyTorch's meanings where they carry over: `reserved_bytes`
+//! is physical memory held (mapped granules plus spare handles, or segments),
+//! `segment` counts regions (virtual reservations or fallback segments),
+//! `num_device_alloc`/`num_device_free` count creates and maps / releases and
+//! unmaps. Everything is reported in the large pool except allocations of at
+//! most 1 MiB, which count as small as in PyTorch. `inactive_split*` stays 0:
+//! `hbm` has no segments to split.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use crate::config::ConfigError;
+use crate::device::{Device, DevicePtr, EventId, PhysicalHandle, StreamId};
+use crate::error::{AllocError, OomReport, OomVerdict};
+use crate::history::{Action, History};
+use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
+use crate::stats::{DeviceStats, Stat, StatType};
+use crate::{FastMap, SegmentImage};
+
+const MIB: u64 = 1 << 20;
+/// Every request rounds up to a multiple of this (as PyTorch's `kMinBlockSize`).
+const MIN_BLOCK_SIZE: u64 = 512;
+/// Requests up to this size count as "small pool" in the statistics.
+const SMALL_SIZE: u64 = MIB;
+/// Without a virtual-memory API, segments are multiples of this.
+const SEGMENT_ROUND: u64 = 2 * MIB;
+/// Virtual address space reserved per region, as a multiple of device memory:
+/// room to place a full device's worth of blocks with fragmentation to spare.
+const REGION_CAPACITY_FACTOR: u64 = 2;
+
+const DEFAULT_MAX_WASTE_PERCENT: f64 = 2.0;
+/// Mapping ahead is bounded by this share of peak demand whatever the
+/// allowance: memory mapped ahead is pinned by the first small block placed
+/// in it, so larger chunks trade efficiency for fewer calls.
+const MAX_MAP_AHEAD_PERCENT: f64 = 2.0;
+
+/// Configuration of policy `hbm`, in the `key:value,key:value` syntax.
+///
+/// | key | default | meaning |
+/// |---|---|---|
+/// | `max_waste_percent` | 2 | physical memory held may exceed the peak demand (live plus pending-free bytes) by this percentage before free granules are remapped instead of new memory created. Lower: tighter memory, more remapping when the workload shifts; higher: fewer driver calls. |
+/// | `per_process_memory_fraction` | 1 | hard limit on memory held, as a fraction of device memory (as in PyTorch). |
+#[derive(Clone, Debug, PartialEq)]
+pub struct HbmConfig {
+    /// Allowance of held memory over peak demand, in percent, before granules are stolen.
+    pub max_waste_percent: f64,
+    /// Hard limit on memory held, as a fraction of device memory.
+    pub per_process_memory_fraction: f64,
+}
+
+impl Default for HbmConfig {
+    fn default() -> Self {
+        HbmConfig {
+            max_waste_percent: DEFAULT_MAX_WASTE_PERCENT,
+            per_process_memory_fraction: 1.0,
+        }
+    }
+}
+
+impl HbmConfig {
+    /// Every key this policy accepts.
+    pub const KEYS: [&'static str; 2] = ["max_waste_percent", "per_process_memory_fraction"];
+
+    /// Parses `key:value,key:value`; an empty string gives the defaults.
+    pub fn parse(conf: &str) -> Result<Self, ConfigError> {
+        let mut config = HbmConfig::default();
+        for entry in conf.split(',') {
+            let entry = entry.trim();
+            if entry.is_empty() {
+                continue;
+            }
+            let Some((key, value)) = entry.split_once(':') else {
+                return Err(ConfigError::new(entry, "", "key:value"));
+            };
+            let (key, value) = (key.trim(), value.trim());
+            let number = |low: f64, high: f64, expected: &str| {
+                value
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|v| (low..=high).contains(v))
+                    .ok_or_else(|| ConfigError::new(key, value, expected))
+            };
+            match key {
+                "max_waste_percent" => {
+                    config.max_waste_percent = number(0.0, 1000.0, "a number between 0 and 1000")?
+                }
+                "per_process_memory_fraction" => {
+                    let fraction = number(0.0, 1.0, "a number above 0 and at most 1")?;
+                    if fraction == 0.0 {
+                        return Err(ConfigError::new(
+                            key,
+                            value,
+                            "a number above 0 and at most 1",
+                        ));
+                    }
+                    config.per_process_memory_fraction = fraction;
+                }
+                _ => {
+                    return Err(ConfigError::new(
+                        key,
+                        value,
+                        format!("one of the keys {}", Self::KEYS.join(", ")),
+                    ))
+                }
+            }
+        }
+        Ok(config)
+    }
+
+    /// The settings that differ from the defaults, in the syntax [`HbmConfig::parse`] reads.
+    pub fn to_conf_string(&self) -> String {
+        let defaults = HbmConfig::default();
+        let mut parts = Vec::new();
+        if self.max_waste_percent != defaults.max_waste_percent {
+            parts.push(format!("max_waste_percent:{}", self.max_waste_percent));
+        }
+        if self.per_process_memory_fraction != defaults.per_process_memory_fraction {
+            parts.push(format!(
+                "per_process_memory_fraction:{}",
+                self.per_process_memory_fraction
+            ));
+        }
+        parts.join(",")
+    }
+}
+
+/// An allocated block, or one freed by the program whose stream uses are pending.
+#[derive(Clone, Debug)]
+struct LiveBlock {
+    size: u64,
+    requested: u64,
+    stream: StreamId,
+    region: u32,
+    /// False once the program freed it (then it waits for `pending_events`).
+    allocated: bool,
+    pending_events: u32,
+    /// Other streams that use it (`record_stream`), not yet covered by events.
+    stream_uses: Vec<StreamId>,
+}
+
+/// A free range (maximal: its neighbours in the region are live).
+#[derive(Copy, Clone, Debug)]
+struct FreeRange {
+    size: u64,
+    region: u32,
+}
+
+/// A virtual reservation owned by one stream, or (without a virtual-memory
+/// API) a plain segment.
+#[derive(Debug)]
+struct Region {
+    base: DevicePtr,
+    size: u64,
+    stream: StreamId,
+    /// A plain segment: always fully backed, no granules.
+    segment: bool,
+    /// Granules in the region.
+    granules: u64,
+    /// Mapped chunks by first granule: (granules, handle). Each chunk is one
+    /// physical handle mapped in one call; a run of granules may be stitched
+    /// together from several chunks.
+    chunks: BTreeMap<u64, (u64, PhysicalHandle)>,
+    /// One bit per granule: mapped. Lets the hot path test a whole block's
+    /// granules 64 at a time.
+    mapped_bits: Vec<u64>,
+}
+
+impl Region {
+    fn is_mapped(&self, index: u64) -> bool {
+        self.segment || self.mapped_bits[(index / 64) as usize] & (1 << (index % 64)) != 0
+    }
+
+    fn set_mapped(&mut self, first: u64, count: u64, mapped: bool) {
+        for index in first..first + count {
+            let bit = 1u64 << (index % 64);
+            let word = &mut self.mapped_bits[(index / 64) as usize];
+            if mapped {
+                *word |= bit;
+            } else {
+                *word &= !bit;
+            }
+        }
+    }
+
+    /// True when every granule in `[first, end)` is mapped.
+    fn all_mapped(&self, first: u64, end: u64) -> bool {
+        if self.segment {
+            return true;
+        }
+        let mut i = first;
+        while i < end {
+            let word = self.mapped_bits[(i / 64) as usize];
+            let lo = i % 64;
+            let hi = (end - (i - lo)).min(64);
+            let mask = if hi - lo == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << (hi - lo)) - 1) << lo
+            };
+            if word & mask != mask {
+                return false;
+            }
+            i = i - lo + 64;
+        }
+        true
+    }
+}
+
+/// Why a range could not be backed.
+enum Backing {
+    /// Backed: every granule under it is mapped.
+    Done,
+    /// The device (or the memory limit) has no memory for it.
+    OutOfMemory,
+}
+
+/// The `hbm` policy's state for one device.
+#[derive(Debug)]
+pub(crate) struct HbmPolicy {
+    config: HbmConfig,
+    /// `None`: no virtual-memory API, regions are segments.
+    granule: Option<u64>,
+    regions: Vec<Option<Region>>,
+    /// Allocated and pending-free blocks by address.
+    live: FastMap<DevicePtr, LiveBlock>,
+    /// Free ranges by address, for coalescing and stealing.
+    free_by_addr: BTreeMap<DevicePtr, FreeRange>,
+    /// Free ranges by (stream, size, address): best fit, lowest address on ties.
+    free_by_size: BTreeSet<(StreamId, u64, DevicePtr, u32)>,
+    /// Physical handles held but not mapped (left over from failed maps).
+    spare_handles: Vec<(PhysicalHandle, u64)>,
+    /// Pending end-of-use events, per stream, in record order.
+    pending_events: BTreeMap<StreamId, VecDeque<(EventId, DevicePtr)>>,
+    /// Physical memory held: mapped granules, spare handles and segments.
+    held_bytes: u64,
+    /// Highest live-plus-pending bytes seen, including requests being served.
+    peak_demand_bytes: u64,
+    /// Hard limit on `held_bytes` (memory fraction).
+    limit_bytes: Option<u64>,
+    device_total: u64,
+    stats: DeviceStats,
+    history: History,
+}
+
+fn stat_types(size: u64) -> [usize; 2] {
+    let pool = if size <= SMALL_SIZE {
+        StatType::SmallPool
+    } else {
+        StatType::LargePool
+    };
+    [StatType::Aggregate as usize, pool as usize]
+}
+
+fn increase(array: &mut [Stat; 3], size: u64, amount: u64) {
+    for t in stat_types(size) {
+        array[t].increase(amount as i64);
+    }
+}
+
+fn decrease(array: &mut [Stat; 3], size: u64, amount: u64) {
+    for t in stat_types(size) {
+        array[t].decrease(amount as i64);
+    }
+}
+
+impl HbmPolicy {
+    pub(crate) fn new(
+        config: HbmConfig,
+        device_total: u64,
+        granule: Option<u64>,
+        history: History,
+    ) -> Self {
+        let mut policy = HbmPolicy {
+            granule: granule.filter(|&g| g > 0 && g % MIN_BLOCK_SIZE == 0),
+            regions: Vec::new(),
+            live: FastMap::default(),
+            free_by_addr: BTreeMap::new(),
+            free_by_size: BTreeSet::new(),
+            spare_handles: Vec::new(),
+            pending_events: BTreeMap::new(),
+            held_bytes: 0,
+            peak_demand_bytes: 0,
+            limit_bytes: None,
+            device_total,
+            stats: DeviceStats::default(),
+            history,
+            config,
+        };
+        policy.stats.max_split_size = -1;
+        if policy.config.per_process_memory_fraction < 1.0 {
+            policy.set_memory_fraction(policy.config.per_process_memory_fraction);
+        }
+        policy
+    }
+
+    pub(crate) fn stats(&self) -> &DeviceStats {
+        &self.stats
+    }
+
+    pub(crate) fn stats_mut(&mut self) -> &mut DeviceStats {
+        &mut self.stats
+    }
+
+    pub(crate) fn history(&self) -> &History {
+        &self.history
+    }
+
+    pub(crate) fn set_memory_fraction(&mut self, fraction: f64) {
+        self.limit_bytes = Some((fraction * self.device_total as f64) as u64);
+    }
+
+    fn region(&self, index: u32) -> &Region {
+        self.regions[index as usize]
+            .as_ref()
+            .expect("a live region")
+    }
+
+    fn region_mut(&mut self, index: u32) -> &mut Region {
+        self.regions[index as usize]
+            .as_mut()
+            .expect("a live region")
+    }
+
+    fn add_held(&mut self, bytes: u64) {
+        self.held_bytes += bytes;
+        increase(&mut self.stats.reserved_bytes, u64::MAX, bytes);
+    }
+
+    fn sub_held(&mut self, bytes: u64) {
+        self.held_bytes -= bytes;
+        decrease(&mut self.stats.reserved_bytes, u64::MAX, bytes);
+    }
+
+    // ----- free ranges -----
+
+    /// Adds `[ptr, ptr + size)` of `region` to the free set, merging it with
+    /// free neighbours in the same region.
+    fn insert_free(&mut self, mut ptr: DevicePtr, mut size: u64, region: u32) {
+        let stream = self.region(region).stream;
+        if let Some((&prev, &range)) = self.free_by_addr.range(..ptr).next_back() {
+            if prev + range.size == ptr && range.region == region {
+                self.free_by_addr.remove(&prev);
+                self.free_by_size
+                    .remove(&(stream, range.size, prev, region));
+                ptr = prev;
+                size += range.size;
+            }
+        }
+        if let Some(&range) = self.free_by_addr.get(&(ptr + size)) {
+            if range.region == region {
+                self.free_by_addr.remove(&(ptr + size));
+                self.free_by_size
+                    .remove(&(stream, range.size, ptr + size, region));
+                size += range.size;
+            }
+        }
+        self.free_by_addr.insert(ptr, FreeRange { size, region });
+        self.free_by_size.insert((stream, size, ptr, region));
+    }
+
+    /// Takes the first `size` bytes of the free range at `ptr` (of
+    /// `range_size` bytes); the rest stays free.
+    fn carve(&mut self, stream: StreamId, ptr: DevicePtr, range_size: u64, region: u32, size: u64) {
+        self.free_by_size.remove(&(stream, range_size, ptr, region));
+        self.free_by_addr.remove(&ptr);
+        if range_size > size {
+            let rest = ptr + size;
+            let rest_size = range_size - size;
+            self.free_by_addr.insert(
+                rest,
+                FreeRange {
+                    size: rest_size,
+                    region,
+                },
+            );
+            self.free_by_size.insert((stream, rest_size, rest, region));
+        }
+    }
+
+    // ----- malloc -----
+
+    pub(crate) fn malloc(
+        &mut self,
+        dev: &dyn Device,
+        requested: u64,
+        stream: StreamId,
+    ) -> Result<DevicePtr, AllocError> {
+        let size = requested.div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE;
+        self.allocate(dev, size, requested, stream)
+    }
+
+    fn allocate(
+        &mut self,
+        dev: &dyn Device,
+        size: u64,
+        requested: u64,
+        stream: StreamId,
+    ) -> Result<DevicePtr, AllocError> {
+        self.process_events(dev)?;
+        let demand = self.stats.active_bytes[0].current as u64 + size;
+        self.peak_demand_bytes = self.peak_demand_bytes.max(demand);
+        let mut retried = false;
+        let (ptr, region) = loop {
+            let found = match self
+                .free_by_size
+                .range((stream, size, 0, 0)..)
+                .next()
+                .filter(|k| k.0 == stream)
+            {
+                Some(&(_, range_size, ptr, region)) => Some((ptr, range_size, region)),
+                None => self.new_region(dev, stream, size)?,
+            };
+            if let Some((ptr, range_size, region)) = found {
+                self.carve(stream, ptr, range_size, region, size);
+                match self.back_range(dev, ptr, size, region, retried) {
+                    Ok(Backing::Done) => break (ptr, region),
+                    Ok(Backing::OutOfMemory) => self.insert_free(ptr, size, region),
+                    Err(e) => {
+                        self.insert_free(ptr, size, region);
+                        return Err(e);
+                    }
+                }
+            }
+            if retried {
+                return Err(self.out_of_memory(dev, requested, size, stream));
+            }
+            // Out of memory: let pending frees complete, give back wholly free
+            // segments, and try once more, stealing without any allowance.
+            retried = true;
+            self.stats.num_alloc_retries += 1;
+            self.synchronize_and_free_events(dev)?;
+            self.release_free_segments(dev)?;
+        };
+        self.live.insert(
+            ptr,
+            LiveBlock {
+                size,
+                requested,
+                stream,
+                region,
+                allocated: true,
+                pending_events: 0,
+                stream_uses: Vec::new(),
+            },
+        );
+        self.history.record(Action::Alloc, ptr, requested, stream);
+        increase(&mut self.stats.allocation, size, 1);
+        increase(&mut self.stats.allocated_bytes, size, size);
+        increase(&mut self.stats.active, size, 1);
+        increase(&mut self.stats.active_bytes, size, size);
+        increase(&mut self.stats.requested_bytes, size, requested);
+        Ok(ptr)
+    }
+
+    /// Reserves a new region for `stream` big enough for `size`; returns it as
+    /// one free range, or `None` when the device has no memory for a segment.
+    fn new_region(
+        &mut self,
+        dev: &dyn Device,
+        stream: StreamId,
+        size: u64,
+    ) -> Result<Option<(DevicePtr, u64, u32)>, AllocError> {
+        let index = self.regions.len() as u32;
+        let region = match self.granule {
+            Some(granule) => {
+                let wanted = (self.device_total.saturating_mul(REGION_CAPACITY_FACTOR)).max(size);
+                let region_size = wanted.div_ceil(granule) * granule;
+                let base = dev.address_reserve(region_size)?;
+                let granules = region_size / granule;
+                Region {
+                    base,
+                    size: region_size,
+                    stream,
+                    segment: false,
+                    granules,
+                    chunks: BTreeMap::new(),
+                    mapped_bits: vec![0; granules.div_ceil(64) as usize],
+                }
+            }
+            None => {
+                let segment_size = size.div_ceil(SEGMENT_ROUND) * SEGMENT_ROUND;
+                if self
+                    .limit_bytes
+                    .is_some_and(|limit| self.held_bytes + segment_size > limit)
+                {
+                    return Ok(None);
+                }
+                let base = match dev.segment_alloc(segment_size) {
+                    Ok(base) => base,
+                    Err(e) if e.is_out_of_memory() => return Ok(None),
+                    Err(e) => return Err(e.into()),
+                };
+                self.add_held(segment_size);
+                self.stats.num_device_alloc += 1;
+                self.history
+                    .record(Action::SegmentAlloc, base, segment_size, stream);
+                Region {
+                    base,
+                    size: segment_size,
+                    stream,
+                    segment: true,
+                    granules: 0,
+                    chunks: BTreeMap::new(),
+                    mapped_bits: Vec::new(),
+                }
+            }
+        };
+        let (base, region_size) = (region.base, region.size);
+        self.regions.push(Some(region));
+        increase(&mut self.stats.segment, u64::MAX, 1);
+        self.insert_free(base, region_size, index);
+        Ok(Some((base, region_size, index)))
+    }
+
+    /// The memory this policy lets itself hold before it steals chunks
+    /// rather than creating new ones.
+    fn allowance_bytes(&self, granule: u64) -> u64 {
+        let allowed = self.peak_demand_bytes as f64 * (1.0 + self.config.max_waste_percent / 100.0);
+        (allowed as u64).div_ceil(granule) * granule
+    }
+
+    /// Creates a handle of `bytes` unless that would hold more than `limit`
+    /// or the device is out of memory.
+    fn create(
+        &mut self,
+        dev: &dyn Device,
+        bytes: u64,
+        limit: u64,
+    ) -> Result<Option<PhysicalHandle>, AllocError> {
+        if self.held_bytes + bytes > limit {
+            return Ok(None);
+        }
+        match dev.physical_create(bytes) {
+            Ok(handle) => {
+                self.add_held(bytes);
+                self.stats.num_device_alloc += 1;
+                Ok(Some(handle))
+            }
+            Err(e) if e.is_out_of_memory() => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Maps `handle` (of `count` granules) at granule `first` of the region.
+    /// On failure the handle is kept as a spare (or as a chunk, if it could
+    /// not be unmapped again), so nothing is ever lost track of.
+    fn map_chunk(
+        &mut self,
+        dev: &dyn Device,
+        granule: u64,
+        region_index: u32,
+        first: u64,
+        count: u64,
+        handle: PhysicalHandle,
+    ) -> Result<(), AllocError> {
+        let (va, stream) = {
+            let r = self.region(region_index);
+            (r.base + first * granule, r.stream)
+        };
+        let bytes = count * granule;
+        if let Err(e) = dev.map(va, bytes, handle) {
+            self.spare_handles.push((handle, bytes));
+            return Err(e.into());
+        }
+        self.stats.num_device_alloc += 1;
+        if let Err(e) = dev.set_access(va, bytes) {
+            // Never leave memory mapped without access.
+            if dev.unmap(va, bytes).is_ok() {
+                self.stats.num_device_free += 1;
+                self.spare_handles.push((handle, bytes));
+                return Err(e.into());
+            }
+            // Could not undo: keep it as a chunk, so the books stay right.
+        }
+        let region = self.region_mut(region_index);
+        region.chunks.insert(first, (count, handle));
+        region.set_mapped(first, count, true);
+        self.history.record(Action::SegmentMap, va, bytes, stream);
+        Ok(())
+    }
+
+    /// Maps every unmapped granule under `[ptr, ptr + size)` of `region`.
+    /// `pressed`: an out-of-memory retry, where stealing ignores the allowance.
+    fn back_range(
+        &mut self,
+        dev: &dyn Device,
+        ptr: DevicePtr,
+        size: u64,
+        region_index: u32,
+        pressed: bool,
+    ) -> Result<Backing, AllocError> {
+        let Some(granule) = self.granule else {
+            return Ok(Backing::Done);
+        };
+        let region = self.region(region_index);
+        let first = (ptr - region.base) / granule;
+        let end = (ptr + size - region.base).div_ceil(granule);
+        if region.all_mapped(first, end) {
+            return Ok(Backing::Done);
+        }
+        // Maximal unmapped runs under the block.
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for i in first..end {
+            if !region.is_mapped(i) {
+                match runs.last_mut() {
+                    Some((start, count)) if *start + *count == i => *count += 1,
+                    _ => runs.push((i, 1)),
+                }
+            }
+        }
+        let hard_limit = self.limit_bytes.unwrap_or(u64::MAX);
+        let soft_limit = if pressed {
+            0
+        } else {
+            self.allowance_bytes(granule).min(hard_limit)
+        };
+        // Growth at the top of the heap: map ahead (half the allowance, at
+        // most 1% of peak demand), so a growing heap maps in few large chunks (each
+        // chunk costs a create, a map and an access call) while the memory
+        // mapped ahead stays within the allowance.
+        let needed: u64 = runs.iter().map(|r| r.1).sum::<u64>() * granule;
+        let ahead_percent = self.config.max_waste_percent.min(MAX_MAP_AHEAD_PERCENT) / 2.0;
+        let chunk_granules =
+            (self.peak_demand_bytes as f64 * ahead_percent / 100.0) as u64 / granule;
+        let budget = soft_limit.saturating_sub(self.held_bytes + needed) / granule;
+        if let Some(last) = runs.last_mut() {
+            let target = chunk_granules.min(last.1 + budget);
+            while last.1 < target
+                && last.0 + last.1 < region.granules
+                && !region.is_mapped(last.0 + last.1)
+            {
+                last.1 += 1;
+            }
+        }
+        for (start, count) in runs {
+            if !self.back_run(
+                dev,
+                granule,
+                region_index,
+                start,
+                count,
+                soft_limit,
+                hard_limit,
+            )? {
+                return Ok(Backing::OutOfMemory);
+            }
+        }
+        Ok(Backing::Done)
+    }
+
+    /// Backs the unmapped granules `[start, start + count)`: spare handles
+    /// that fit; one new handle within the allowance; chunks stolen from free
+    /// ranges (stitched in where they fit, released where they do not); one
+    /// new handle within the hard limit. False: out of memory.
+    #[allow(clippy::too_many_arguments)]
+    fn back_run(
+        &mut self,
+        dev: &dyn Device,
+        granule: u64,
+        region_index: u32,
+        start: u64,
+        count: u64,
+        soft_limit: u64,
+        hard_limit: u64,
+    ) -> Result<bool, AllocError> {
+        let end = start + count;
+        let mut cursor = self.stitch_spares(dev, granule, region_index, start, end)?;
+        if cursor == end {
+            return Ok(true);
+        }
+        let remaining = (end - cursor) * granule;
+        if let Some(handle) = self.create(dev, remaining, soft_limit)? {
+            self.map_chunk(dev, granule, region_index, cursor, end - cursor, handle)?;
+            return Ok(true);
+        }
+        let victims = self.free_chunks(granule, remaining);
+        self.unmap_chunks(dev, granule, &victims)?;
+        cursor = self.stitch_spares(dev, granule, region_index, cursor, end)?;
+        if cursor == end {
+            return Ok(true);
+        }
+        // What is left over is too big to stitch in: give it back, then
+        // create exactly what is missing.
+        self.release_spares(dev, granule)?;
+        let remaining = (end - cursor) * granule;
+        match self.create(dev, remaining, hard_limit)? {
+            Some(handle) => {
+                self.map_chunk(dev, granule, region_index, cursor, end - cursor, handle)?;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// Maps spare handles that fit into `[cursor, end)`, largest first;
+    /// returns the first granule still unmapped.
+    fn stitch_spares(
+        &mut self,
+        dev: &dyn Device,
+        granule: u64,
+        region_index: u32,
+        mut cursor: u64,
+        end: u64,
+    ) -> Result<u64, AllocError> {
+        while cursor < end {
+            let room = (end - cursor) * granule;
+            let best = self
+                .spare_handles
+                .iter()
+                .enumerate()
+                .filter(|(_, &(_, bytes))| bytes <= room)
+                .max_by_key(|(i, &(_, bytes))| (bytes, usize::MAX - i))
+                .map(|(i, _)| i);
+            let Some(i) = best else { break };
+            let (handle, bytes) = self.spare_handles.swap_remove(i);
+            self.map_chunk(dev, granule, region_index, cursor, bytes / granule, handle)?;
+            cursor += bytes / granule;
+        }
+        Ok(cursor)
+    }
+
+    /// Chunks lying wholly inside free ranges, highest address first
+    /// (placement favours low addresses, so the top is the least likely to be
+    /// wanted again soon), until they add up to `bytes`.
+    fn free_chunks(&self, granule: u64, bytes: u64) -> Vec<(u32, u64)> {
+        let mut victims = Vec::new();
+        let mut found = 0u64;
+        for (&ptr, range) in self.free_by_addr.iter().rev() {
+            if found >= bytes {
+                break;
+            }
+            if range.size < granule {
+                continue;
+            }
+            let region = self.region(range.region);
+            if region.segment {
+                continue;
+            }
+            let first = (ptr - region.base).div_ceil(granule);
+            let end = (ptr + range.size - region.base) / granule;
+            for (&start, &(count, _)) in region.chunks.range(first..end).rev() {
+                if found >= bytes {
+                    break;
+                }
+                if start + count <= end {
+                    victims.push((range.region, start));
+                    found += count * granule;
+                }
+            }
+        }
+        victims
+    }
+
+    /// Unmaps the given chunks after synchronizing their streams; their
+    /// handles become spares.
+    fn unmap_chunks(
+        &mut self,
+        dev: &dyn Device,
+        granule: u64,
+        victims: &[(u32, u64)],
+    ) -> Result<(), AllocError> {
+        // A page may still be touched by kernels queued on its stream before
+        // the free: wait for each owning stream once.
+        let streams: BTreeSet<StreamId> = victims
+            .iter()
+            .map(|&(r, _)| self.region(r).stream)
+            .collect();
+        for stream in streams {
+            let event = dev.record_event(stream)?;
+            dev.synchronize_event(event)?;
+        }
+        for &(region_index, start) in victims {
+            let region = self.region(region_index);
+            let (count, handle) = region.chunks[&start];
+            let va = region.base + start * granule;
+            let stream = region.stream;
+            dev.unmap(va, count * granule)?;
+            let region = self.region_mut(region_index);
+            region.chunks.remove(&start);
+            region.set_mapped(start, count, false);
+            self.stats.num_device_free += 1;
+            self.history
+                .record(Action::SegmentUnmap, va, count * granule, stream);
+            self.spare_handles.push((handle, count * granule));
+        }
+        Ok(())
+    }
+
+    /// Releases every spare handle.
+    fn release_spares(&mut self, dev: &dyn Device, granule: u64) -> Result<(), AllocError> {
+        debug_assert!(self.spare_handles.iter().all(|&(_, b)| b % granule == 0));
+        while let Some((handle, bytes)) = self.spare_handles.pop() {
+            if let Err(e) = dev.physical_release(handle) {
+                self.spare_handles.push((handle, bytes));
+                return Err(e.into());
+            }
+            self.sub_held(bytes);
+            self.stats.num_device_free += 1;
+        }
+        Ok(())
+    }
+
+    // ----- free -----
+
+    pub(crate) fn free(&mut self, dev: &dyn Device, ptr: DevicePtr) -> Result<(), AllocError> {
+        let Some(block) = self.live.get_mut(&ptr).filter(|b| b.allocated) else {
+            return Err(AllocError::UnknownPointer { ptr });
+        };
+        block.allocated = false;
+        let (size, requested, stream) = (block.size, block.requested, block.stream);
+        let uses_pending = !block.stream_uses.is_empty();
+        decrease(&mut self.stats.allocation, size, 1);
+        decrease(&mut self.stats.allocated_bytes, size, size);
+        self.history
+            .record(Action::FreeRequested, ptr, requested, stream);
+        if uses_pending {
+            self.insert_events(dev, ptr)
+        } else {
+            self.free_completed(ptr);
+            Ok(())
+        }
+    }
+
+    /// The block's last use is over: its range joins the free set.
+    fn free_completed(&mut self, ptr: DevicePtr) {
+        let block = self.live.remove(&ptr).expect("a live block");
+        decrease(&mut self.stats.active, block.size, 1);
+        decrease(&mut self.stats.active_bytes, block.size, block.size);
+        decrease(&mut self.stats.requested_bytes, block.size, block.requested);
+        self.history
+            .record(Action::FreeCompleted, ptr, block.requested, block.stream);
+        self.insert_free(ptr, block.size, block.region);
+    }
+
+    pub(crate) fn record_stream(
+        &mut self,
+        ptr: DevicePtr,
+        stream: StreamId,
+    ) -> Result<(), AllocError> {
+        let Some(block) = self.live.get_mut(&ptr).filter(|b| b.allocated) else {
+            return Err(AllocError::UnknownPointer { ptr });
+        };
+        // Uses on the allocation stream are ordered already.
+        if stream != block.stream && !block.stream_uses.contains(&stream) {
+            block.stream_uses.push(stream);
+        }
+        Ok(())
+    }
+
+    fn insert_events(&mut self, dev: &dyn Device, ptr: DevicePtr) -> Result<(), AllocError> {
+        let block = self.live.get_mut(&ptr).expect("a live block");
+        let mut streams = std::mem::take(&mut block.stream_uses);
+        streams.sort();
+        for (i, &stream) in streams.iter().enumerate() {
+            match dev.record_event(stream) {
+                Ok(event) => {
+                    if let Some(block) = self.live.get_mut(&ptr) {
+                        block.pending_events += 1;
+                    }
+                    self.pending_events
+                        .entry(stream)
+                        .or_default()
+                        .push_back((event, ptr));
+                }
+                Err(e) => {
+                    // Keep the uses no event covers: the block is not reused
+                    // until a device synchronization (OOM retry, empty_cache).
+                    if let Some(block) = self.live.get_mut(&ptr) {
+                        block.stream_uses = streams[i..].to_vec();
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn event_completed(&mut self, ptr: DevicePtr) {
+        let block = self.live.get_mut(&ptr).expect("a pending block");
+        block.pending_events -= 1;
+        if block.pending_events == 0 && block.stream_uses.is_empty() {
+            self.free_completed(ptr);
+        }
+    }
+
+    fn process_events(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
+        if self.pending_events.is_empty() {
+            return Ok(());
+        }
+        let streams: Vec<StreamId> = self.pending_events.keys().copied().collect();
+        for stream in streams {
+            while let Some(&(event, ptr)) = self.pending_events.get(&stream).and_then(|q| q.front())
+            {
+                if !dev.query_event(event)? {
+                    break;
+                }
+                if let Some(queue) = self.pending_events.get_mut(&stream) {
+                    queue.pop_front();
+                }
+                self.event_completed(ptr);
+            }
+            if self
+                .pending_events
+                .get(&stream)
+                .is_some_and(|q| q.is_empty())
+            {
+                self.pending_events.remove(&stream);
+            }
+        }
+        Ok(())
+    }
+
+    fn synchronize_and_free_events(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
+        self.stats.num_sync_all_streams += 1;
+        let mut stranded: Vec<DevicePtr> = self
+            .live
+            .iter()
+            .filter(|(_, b)| !b.allocated && !b.stream_uses.is_empty())
+            .map(|(&p, _)| p)
+            .collect();
+        stranded.sort_unstable();
+        if !stranded.is_empty() {
+            dev.synchronize_device()?;
+        }
+        for ptr in stranded {
+            let block = self.live.get_mut(&ptr).expect("a pending block");
+            block.stream_uses.clear();
+            if block.pending_events == 0 {
+                self.free_completed(ptr);
+            }
+        }
+        while let Some((&stream, _)) = self.pending_events.iter().next() {
+            while let Some(&(event, ptr)) = self.pending_events.get(&stream).and_then(|q| q.front())
+            {
+                dev.synchronize_event(event)?;
+                if let Some(queue) = self.pending_events.get_mut(&stream) {
+                    queue.pop_front();
+                }
+                self.event_completed(ptr);
+            }
+            self.pending_events.remove(&stream);
+        }
+        Ok(())
+    }
+
+    // ----- giving memory back -----
+
+    /// Frees every wholly free fallback segment.
+    fn release_free_segments(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
+        let free_segments: Vec<u32> = self
+            .regions
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.as_ref().filter(|r| r.segment).map(|r| (i as u32, r)))
+            .filter(|(i, r)| {
+                self.free_by_addr
+                    .get(&r.base)
+                    .is_some_and(|f| f.region == *i && f.size == r.size)
+            })
+            .map(|(i, _)| i)
+            .collect();
+        for index in free_segments {
+            let (base, size, stream) = {
+                let r = self.region(index);
+                (r.base, r.size, r.stream)
+            };
+            dev.segment_free(base, size)?;
+            self.free_by_addr.remove(&base);
+            self.free_by_size.remove(&(stream, size, base, index));
+            self.regions[index as usize] = None;
+            self.sub_held(size);
+            decrease(&mut self.stats.segment, u64::MAX, 1);
+            self.stats.num_device_free += 1;
+            self.history.record(Action::SegmentFree, base, size, stream);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn empty_cache(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
+        self.synchronize_and_free_events(dev)?;
+        if let Some(granule) = self.granule {
+            let victims = self.free_chunks(granule, u64::MAX);
+            self.unmap_chunks(dev, granule, &victims)?;
+            self.release_spares(dev, granule)?;
+        }
+        self.release_free_segments(dev)
+    }
+
+    // ----- out of memory -----
+
+    fn out_of_memory(
+        &mut self,
+        dev: &dyn Device,
+        requested: u64,
+        rounded: u64,
+        stream: StreamId,
+    ) -> AllocError {
+        let device_free = dev.memory_info().map(|i| i.free_bytes).unwrap_or(0);
+        self.history
+            .record(Action::Oom, device_free, rounded, stream);
+        self.stats.num_ooms += 1;
+        let allocated = self.stats.allocated_bytes[0].current as u64;
+        // With remapping, every wholly free mapped granule is usable by any
+        // request: that is the largest piece the allocator could offer.
+        let largest_free = match self.granule {
+            Some(g) => self
+                .free_chunks(g, u64::MAX)
+                .iter()
+                .map(|&(r, start)| self.region(r).chunks[&start].0 * g)
+                .sum(),
+            None => self
+                .free_by_addr
+                .values()
+                .map(|f| f.size)
+                .max()
+                .unwrap_or(0),
+        };
+        let pending: u64 = self
+            .live
+            .values()
+            .filter(|b| !b.allocated)
+            .map(|b| b.size)
+            .sum();
+        let granule = self.granule.unwrap_or(SEGMENT_ROUND);
+        let mut report = OomReport {
+            requested_bytes: requested,
+            rounded_bytes: rounded,
+            device_request_bytes: rounded.div_ceil(granule) * granule,
+            stream,
+            device_total_bytes: self.device_total,
+            device_free_bytes: device_free,
+            allocated_bytes: allocated,
+            reserved_bytes: self.held_bytes,
+            cached_free_bytes: self.held_bytes.saturating_sub(allocated),
+            largest_free_block_bytes: largest_free,
+            pending_free_bytes: pending,
+            limit_bytes: self.limit_bytes,
+            verdict: OomVerdict::RealDemand,
+        };
+        report.judge();
+        AllocError::OutOfMemory(Box::new(report))
+    }
+
+    // ----- restoring a recorded state -----
+
+    /// Recreates a recorded segment's blocks: `hbm` places memory its own way,
+    /// so it simply allocates each block and frees the ones that were free.
+    pub(crate) fn restore_segment(
+        &mut self,
+        dev: &dyn Device,
+        image: &SegmentImage,
+    ) -> Result<Vec<DevicePtr>, AllocError> {
+        if let Some(bad) = image
+            .blocks
+            .iter()
+            .find(|b| b.size == 0 || b.size % MIN_BLOCK_SIZE != 0)
+        {
+            return Err(AllocError::InvalidSize { size: bad.size });
+        }
+        let mut ptrs = Vec::with_capacity(image.blocks.len());
+        for block in &image.blocks {
+            let requested = block.requested_size.clamp(1, block.size);
+            ptrs.push(self.allocate(dev, block.size, requested, image.stream)?);
+        }
+        for (block, &ptr) in image.blocks.iter().zip(&ptrs) {
+            if !block.allocated {
+                self.free(dev, ptr)?;
+            }
+        }
+        Ok(ptrs)
+    }
+
+    // ----- inspection -----
+
+    /// Each contiguous mapped range (or fallback segment) as a segment.
+    pub(crate) fn snapshot(&self) -> Vec<SegmentSnapshot> {
+        let mut live: Vec<(DevicePtr, &LiveBlock)> =
+            self.live.iter().map(|(&p, b)| (p, b)).collect();
+        live.sort_unstable_by_key(|&(p, _)| p);
+        let mut segments = Vec::new();
+        for region in self.regions.iter().flatten() {
+            let runs: Vec<(DevicePtr, u64)> = match self.granule {
+                Some(g) if !region.segment => {
+                    let mut runs: Vec<(DevicePtr, u64)> = Vec::new();
+                    for index in 0..region.granules {
+                        if !region.is_mapped(index) {
+                            continue;
+                        }
+                        let va = region.base + index * g;
+                        match runs.last_mut() {
+                            Some((start, len)) if *start + *len == va => *len += g,
+                            _ => runs.push((va, g)),
+                        }
+                    }
+                    runs
+                }
+                _ => vec![(region.base, region.size)],
+            };
+            for (start, len) in runs {
+                let end = start + len;
+                let mut blocks = Vec::new();
+                let first_live = live.partition_point(|&(p, _)| p < start);
+                for &(p, b) in live[first_live..].iter().take_while(|&&(p, _)| p < end) {
+                    let state = if b.allocated {
+                        BlockState::ActiveAllocated
+                    } else {
+                        BlockState::ActivePendingFree
+                    };
+                    blocks.push(BlockSnapshot {
+                        address: p,
+                        size: b.size,
+                        requested_size: b.requested,
+                        state,
+                    });
+                }
+                // Free ranges overlapping the run, clipped to it.
+                let first_free = self
+                    .free_by_addr
+                    .range(..start)
+                    .next_back()
+                    .map_or(start, |(&p, _)| p);
+                for (&p, f) in self.free_by_addr.range(first_free..end) {
+                    let lo = p.max(start);
+                    let hi = (p + f.size).min(end);
+                    if lo < hi {
+                        blocks.push(BlockSnapshot {
+                            address: lo,
+                            size: hi - lo,
+                            requested_size: 0,
+                            state: BlockState::Inactive,
+                        });
+                    }
+                }
+                blocks.sort_by_key(|b| b.address);
+                segments.push(SegmentSnapshot {
+                    address: start,
+                    total_size: len,
+                    stream: region.stream,
+                    small_pool: false,
+                    expandable: !region.segment,
+                    blocks,
+                });
+            }
+        }
+        segments.sort_by_key(|s| s.address);
+        segments
+    }
+
+    /// Checks every invariant of DESIGN.md that this policy can see.
+    pub(crate) fn check_invariants(&self) -> Result<(), String> {
+        // Per region: live and free blocks tile it exactly (so nothing
+        // overlaps), free ranges are coalesced, live blocks are mapped.
+        let mut by_region: BTreeMap<u32, Vec<(DevicePtr, u64, bool)>> = BTreeMap::new();
+        for (&p, b) in &self.live {
+            by_region
+                .entry(b.region)
+                .or_default()
+                .push((p, b.size, true));
+        }
+        for (&p, f) in &self.free_by_addr {
+            by_region
+                .entry(f.region)
+                .or_default()
+                .push((p, f.size, false));
+            let stream = self
+                .regions
+                .get(f.region as usize)
+                .and_then(|r| r.as_ref())
+                .ok_or_else(|| format!("free range {p:#x} in a dead region"))?
+                .stream;
+            if !self.free_by_size.contains(&(stream, f.size, p, f.region)) {
+                return Err(format!("free range {p:#x} missing from the size index"));
+            }
+        }
+        if self.free_by_size.len() != self.free_by_addr.len() {
+            return Err("size index and address index disagree".into());
+        }
+        let mut mapped_granules = 0u64;
+        let mut segment_bytes = 0u64;
+        for (i, region) in self.regions.iter().enumerate() {
+            let Some(region) = region else { continue };
+            let mut blocks = by_region.remove(&(i as u32)).unwrap_or_default();
+            blocks.sort_unstable();
+            let mut cursor = region.base;
+            let mut previous_free = false;
+            for &(p, size, is_live) in &blocks {
+                if p != cursor {
+                    return Err(format!(
+                        "region {:#x}: block at {p:#x}, expected {cursor:#x} (overlap or hole)",
+                        region.base
+                    ));
+                }
+                if !is_live && previous_free {
+                    return Err(format!("free ranges at {p:#x} not coalesced"));
+                }
+                if is_live {
+                    if let Some(g) = self.granule.filter(|_| !region.segment) {
+                        let first = (p - region.base) / g;
+                        let end = (p + size - region.base).div_ceil(g);
+                        if !region.all_mapped(first, end) {
+                            return Err(format!("live block {p:#x} lies over unmapped memory"));
+                        }
+                    }
+                }
+                previous_free = !is_live;
+                cursor = p + size;
+            }
+            if cursor != region.base + region.size {
+                return Err(format!("region {:#x} is not fully tiled", region.base));
+            }
+            if region.segment {
+                segment_bytes += region.size;
+            } else {
+                let mut next_free_granule = 0;
+                let mut counted = 0;
+                for (&start, &(count, _)) in &region.chunks {
+                    if start < next_free_granule || start + count > region.granules {
+                        return Err(format!("region {:#x}: chunks overlap", region.base));
+                    }
+                    if !region.all_mapped(start, start + count) {
+                        return Err(format!(
+                            "region {:#x}: chunk not in the bitmap",
+                            region.base
+                        ));
+                    }
+                    next_free_granule = start + count;
+                    counted += count;
+                }
+                let bits: u64 = region
+                    .mapped_bits
+                    .iter()
+                    .map(|w| w.count_ones() as u64)
+                    .sum();
+                if counted != bits {
+                    return Err(format!(
+                        "region {:#x}: mapped bitmap disagrees",
+                        region.base
+                    ));
+                }
+                mapped_granules += counted;
+            }
+        }
+        if !by_region.is_empty() {
+            return Err("blocks in regions that do not exist".into());
+        }
+        let granule = self.granule.unwrap_or(0);
+        let spare: u64 = self.spare_handles.iter().map(|&(_, bytes)| bytes).sum();
+        let held = mapped_granules * granule + spare + segment_bytes;
+        if held != self.held_bytes {
+            return Err(format!(
+                "reserved {} != mapped granules + spare handles + segments {held}",
+                self.held_bytes
+            ));
+        }
+        if self.stats.reserved_bytes[0].current as u64 != held {
+            return Err("reserved_bytes stat disagrees with the mapped memory".into());
+        }
+        let allocated: u64 = self
+            .live
+            .values()
+            .filter(|b| b.allocated)
+            .map(|b| b.size)
+            .sum();
+        if self.stats.allocated_bytes[0].current as u64 != allocated {
+            return Err(format!(
+                "allocated_bytes stat {} != sum of live blocks {allocated}",
+                self.stats.allocated_bytes[0].current
+            ));
+        }
+        let active: u64 = self.live.values().map(|b| b.size).sum();
+        if self.stats.active_bytes[0].current as u64 != active {
+            return Err("active_bytes stat disagrees with the live blocks".into());
+        }
+        if self.limit_bytes.is_some_and(|l| held > l) {
+            return Err("memory held exceeds the memory fraction".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_parses_and_round_trips() {
+        let c = HbmConfig::parse("max_waste_percent:5, per_process_memory_fraction:0.5").unwrap();
+        assert_eq!(c.max_waste_percent, 5.0);
+        assert_eq!(c.per_process_memory_fraction, 0.5);
+        assert_eq!(HbmConfig::parse(&c.to_conf_string()).unwrap(), c);
+        assert_eq!(HbmConfig::parse("").unwrap(), HbmConfig::default());
+        assert_eq!(HbmConfig::default().to_conf_string(), "");
+    }
+
+    #[test]
+    fn config_rejects_bad_input() {
+        for bad in [
+            "max_waste_percent:-1",
+            "max_waste_percent:NaN",
+            "max_waste_percent:x",
+            "per_process_memory_fraction:0",
+            "per_process_memory_fraction:1.5",
+            "expandable_segments:True",
+            "max_waste_percent",
+        ] {
+            let e = HbmConfig::parse(bad).unwrap_err();
+            assert!(!e.expected.is_empty(), "{bad}");
+        }
+        let e = HbmConfig::parse("bogus:1").unwrap_err();
+        assert_eq!(e.key, "bogus");
+        assert!(e.expected.contains("max_waste_percent"));
+    }
+
+    #[test]
+    fn bitmap_queries() {
+        let mut r = Region {
+            base: 0,
+            size: 200 * 4096,
+            stream: StreamId(0),
+            segment: false,
+            granules: 200,
+            chunks: BTreeMap::new(),
+            mapped_bits: vec![0; 4],
+        };
+        r.set_mapped(60, 80, true);
+        assert!(r.all_mapped(60, 140));
+        assert!(r.all_mapped(64, 128));
+        assert!(!r.all_mapped(59, 140));
+        assert!(!r.all_mapped(60, 141));
+        assert!(r.all_mapped(70, 70));
+        r.set_mapped(100, 1, false);
+        assert!(!r.all_mapped(64, 128));
+        assert!(r.is_mapped(99) && !r.is_mapped(100));
+    }
+}
