@@ -19,7 +19,11 @@ const BUNDLED_TRACE_NAME: &str = "gpt2_train.json.gz (bundled)";
 const BUNDLED_TRACE: &[u8] = include_bytes!("../../../traces/gpt2_train.json.gz");
 
 /// The configurations `compare` and `bench` run by default.
-const DEFAULT_RUNS: &[&str] = &["policy:pytorch", "policy:pytorch,expandable_segments:True"];
+const DEFAULT_RUNS: &[&str] = &[
+    "policy:pytorch",
+    "policy:pytorch,expandable_segments:True",
+    "policy:hbm",
+];
 
 #[derive(Parser)]
 #[command(
@@ -40,7 +44,7 @@ enum Command {
         /// Trace files: PyTorch snapshots (.pickle), torch.profiler traces (.json, .json.gz), RMM logs (.csv).
         traces: Vec<PathBuf>,
         /// A configuration to run, as a settings string (`policy:pytorch,expandable_segments:True`);
-        /// repeat for several. Default: pytorch and pytorch with expandable segments.
+        /// repeat for several. Default: pytorch, pytorch with expandable segments, and hbm.
         #[arg(long = "run", value_name = "SETTINGS")]
         runs: Vec<String>,
         /// Device capacity for the replays (e.g. 80GiB); default unbounded.
@@ -58,10 +62,10 @@ enum Command {
         /// Trace files.
         #[arg(required = true)]
         traces: Vec<PathBuf>,
-        /// The policy: pytorch.
-        #[arg(long, default_value = "pytorch")]
+        /// The policy: hbm (hbmalloc's own) or pytorch (PyTorch's allocator, reproduced).
+        #[arg(long, default_value = "hbm")]
         policy: String,
-        /// The policy's configuration (PYTORCH_CUDA_ALLOC_CONF syntax for pytorch).
+        /// The policy's configuration (`key:value,...`; PYTORCH_CUDA_ALLOC_CONF syntax for pytorch).
         #[arg(long, default_value = "")]
         config: String,
         /// Device capacity (e.g. 80GiB, 81920MiB, or bytes); default unbounded.

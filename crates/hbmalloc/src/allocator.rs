@@ -36,7 +36,7 @@ impl PolicyConfig {
     }
 
     /// Parses a settings string: `policy:NAME` anywhere among the keys picks
-    /// the policy (default `pytorch`), the other keys configure it. This is the
+    /// the policy (default `hbm`, hbmalloc's own), the other keys configure it. This is the
     /// syntax of `HBMALLOC_CONF` and of [`Allocator::settings`].
     pub fn from_settings(settings: &str) -> Result<Self, ConfigError> {
         let mut policy = None;
@@ -49,7 +49,7 @@ impl PolicyConfig {
                 _ => rest.push(part),
             }
         }
-        Self::parse(policy.as_deref().unwrap_or("pytorch"), &rest.join(","))
+        Self::parse(policy.as_deref().unwrap_or("hbm"), &rest.join(","))
     }
 
     /// The settings string that [`PolicyConfig::from_settings`] reads back.
