@@ -131,18 +131,16 @@ fn bad_configuration() {
     let trace =
         temp_file(b"Thread,Time,Action,Pointer,Size,Stream\n1,0.1,allocate,0x1000,4096,0x0\n");
     let path = trace.path().to_str().unwrap();
-    assert_clear_error(
-        &hbmalloc(&["replay", path, "--config", "no_such_key:1"]),
-        "no_such_key",
-    );
-    assert_clear_error(
-        &hbmalloc(&["replay", path, "--config", "expandable_segments:true"]),
-        "True",
-    );
-    assert_clear_error(
-        &hbmalloc(&["replay", path, "--config", "max_split_size_mb:-5"]),
-        "max_split_size_mb",
-    );
+    let pytorch =
+        |conf: &'static str| hbmalloc(&["replay", path, "--policy", "pytorch", "--config", conf]);
+    assert_clear_error(&pytorch("no_such_key:1"), "no_such_key");
+    assert_clear_error(&pytorch("expandable_segments:true"), "True");
+    assert_clear_error(&pytorch("max_split_size_mb:-5"), "max_split_size_mb");
+    // The default policy, hbm, validates its own keys the same way.
+    let hbm = |conf: &'static str| hbmalloc(&["replay", path, "--config", conf]);
+    assert_clear_error(&hbm("no_such_key:1"), "no_such_key");
+    assert_clear_error(&hbm("max_waste_percent:lots"), "max_waste_percent");
+    assert_clear_error(&hbm("max_waste_percent:lots"), "hbm configuration");
     assert_clear_error(
         &hbmalloc(&["replay", path, "--policy", "nonsense"]),
         "nonsense",

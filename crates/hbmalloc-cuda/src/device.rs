@@ -340,19 +340,28 @@ impl Device for CudaDevice {
             .map_err(|e| self.error(call, e, &format!("handle {:#x}", handle.0)))
     }
 
-    fn map(&self, va: DevicePtr, size: u64, handle: PhysicalHandle) -> DeviceResult<()> {
+    fn map(
+        &self,
+        va: DevicePtr,
+        size: u64,
+        handle: PhysicalHandle,
+        offset: u64,
+    ) -> DeviceResult<()> {
         let call = CallKind::Map;
         self.count(call);
         self.require_vmm(call)?;
         let bytes = CudaDevice::size_arg(call, size)?;
+        let offset_bytes = CudaDevice::size_arg(call, offset)?;
         let _current = self.make_current(call)?;
-        self.driver.mem_map(va, bytes, handle.0).map_err(|e| {
-            self.error(
-                call,
-                e,
-                &format!("handle {:#x} at {va:#x}+{size}", handle.0),
-            )
-        })
+        self.driver
+            .mem_map(va, bytes, handle.0, offset_bytes)
+            .map_err(|e| {
+                self.error(
+                    call,
+                    e,
+                    &format!("handle {:#x}+{offset} at {va:#x}+{size}", handle.0),
+                )
+            })
     }
 
     fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {

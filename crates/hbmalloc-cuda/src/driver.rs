@@ -464,11 +464,11 @@ impl CudaDriver {
         ptr: CUdeviceptr,
         size: usize,
         handle: CUmemGenericAllocationHandle,
+        offset: usize,
     ) -> CuResult<()> {
-        // SAFETY: plain integer arguments the driver validates; offset and
-        // flags 0.
+        // SAFETY: plain integer arguments the driver validates; flags 0.
         check("cuMemMap", unsafe {
-            (self.api.mem_map)(ptr, size, 0, handle, 0)
+            (self.api.mem_map)(ptr, size, offset, handle, 0)
         })
     }
 

@@ -128,10 +128,10 @@ pub fn exercise_device(device: &dyn Device) -> DeviceResult<ExerciseReport> {
         let big = device.physical_create(2 * g)?;
         let small = device.physical_create(g)?;
         report.physical_reduced_free = device.memory_info()?.free_bytes + 3 * g <= start.free_bytes;
-        device.map(base, 2 * g, big)?;
+        device.map(base, 2 * g, big, 0)?;
         device.set_access(base, 2 * g)?;
-        report.overlapping_map_rejected = device.map(base + g, g, small).is_err();
-        device.map(base + 2 * g, g, small)?;
+        report.overlapping_map_rejected = device.map(base + g, g, small, 0).is_err();
+        device.map(base + 2 * g, g, small, 0)?;
         device.set_access(base + 2 * g, g)?;
         report.partial_unmap_rejected = device.unmap(base, g).is_err();
         device.unmap(base, 2 * g)?;

@@ -118,21 +118,21 @@ fn vmm_reserve_create_map_set_access_unmap_release() {
     let b = dev.physical_create(GRANULE).unwrap();
     assert_eq!(double.live_bytes(), 3 * GRANULE);
 
-    dev.map(base, 2 * GRANULE, a).unwrap();
+    dev.map(base, 2 * GRANULE, a, 0).unwrap();
     dev.set_access(base, 2 * GRANULE).unwrap();
     assert_eq!(double.access_mask(base), 0b11, "itself and its peer");
     let invalid = driver_error("CUDA_ERROR_INVALID_VALUE");
     // Overlap, outside the reservation, partial unmap, busy release/free.
     assert_eq!(
-        dev.map(base + GRANULE, GRANULE, b).unwrap_err().kind,
+        dev.map(base + GRANULE, GRANULE, b, 0).unwrap_err().kind,
         invalid
     );
     assert_eq!(
-        dev.map(base + 8 * GRANULE, GRANULE, b).unwrap_err().kind,
+        dev.map(base + 8 * GRANULE, GRANULE, b, 0).unwrap_err().kind,
         invalid
     );
     assert_eq!(dev.set_access(base, 3 * GRANULE).unwrap_err().kind, invalid);
-    dev.map(base + 2 * GRANULE, GRANULE, b).unwrap();
+    dev.map(base + 2 * GRANULE, GRANULE, b, 0).unwrap();
     dev.set_access(base, 3 * GRANULE).unwrap();
     assert_eq!(dev.unmap(base, GRANULE).unwrap_err().kind, invalid);
     let busy = dev.physical_release(a).unwrap_err();
@@ -253,7 +253,7 @@ fn runtime_cases() -> Vec<RuntimeCase> {
     fn mapped(dev: &CudaDevice) -> u64 {
         let base = dev.address_reserve(GRANULE).unwrap();
         let handle = dev.physical_create(GRANULE).unwrap();
-        dev.map(base, GRANULE, handle).unwrap();
+        dev.map(base, GRANULE, handle, 0).unwrap();
         base
     }
     vec![
@@ -350,7 +350,7 @@ fn runtime_cases() -> Vec<RuntimeCase> {
                 let base = dev.address_reserve(GRANULE)?;
                 let handle = dev.physical_create(GRANULE)?;
                 arm();
-                dev.map(base, GRANULE, handle)
+                dev.map(base, GRANULE, handle, 0)
             },
         },
         RuntimeCase {

@@ -30,8 +30,10 @@ impl PolicyConfig {
     pub fn parse(policy: &str, conf: &str) -> Result<Self, ConfigError> {
         match policy {
             "pytorch" => Ok(PolicyConfig::Pytorch(PytorchConfig::parse(conf)?)),
-            "hbm" => Ok(PolicyConfig::Hbm(HbmConfig::parse(conf)?)),
-            other => Err(ConfigError::new("policy", other, "pytorch or hbm")),
+            "hbm" => Ok(PolicyConfig::Hbm(
+                HbmConfig::parse(conf).map_err(|e| e.in_source("hbm configuration"))?,
+            )),
+            other => Err(ConfigError::new("policy", other, "hbm or pytorch").in_source("settings")),
         }
     }
 

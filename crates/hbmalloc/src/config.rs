@@ -119,6 +119,9 @@ pub struct ConfigError {
     pub expected: String,
     /// A suggestion for a near miss, such as `use True` for `true`.
     pub hint: Option<String>,
+    /// Where the string came from, named in the message
+    /// (`PYTORCH_CUDA_ALLOC_CONF` unless set by [`ConfigError::in_source`]).
+    pub source: &'static str,
 }
 
 impl ConfigError {
@@ -129,7 +132,14 @@ impl ConfigError {
             value: value.to_owned(),
             expected: expected.into(),
             hint: None,
+            source: ENV_NAME,
         }
+    }
+
+    /// Names where the configuration came from (`hbm configuration`, `HBMALLOC_CONF`).
+    pub fn in_source(mut self, source: &'static str) -> Self {
+        self.source = source;
+        self
     }
 
     fn with_hint(mut self, hint: impl Into<String>) -> Self {
@@ -143,7 +153,8 @@ impl fmt::Display for ConfigError {
         // `escape_debug` keeps the message on one line whatever the input held.
         write!(
             f,
-            "{ENV_NAME}: {}: expected {}, got '{}'",
+            "{}: {}: expected {}, got '{}'",
+            self.source,
             self.key.escape_debug(),
             self.expected,
             self.value.escape_debug()

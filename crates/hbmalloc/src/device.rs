@@ -234,8 +234,18 @@ pub trait Device: Send + Sync {
     /// Releases physical memory; it must no longer be mapped anywhere.
     fn physical_release(&self, handle: PhysicalHandle) -> DeviceResult<()>;
 
-    /// Maps all of `handle` at `va` (inside a reserved range, currently unmapped).
-    fn map(&self, va: DevicePtr, size: u64, handle: PhysicalHandle) -> DeviceResult<()>;
+    /// Maps `size` bytes of `handle`, starting `offset` bytes into it, at
+    /// `va` (inside a reserved range, currently unmapped). Sizes and offsets
+    /// are multiples of the granularity. One handle may be mapped at several
+    /// places at once (`cuMemMap` allows it), so physical memory can be
+    /// stitched into new virtual ranges without being copied.
+    fn map(
+        &self,
+        va: DevicePtr,
+        size: u64,
+        handle: PhysicalHandle,
+        offset: u64,
+    ) -> DeviceResult<()>;
 
     /// Makes `[va, va + size)` readable and writable by this device (and its peers).
     fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()>;
@@ -288,8 +298,14 @@ impl<D: Device + ?Sized> Device for std::sync::Arc<D> {
     fn physical_release(&self, handle: PhysicalHandle) -> DeviceResult<()> {
         (**self).physical_release(handle)
     }
-    fn map(&self, va: DevicePtr, size: u64, handle: PhysicalHandle) -> DeviceResult<()> {
-        (**self).map(va, size, handle)
+    fn map(
+        &self,
+        va: DevicePtr,
+        size: u64,
+        handle: PhysicalHandle,
+        offset: u64,
+    ) -> DeviceResult<()> {
+        (**self).map(va, size, handle, offset)
     }
     fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
         (**self).set_access(va, size)

@@ -604,7 +604,7 @@ impl HbmPolicy {
             (r.base + first * granule, r.stream)
         };
         let bytes = count * granule;
-        if let Err(e) = dev.map(va, bytes, handle) {
+        if let Err(e) = dev.map(va, bytes, handle, 0) {
             self.spare_handles.push((handle, bytes));
             return Err(e.into());
         }

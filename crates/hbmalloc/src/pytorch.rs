@@ -999,7 +999,7 @@ impl PytorchPolicy {
             }
         }
         for (n, &(i, handle)) in created.iter().enumerate() {
-            if let Err(e) = dev.map(seg.base + i * page, page, handle) {
+            if let Err(e) = dev.map(seg.base + i * page, page, handle, 0) {
                 undo(seg, &created, n);
                 return Err(e.into());
             }
@@ -1112,7 +1112,7 @@ impl PytorchPolicy {
             }
             if let Err(e) = dev.physical_release(handle) {
                 let remapped = dev
-                    .map(va, page, handle)
+                    .map(va, page, handle, 0)
                     .and_then(|()| dev.set_access(va, page))
                     .is_ok();
                 failure = Some(e);

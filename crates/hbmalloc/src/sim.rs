@@ -110,13 +110,15 @@ impl Default for SimConfig {
 #[derive(Clone, Debug)]
 struct PhysicalMemory {
     size: u64,
-    mapped_at: Option<DevicePtr>,
+    /// Mappings of (parts of) this memory that exist now.
+    mappings: u32,
 }
 
 #[derive(Clone, Debug)]
 struct Mapping {
     size: u64,
     handle: PhysicalHandle,
+    offset: u64,
     accessible: bool,
 }
 
@@ -327,6 +329,16 @@ impl SimDevice {
     /// Events recorded and not yet retired.
     pub fn pending_events(&self) -> usize {
         self.lock().events.len()
+    }
+
+    /// The physical memory behind device address `va`: its handle and the
+    /// byte offset into it, or `None` when `va` is not mapped. Tests use it to
+    /// check that no two live allocations share physical memory, even through
+    /// different virtual addresses.
+    pub fn physical_location(&self, va: DevicePtr) -> Option<(PhysicalHandle, u64)> {
+        let state = self.lock();
+        let (&start, m) = state.mappings.range(..=va).next_back()?;
+        (va < start + m.size).then(|| (m.handle, m.offset + (va - start)))
     }
 
     /// Checks the device's own books: used bytes equal segments plus
@@ -569,13 +581,9 @@ impl Device for SimDevice {
         }
         let handle = state.next_handle;
         state.next_handle += 1;
-        state.physical.insert(
-            handle,
-            PhysicalMemory {
-                size,
-                mapped_at: None,
-            },
-        );
+        state
+            .physical
+            .insert(handle, PhysicalMemory { size, mappings: 0 });
         state.add_used(size);
         Ok(PhysicalHandle(handle))
     }
@@ -589,10 +597,13 @@ impl Device for SimDevice {
                 format!("unknown handle {}", handle.0),
             ));
         };
-        if let Some(va) = mem.mapped_at {
+        if mem.mappings > 0 {
             return Err(invalid(
                 CallKind::PhysicalRelease,
-                format!("handle {} is still mapped at {va:#x}", handle.0),
+                format!(
+                    "handle {} is still mapped {} time(s)",
+                    handle.0, mem.mappings
+                ),
             ));
         }
         let size = mem.size;
@@ -601,10 +612,19 @@ impl Device for SimDevice {
         Ok(())
     }
 
-    fn map(&self, va: DevicePtr, size: u64, handle: PhysicalHandle) -> DeviceResult<()> {
+    fn map(
+        &self,
+        va: DevicePtr,
+        size: u64,
+        handle: PhysicalHandle,
+        offset: u64,
+    ) -> DeviceResult<()> {
         let mut state = self.lock();
         state.enter(CallKind::Map)?;
         state.check_granular(CallKind::Map, size, "size")?;
+        if offset > 0 {
+            state.check_granular(CallKind::Map, offset, "offset")?;
+        }
         match state.physical.get(&handle.0) {
             None => {
                 return Err(invalid(
@@ -612,10 +632,13 @@ impl Device for SimDevice {
                     format!("unknown handle {}", handle.0),
                 ))
             }
-            Some(mem) if mem.size != size || mem.mapped_at.is_some() => {
+            Some(mem) if offset.checked_add(size).is_none_or(|end| end > mem.size) => {
                 return Err(invalid(
                     CallKind::Map,
-                    format!("handle {} cannot be mapped with size {size}", handle.0),
+                    format!(
+                        "{size} bytes at offset {offset} do not fit handle {} of {} bytes",
+                        handle.0, mem.size
+                    ),
                 ))
             }
             Some(_) => {}
@@ -643,11 +666,12 @@ impl Device for SimDevice {
             Mapping {
                 size,
                 handle,
+                offset,
                 accessible: false,
             },
         );
         if let Some(mem) = state.physical.get_mut(&handle.0) {
-            mem.mapped_at = Some(va);
+            mem.mappings += 1;
         }
         Ok(())
     }
@@ -683,7 +707,7 @@ impl Device for SimDevice {
         }
         if let Some(m) = state.mappings.remove(&va) {
             if let Some(mem) = state.physical.get_mut(&m.handle.0) {
-                mem.mapped_at = None;
+                mem.mappings -= 1;
             }
         }
         Ok(())
@@ -776,7 +800,7 @@ mod tests {
         let dev = SimDevice::with_capacity(8 * MIB);
         let base = dev.address_reserve(8 * MIB).unwrap();
         let h = dev.physical_create(2 * MIB).unwrap();
-        dev.map(base + 2 * MIB, 2 * MIB, h).unwrap();
+        dev.map(base + 2 * MIB, 2 * MIB, h, 0).unwrap();
         dev.set_access(base + 2 * MIB, 2 * MIB).unwrap();
         assert!(dev.physical_release(h).is_err(), "still mapped");
         assert!(dev.address_free(base, 8 * MIB).is_err(), "still mapped");
