@@ -1,0 +1,122 @@
+/*
+ * hbmalloc.h: the C ABI of hbmalloc, a caching GPU-memory allocator.
+ *
+ * Library: libhbmalloc_capi.so (crates/hbmalloc-capi), or the Python
+ * package's extension module, which exports the same symbols
+ * (hbmalloc.library_path()).
+ *
+ * PyTorch: hbmalloc_alloc and hbmalloc_free have the signatures that
+ * torch.cuda.memory.CUDAPluggableAllocator(path, "hbmalloc_alloc",
+ * "hbmalloc_free") expects.
+ *
+ * Errors: every function records its outcome as the calling thread's last
+ * error: hbmalloc_last_error_code() gives the status (HBMALLOC_OK after a
+ * successful call), hbmalloc_last_error() the message. No function unwinds
+ * or aborts on bad input; an internal bug is reported as HBMALLOC_INTERNAL.
+ *
+ * Configuration, read once at first use from the environment:
+ *   HBMALLOC_CONF            settings string, e.g. "policy:pytorch,expandable_segments:True"
+ *   PYTORCH_CUDA_ALLOC_CONF  (else PYTORCH_ALLOC_CONF) PyTorch's syntax, policy pytorch
+ *   HBMALLOC_HISTORY_ENTRIES history entries kept for snapshots (default 0)
+ *   HBMALLOC_CUDA_DRIVER     path of the CUDA driver library (default: libcuda.so.1)
+ * A bad value is reported by every call (HBMALLOC_CONFIG_ERROR, naming the
+ * variable and the key).
+ *
+ * Threads: every function may be called from any thread. Each device has
+ * one allocator, created at its first use, behind its own lock.
+ */
+#ifndef HBMALLOC_H
+#define HBMALLOC_H
+
+#include <stddef.h>    /* size_t */
+#include <sys/types.h> /* ssize_t */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* CUDA's stream handle, declared as CUDA's headers do, so this header needs
+ * no CUDA headers and stays compatible with them. */
+#ifndef __CUDA_RUNTIME_H__
+struct CUstream_st;
+typedef struct CUstream_st *cudaStream_t;
+#endif
+
+/* Status codes (hbmalloc_last_error_code(), and the int results below). */
+typedef enum hbmalloc_status {
+    HBMALLOC_OK = 0,
+    /* Not enough device memory; the message is the OOM report (what was
+     * asked, what the device and allocator held, why, what would help). */
+    HBMALLOC_OUT_OF_MEMORY = 1,
+    /* A size (< 0, or over 1 PiB), fraction, buffer or path is invalid. */
+    HBMALLOC_INVALID_ARGUMENT = 2,
+    /* The pointer is not a live hbmalloc allocation on that device: a
+     * foreign pointer or a double free. The allocator is unchanged. */
+    HBMALLOC_UNKNOWN_POINTER = 3,
+    /* The device index is negative or not below the driver's device count. */
+    HBMALLOC_DEVICE_OUT_OF_RANGE = 4,
+    /* The CUDA driver reported an error. */
+    HBMALLOC_DRIVER_ERROR = 5,
+    /* No CUDA driver could be loaded, or it sees no device. */
+    HBMALLOC_NO_DRIVER = 6,
+    /* The configuration in the environment is invalid. */
+    HBMALLOC_CONFIG_ERROR = 7,
+    /* A bug in hbmalloc (caught panic). Please report it. */
+    HBMALLOC_INTERNAL = 8
+} hbmalloc_status;
+
+/* Allocates size bytes on device for use on stream. Returns NULL on failure
+ * (last error says why); size 0 returns NULL without error. */
+void *hbmalloc_alloc(ssize_t size, int device, cudaStream_t stream);
+
+/* Frees ptr. NULL is a no-op. size and stream are ignored (hbmalloc knows
+ * both); an unknown pointer sets HBMALLOC_UNKNOWN_POINTER. */
+void hbmalloc_free(void *ptr, ssize_t size, int device, cudaStream_t stream);
+
+/* Declares that ptr is also used on stream: its memory is reused only after
+ * the work queued on stream before the free completes. Returns a status. */
+int hbmalloc_record_stream(void *ptr, int device, cudaStream_t stream);
+
+/* Returns device's cached free memory to the driver. Returns a status. */
+int hbmalloc_empty_cache(int device);
+
+/* Limits device's allocator to fraction (0..1) of the device's memory.
+ * Returns a status. */
+int hbmalloc_set_memory_fraction(double fraction, int device);
+
+/* Writes torch.cuda.memory_stats(device) as one JSON object into buf, like
+ * snprintf: at most len - 1 bytes and a NUL. Returns the JSON's length
+ * (call with buf NULL, len 0 to size the buffer), or -1 on error. */
+ssize_t hbmalloc_stats_json(int device, char *buf, size_t len);
+
+/* Writes torch.cuda.memory_summary(device, abbreviated) text into buf, as
+ * hbmalloc_stats_json. Returns the text's length, or -1 on error. */
+ssize_t hbmalloc_summary(int device, int abbreviated, char *buf, size_t len);
+
+/* Writes device's memory snapshot to the file path, in the pickle format of
+ * torch.cuda.memory._dump_snapshot (pytorch.org/memory_viz reads it).
+ * Returns a status. */
+int hbmalloc_snapshot(int device, const char *path);
+
+/* Copies the calling thread's last error message into buf, as
+ * hbmalloc_stats_json. Returns its length (0 when the last call succeeded). */
+ssize_t hbmalloc_last_error(char *buf, size_t len);
+
+/* The calling thread's last status (an hbmalloc_status value). */
+int hbmalloc_last_error_code(void);
+
+/* Loads the driver and configuration now instead of at the first call, so
+ * errors show early. PyTorch's init hook passes the number of devices it
+ * uses: an error if that exceeds the driver's count (negative: unchecked).
+ * Returns a status. */
+int hbmalloc_init(int device_count);
+
+/* Returns every device's cached free memory to the driver (PyTorch's reset
+ * hook, called by torch.cuda.empty_cache()). Returns a status. */
+int hbmalloc_reset(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* HBMALLOC_H */

@@ -1,0 +1,302 @@
+//! The `extern "C"` functions of `include/hbmalloc.h`.
+//!
+//! Every function runs its body under [`std::panic::catch_unwind`] (a panic
+//! becomes [`Status::Internal`]), records its outcome as the calling thread's
+//! last error (`Status::Ok` and an empty message on success), and never
+//! unwinds into C. `unsafe` appears only where C pointers are read or written.
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use hbmalloc::StreamId;
+
+use crate::{ApiError, Status};
+
+/// C's `ssize_t` (`isize` on every platform Rust and PyTorch support).
+#[allow(non_camel_case_types)]
+pub type ssize_t = isize;
+
+/// `cudaStream_t`: an opaque stream handle, used as a number.
+pub type CudaStream = *mut c_void;
+
+thread_local! {
+    static LAST_ERROR: RefCell<(Status, String)> = const { RefCell::new((Status::Ok, String::new())) };
+}
+
+fn set_last_error(status: Status, message: &str) {
+    // `try_with` fails only while the thread is being torn down; the error
+    // is then unobservable anyway.
+    let _ = LAST_ERROR.try_with(|last| {
+        let mut last = last.borrow_mut();
+        last.0 = status;
+        last.1.clear();
+        last.1.push_str(message);
+    });
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic payload".to_string()
+    }
+}
+
+/// Runs `body`, records its outcome as the last error, returns its value or
+/// `on_error`.
+fn guarded<T>(on_error: T, body: impl FnOnce() -> Result<T, ApiError>) -> T {
+    let outcome = catch_unwind(AssertUnwindSafe(body)).unwrap_or_else(|payload| {
+        Err(ApiError::new(
+            Status::Internal,
+            format!(
+                "hbmalloc: internal error (panic): {}",
+                panic_message(&*payload)
+            ),
+        ))
+    });
+    match outcome {
+        Ok(value) => {
+            set_last_error(Status::Ok, "");
+            value
+        }
+        Err(e) => {
+            set_last_error(e.status, &e.message);
+            on_error
+        }
+    }
+}
+
+/// Runs `body`; returns the status it recorded.
+fn status_of(body: impl FnOnce() -> Result<(), ApiError>) -> c_int {
+    guarded((), body);
+    last_error_status() as c_int
+}
+
+fn last_error_status() -> Status {
+    LAST_ERROR
+        .try_with(|last| last.borrow().0)
+        .unwrap_or(Status::Internal)
+}
+
+fn stream_id(stream: CudaStream) -> StreamId {
+    StreamId(stream as usize as u64)
+}
+
+/// Copies `text` into `buf` (at most `len - 1` bytes and a NUL), snprintf
+/// style; returns the length of `text`.
+///
+/// # Safety
+/// `buf` is null, or valid for writes of `len` bytes.
+unsafe fn write_text(text: &str, buf: *mut c_char, len: usize) -> Result<ssize_t, ApiError> {
+    if buf.is_null() && len > 0 {
+        return Err(ApiError::new(
+            Status::InvalidArgument,
+            format!("hbmalloc: buffer is NULL but its length is {len}"),
+        ));
+    }
+    if len > 0 {
+        let n = text.len().min(len - 1);
+        // SAFETY: the caller guarantees `buf` is valid for `len` bytes and
+        // `n + 1 <= len`; `text` is a distinct Rust allocation.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), n);
+            *buf.add(n) = 0;
+        }
+    }
+    // A Rust string is at most isize::MAX bytes.
+    Ok(text.len() as ssize_t)
+}
+
+/// Allocates `size` bytes on `device` for `stream` (PyTorch's pluggable
+/// `alloc`). NULL on failure, with the reason as the last error; NULL without
+/// error for `size == 0`.
+#[no_mangle]
+pub extern "C" fn hbmalloc_alloc(size: ssize_t, device: c_int, stream: CudaStream) -> *mut c_void {
+    guarded(std::ptr::null_mut(), || {
+        // `isize` always fits in `i64` on supported platforms.
+        crate::alloc(size as i64, device, stream_id(stream)).map(|p| p as usize as *mut c_void)
+    })
+}
+
+/// Frees `ptr` (PyTorch's pluggable `free`). NULL is a no-op; a pointer
+/// hbmalloc does not hold on `device` sets `UNKNOWN_POINTER`.
+#[no_mangle]
+pub extern "C" fn hbmalloc_free(
+    ptr: *mut c_void,
+    size: ssize_t,
+    device: c_int,
+    stream: CudaStream,
+) {
+    let _ = (size, stream);
+    guarded((), || crate::free(ptr as usize as u64, device));
+}
+
+/// Declares that `ptr` is used on `stream` too; its memory is reused only
+/// after that stream's work issued before the free completes.
+#[no_mangle]
+pub extern "C" fn hbmalloc_record_stream(
+    ptr: *mut c_void,
+    device: c_int,
+    stream: CudaStream,
+) -> c_int {
+    status_of(|| crate::record_stream(ptr as usize as u64, device, stream_id(stream)))
+}
+
+/// Returns `device`'s cached free memory to the driver.
+#[no_mangle]
+pub extern "C" fn hbmalloc_empty_cache(device: c_int) -> c_int {
+    status_of(|| crate::empty_cache(device))
+}
+
+/// Limits `device`'s allocator to `fraction` (0..=1) of the device's memory.
+#[no_mangle]
+pub extern "C" fn hbmalloc_set_memory_fraction(fraction: f64, device: c_int) -> c_int {
+    status_of(|| crate::set_memory_fraction(fraction, device))
+}
+
+/// Writes `memory_stats()` of `device` as JSON into `buf` (snprintf style);
+/// returns the JSON's length, or -1 on error.
+///
+/// # Safety
+/// `buf` is null (with `len == 0` to ask for the length), or valid for
+/// writes of `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn hbmalloc_stats_json(
+    device: c_int,
+    buf: *mut c_char,
+    len: usize,
+) -> ssize_t {
+    guarded(-1, || {
+        let json = crate::stats_json(device)?;
+        // SAFETY: forwarded from this function's contract.
+        unsafe { write_text(&json, buf, len) }
+    })
+}
+
+/// Writes `memory_summary()` of `device` into `buf` (snprintf style);
+/// returns the text's length, or -1 on error.
+///
+/// # Safety
+/// As [`hbmalloc_stats_json`].
+#[no_mangle]
+pub unsafe extern "C" fn hbmalloc_summary(
+    device: c_int,
+    abbreviated: c_int,
+    buf: *mut c_char,
+    len: usize,
+) -> ssize_t {
+    guarded(-1, || {
+        let text = crate::summary(device, abbreviated != 0)?;
+        // SAFETY: forwarded from this function's contract.
+        unsafe { write_text(&text, buf, len) }
+    })
+}
+
+/// Writes `device`'s snapshot to the file `path` as a PyTorch memory-snapshot
+/// pickle.
+///
+/// # Safety
+/// `path` is null or a valid NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn hbmalloc_snapshot(device: c_int, path: *const c_char) -> c_int {
+    status_of(|| {
+        if path.is_null() {
+            return Err(ApiError::new(
+                Status::InvalidArgument,
+                "hbmalloc: snapshot path is NULL",
+            ));
+        }
+        // SAFETY: non-null, and the caller guarantees NUL termination.
+        let path = unsafe { CStr::from_ptr(path) };
+        let path = path_from_c(path)?;
+        crate::write_snapshot(device, &path)
+    })
+}
+
+#[cfg(unix)]
+fn path_from_c(path: &CStr) -> Result<std::path::PathBuf, ApiError> {
+    use std::os::unix::ffi::OsStrExt;
+    Ok(std::ffi::OsStr::from_bytes(path.to_bytes()).into())
+}
+
+#[cfg(not(unix))]
+fn path_from_c(path: &CStr) -> Result<std::path::PathBuf, ApiError> {
+    path.to_str().map(Into::into).map_err(|_| {
+        ApiError::new(
+            Status::InvalidArgument,
+            "hbmalloc: snapshot path is not valid UTF-8",
+        )
+    })
+}
+
+/// Copies the calling thread's last error message into `buf` (snprintf
+/// style); returns its length (0 after a successful call).
+///
+/// # Safety
+/// As [`hbmalloc_stats_json`].
+#[no_mangle]
+pub unsafe extern "C" fn hbmalloc_last_error(buf: *mut c_char, len: usize) -> ssize_t {
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        let message = LAST_ERROR
+            .try_with(|last| last.borrow().1.clone())
+            .unwrap_or_default();
+        // SAFETY: forwarded from this function's contract.
+        unsafe { write_text(&message, buf, len) }.unwrap_or(-1)
+    }));
+    result.unwrap_or(-1)
+}
+
+/// The calling thread's last status code (`HBMALLOC_OK` after a successful call).
+#[no_mangle]
+pub extern "C" fn hbmalloc_last_error_code() -> c_int {
+    catch_unwind(|| last_error_status() as c_int).unwrap_or(Status::Internal as c_int)
+}
+
+/// Loads the driver and configuration now rather than at the first
+/// allocation. `device_count` is what PyTorch's init hook passes (the number
+/// of devices it sees); it must not exceed the driver's count (negative:
+/// not checked).
+#[no_mangle]
+pub extern "C" fn hbmalloc_init(device_count: c_int) -> c_int {
+    status_of(|| {
+        let seen = crate::init()?;
+        if usize::try_from(device_count).is_ok_and(|n| n > seen) {
+            return Err(ApiError::new(
+                Status::DeviceOutOfRange,
+                format!(
+                    "hbmalloc: asked to serve {device_count} device(s) but the CUDA driver sees {seen}"
+                ),
+            ));
+        }
+        Ok(())
+    })
+}
+
+/// Returns every device's cached free memory to the driver (PyTorch's
+/// `reset` hook, which `torch.cuda.empty_cache()` calls).
+#[no_mangle]
+pub extern "C" fn hbmalloc_reset() -> c_int {
+    status_of(crate::reset)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_becomes_an_internal_error() {
+        let value = guarded(7, || -> Result<i32, ApiError> { panic!("boom") });
+        assert_eq!(value, 7);
+        assert_eq!(hbmalloc_last_error_code(), Status::Internal as c_int);
+        let message = LAST_ERROR.with(|last| last.borrow().1.clone());
+        assert!(
+            message.contains("internal error (panic): boom"),
+            "{message}"
+        );
+        assert_eq!(guarded(0, || Ok(1)), 1);
+        assert_eq!(hbmalloc_last_error_code(), Status::Ok as c_int);
+    }
+}

@@ -1,0 +1,366 @@
+//! hbmalloc's C ABI (`include/hbmalloc.h`) and the safe Rust layer under it.
+//!
+//! The C functions ([`ffi`]) are what PyTorch's `CUDAPluggableAllocator`
+//! loads (`hbmalloc_alloc`, `hbmalloc_free`) plus statistics, summary,
+//! snapshot and error reporting. Each one is a thin wrapper over a safe
+//! function of this module that returns `Result<_, ApiError>`; the wrapper
+//! catches panics, stores the error as the thread's last error and turns
+//! it into a status code. The Python extension calls the safe functions.
+//!
+//! # The process-wide runtime
+//!
+//! At first use the runtime reads the configuration, loads the CUDA driver
+//! (`hbmalloc_cuda::CudaDriver::load`, which honours `HBMALLOC_CUDA_DRIVER`)
+//! and asks it how many devices it sees. The outcome, success or error, is
+//! kept for the life of the process. Each device then gets one
+//! [`Allocator`], created at its first use behind its own `Mutex`.
+//!
+//! Configuration, read once:
+//! - `HBMALLOC_CONF`: a settings string (`policy:pytorch,expandable_segments:True`);
+//! - else `PYTORCH_CUDA_ALLOC_CONF`, else `PYTORCH_ALLOC_CONF`: PyTorch's syntax,
+//!   policy `pytorch`;
+//! - else the engine's default policy;
+//! - `HBMALLOC_HISTORY_ENTRIES`: history entries kept for snapshots (default 0:
+//!   snapshots then hold segments only, as PyTorch's do before
+//!   `_record_memory_history`).
+
+pub mod ffi;
+
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use hbmalloc::{
+    AllocError, Allocator, AllocatorConfig, DeviceError, DeviceErrorKind, DevicePtr, PolicyConfig,
+    StreamId,
+};
+use hbmalloc_cuda::{CudaDevice, CudaDriver};
+
+pub use ffi::*;
+
+/// Environment variable holding a settings string (`policy:NAME,key:value,...`).
+pub const CONF_ENV: &str = "HBMALLOC_CONF";
+/// PyTorch's configuration variables, read (policy `pytorch`) when [`CONF_ENV`] is unset.
+pub const PYTORCH_CONF_ENVS: [&str; 2] = ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"];
+/// Environment variable: history entries each allocator keeps for snapshots.
+pub const HISTORY_ENV: &str = "HBMALLOC_HISTORY_ENTRIES";
+
+/// Status codes of the C ABI (`hbmalloc_status` in the header).
+#[repr(C)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Status {
+    /// Success.
+    Ok = 0,
+    /// Not enough device memory; the message is the OOM report.
+    OutOfMemory = 1,
+    /// A size, fraction, buffer or path argument is invalid.
+    InvalidArgument = 2,
+    /// The pointer is not a live allocation of hbmalloc on that device
+    /// (foreign pointer, or double free).
+    UnknownPointer = 3,
+    /// The device index is negative or not below the driver's device count.
+    DeviceOutOfRange = 4,
+    /// The CUDA driver reported an error.
+    DriverError = 5,
+    /// No CUDA driver could be loaded, or it sees no device.
+    NoDriver = 6,
+    /// The configuration (`HBMALLOC_CONF`, `PYTORCH_CUDA_ALLOC_CONF`, ...) is invalid.
+    ConfigError = 7,
+    /// A bug in hbmalloc (a caught panic, a poisoned lock).
+    Internal = 8,
+}
+
+/// An error of the API: a status and a message for people.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiError {
+    /// The status code the C functions report.
+    pub status: Status,
+    /// What went wrong, in one or more lines.
+    pub message: String,
+}
+
+impl ApiError {
+    /// An error with `status` and `message`.
+    pub fn new(status: Status, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for ApiError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+impl From<AllocError> for ApiError {
+    fn from(e: AllocError) -> Self {
+        let status = match &e {
+            AllocError::OutOfMemory(_) => Status::OutOfMemory,
+            AllocError::InvalidSize { .. } | AllocError::InvalidConfig(_) => {
+                Status::InvalidArgument
+            }
+            AllocError::UnknownPointer { .. } => Status::UnknownPointer,
+            AllocError::Device(d) => device_status(d),
+        };
+        ApiError::new(status, e.to_string())
+    }
+}
+
+fn device_status(e: &DeviceError) -> Status {
+    match &e.kind {
+        DeviceErrorKind::NoDriver => Status::NoDriver,
+        DeviceErrorKind::Driver(name) if name == "CUDA_ERROR_NO_DEVICE" => Status::NoDriver,
+        DeviceErrorKind::OutOfMemory => Status::OutOfMemory,
+        _ => Status::DriverError,
+    }
+}
+
+fn device_error(e: DeviceError) -> ApiError {
+    ApiError::new(device_status(&e), format!("hbmalloc: {e}"))
+}
+
+/// The driver, the configuration and one allocator slot per device.
+struct Runtime {
+    driver: Arc<CudaDriver>,
+    config: AllocatorConfig,
+    devices: Vec<Mutex<Option<Allocator<CudaDevice>>>>,
+}
+
+/// Reads the configuration from the environment (see the crate docs).
+pub fn config_from_env() -> Result<AllocatorConfig, ApiError> {
+    let config_error = |var: &str, e: &dyn fmt::Display| {
+        ApiError::new(
+            Status::ConfigError,
+            format!("hbmalloc: invalid configuration in {var}: {e}"),
+        )
+    };
+    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    let mut config = AllocatorConfig::default();
+    if let Some(settings) = env(CONF_ENV) {
+        config.policy =
+            PolicyConfig::from_settings(&settings).map_err(|e| config_error(CONF_ENV, &e))?;
+    } else if let Some((var, conf)) = PYTORCH_CONF_ENVS
+        .iter()
+        .find_map(|var| env(var).map(|v| (*var, v)))
+    {
+        config.policy = PolicyConfig::parse("pytorch", &conf).map_err(|e| config_error(var, &e))?;
+    }
+    if let Some(entries) = env(HISTORY_ENV) {
+        config.history_entries = entries.trim().parse().map_err(|_| {
+            config_error(
+                HISTORY_ENV,
+                &format!(
+                    "expected a number of entries, got '{}'",
+                    entries.escape_debug()
+                ),
+            )
+        })?;
+    }
+    Ok(config)
+}
+
+impl Runtime {
+    fn load() -> Result<Runtime, ApiError> {
+        let config = config_from_env()?;
+        let driver = CudaDriver::load().map_err(device_error)?;
+        let count = driver.device_count().map_err(device_error)?;
+        let devices = (0..count.max(0)).map(|_| Mutex::new(None)).collect();
+        Ok(Runtime {
+            driver,
+            config,
+            devices,
+        })
+    }
+
+    fn slot(&self, device: i32) -> Result<&Mutex<Option<Allocator<CudaDevice>>>, ApiError> {
+        usize::try_from(device)
+            .ok()
+            .and_then(|i| self.devices.get(i))
+            .ok_or_else(|| {
+                ApiError::new(
+                    Status::DeviceOutOfRange,
+                    format!(
+                        "hbmalloc: device {device} is out of range: the CUDA driver ({}) sees {} device(s)",
+                        self.driver.path(),
+                        self.devices.len()
+                    ),
+                )
+            })
+    }
+}
+
+fn runtime() -> Result<&'static Runtime, ApiError> {
+    static RUNTIME: OnceLock<Result<Runtime, ApiError>> = OnceLock::new();
+    RUNTIME
+        .get_or_init(Runtime::load)
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+fn lock(
+    device: i32,
+    slot: &Mutex<Option<Allocator<CudaDevice>>>,
+) -> Result<MutexGuard<'_, Option<Allocator<CudaDevice>>>, ApiError> {
+    slot.lock().map_err(|_| {
+        ApiError::new(
+            Status::Internal,
+            format!(
+                "hbmalloc: the allocator of device {device} is unusable after an internal panic"
+            ),
+        )
+    })
+}
+
+/// Runs `f` on the allocator of `device`, creating it on first use.
+pub fn with_allocator<R>(
+    device: i32,
+    f: impl FnOnce(&mut Allocator<CudaDevice>) -> Result<R, ApiError>,
+) -> Result<R, ApiError> {
+    let runtime = runtime()?;
+    let mut guard = lock(device, runtime.slot(device)?)?;
+    let allocator = match &mut *guard {
+        Some(allocator) => allocator,
+        empty => {
+            let cuda =
+                CudaDevice::new(Arc::clone(&runtime.driver), device).map_err(device_error)?;
+            let allocator = Allocator::new(cuda, runtime.config.clone())?;
+            empty.insert(allocator)
+        }
+    };
+    f(allocator)
+}
+
+/// Runs `f` on the allocator of `device` if it exists; `None` when the
+/// device has not allocated yet.
+pub fn with_existing_allocator<R>(
+    device: i32,
+    f: impl FnOnce(&mut Allocator<CudaDevice>) -> Result<R, ApiError>,
+) -> Result<Option<R>, ApiError> {
+    let runtime = runtime()?;
+    let mut guard = lock(device, runtime.slot(device)?)?;
+    guard.as_mut().map(f).transpose()
+}
+
+/// Loads the runtime now (driver, configuration); `Ok` with the number of
+/// devices the driver sees.
+pub fn init() -> Result<usize, ApiError> {
+    Ok(runtime()?.devices.len())
+}
+
+/// Allocates `size` bytes on `device` for use on `stream`. `Ok(0)` for size 0.
+pub fn alloc(size: i64, device: i32, stream: StreamId) -> Result<DevicePtr, ApiError> {
+    if size == 0 {
+        return Ok(0);
+    }
+    let size = u64::try_from(size).map_err(|_| {
+        ApiError::new(
+            Status::InvalidArgument,
+            format!("hbmalloc: invalid allocation size {size}: sizes must be positive"),
+        )
+    })?;
+    if size > hbmalloc::MAX_REQUEST_BYTES {
+        return Err(AllocError::InvalidSize { size }.into());
+    }
+    with_allocator(device, |a| Ok(a.malloc(size, stream)?))
+}
+
+/// Frees `ptr`, allocated on `device`. Freeing 0 (NULL) does nothing.
+pub fn free(ptr: DevicePtr, device: i32) -> Result<(), ApiError> {
+    if ptr == 0 {
+        return Ok(());
+    }
+    match with_existing_allocator(device, |a| Ok(a.free(ptr)?))? {
+        Some(()) => Ok(()),
+        None => Err(AllocError::UnknownPointer { ptr }.into()),
+    }
+}
+
+/// Declares that `ptr` (allocated on `device`) is also used on `stream`.
+pub fn record_stream(ptr: DevicePtr, device: i32, stream: StreamId) -> Result<(), ApiError> {
+    match with_existing_allocator(device, |a| Ok(a.record_stream(ptr, stream)?))? {
+        Some(()) => Ok(()),
+        None => Err(AllocError::UnknownPointer { ptr }.into()),
+    }
+}
+
+/// Returns the cached memory of `device` to the driver.
+pub fn empty_cache(device: i32) -> Result<(), ApiError> {
+    with_existing_allocator(device, |a| Ok(a.empty_cache()?)).map(|_| ())
+}
+
+/// Limits `device`'s allocator to `fraction` of its memory.
+pub fn set_memory_fraction(fraction: f64, device: i32) -> Result<(), ApiError> {
+    with_allocator(device, |a| Ok(a.set_memory_fraction(fraction)?))
+}
+
+/// `empty_cache` on every device with an allocator (PyTorch's `reset` hook,
+/// called by `torch.cuda.empty_cache()`).
+pub fn reset() -> Result<(), ApiError> {
+    let runtime = runtime()?;
+    for device in 0..runtime.devices.len() {
+        // `devices` has at most i32::MAX entries: the driver counts in an int.
+        empty_cache(device as i32)?;
+    }
+    Ok(())
+}
+
+/// `torch.cuda.memory_stats()` of `device` as one JSON object.
+pub fn stats_json(device: i32) -> Result<String, ApiError> {
+    with_allocator(device, |a| Ok(hbmalloc_export::stats_to_json(a.stats())))
+}
+
+/// PyTorch's `memory_stats()` dictionary for `device`.
+pub fn stats_map(device: i32) -> Result<std::collections::BTreeMap<String, i64>, ApiError> {
+    with_allocator(device, |a| Ok(a.stats().to_pytorch_map()))
+}
+
+/// `torch.cuda.memory_summary()` text for `device`.
+pub fn summary(device: i32, abbreviated: bool) -> Result<String, ApiError> {
+    with_allocator(device, |a| {
+        Ok(hbmalloc::memory_summary(
+            a.stats(),
+            i64::from(device),
+            abbreviated,
+        ))
+    })
+}
+
+/// The snapshot of `device` as a PyTorch memory-snapshot pickle.
+pub fn snapshot_pickle(device: i32) -> Result<Vec<u8>, ApiError> {
+    with_allocator(device, |a| {
+        Ok(hbmalloc_export::snapshot_to_pickle(
+            &a.snapshot(),
+            i64::from(device),
+        ))
+    })
+}
+
+/// Writes the snapshot of `device` to `path` (`torch.cuda.memory._dump_snapshot` format).
+pub fn write_snapshot(device: i32, path: &std::path::Path) -> Result<(), ApiError> {
+    let bytes = snapshot_pickle(device)?;
+    std::fs::write(path, bytes).map_err(|e| {
+        ApiError::new(
+            Status::InvalidArgument,
+            format!("hbmalloc: cannot write snapshot to {}: {e}", path.display()),
+        )
+    })
+}
+
+/// Checks `device`'s allocator invariants (`Ok` when it has none yet).
+pub fn check_invariants(device: i32) -> Result<(), ApiError> {
+    with_existing_allocator(device, |a| {
+        a.check_invariants().map_err(|e| {
+            ApiError::new(Status::Internal, format!("hbmalloc: invariant broken: {e}"))
+        })
+    })
+    .map(|_| ())
+}
+
+/// The settings string of `device`'s allocator (`policy:pytorch,...`).
+pub fn settings(device: i32) -> Result<String, ApiError> {
+    with_allocator(device, |a| Ok(a.settings()))
+}

@@ -1,0 +1,84 @@
+/* Calls hbmalloc's C ABI through include/hbmalloc.h, compiled and linked
+ * against the built cdylib by tests/c_abi.rs: proves the header matches the
+ * library (names, argument and return types, status values).
+ * Run with HBMALLOC_CUDA_DRIVER pointing at the driver test double and
+ * HBMALLOC_CONF=policy:pytorch (host-backed segments). */
+#include "hbmalloc.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int failures = 0;
+static int checks = 0;
+
+#define CHECK(cond)                                                          \
+    do {                                                                     \
+        checks++;                                                            \
+        if (!(cond)) {                                                       \
+            char message_[512];                                              \
+            hbmalloc_last_error(message_, sizeof message_);                  \
+            fprintf(stderr, "%s:%d: check failed: %s (last error %d: %s)\n", \
+                    __FILE__, __LINE__, #cond, hbmalloc_last_error_code(),   \
+                    message_);                                               \
+            failures++;                                                      \
+        }                                                                    \
+    } while (0)
+
+int main(int argc, char **argv) {
+    cudaStream_t stream = (cudaStream_t)0;
+    const char *snapshot_path = argc > 1 ? argv[1] : "abi_test.pickle";
+
+    CHECK(hbmalloc_init(1) == HBMALLOC_OK);
+
+    /* Round trip with bytes written through the pointer. */
+    unsigned char *p = hbmalloc_alloc(4096, 0, stream);
+    CHECK(p != NULL);
+    CHECK(hbmalloc_last_error_code() == HBMALLOC_OK);
+    memset(p, 0x5a, 4096);
+    CHECK(p[4095] == 0x5a);
+    CHECK(hbmalloc_record_stream(p, 0, stream) == HBMALLOC_OK);
+
+    /* Errors and their codes. */
+    CHECK(hbmalloc_alloc(-5, 0, stream) == NULL);
+    CHECK(hbmalloc_last_error_code() == HBMALLOC_INVALID_ARGUMENT);
+    CHECK(hbmalloc_alloc(64, 7, stream) == NULL);
+    CHECK(hbmalloc_last_error_code() == HBMALLOC_DEVICE_OUT_OF_RANGE);
+    CHECK(hbmalloc_alloc((ssize_t)1 << 40, 0, stream) == NULL);
+    CHECK(hbmalloc_last_error_code() == HBMALLOC_OUT_OF_MEMORY);
+    hbmalloc_free((void *)0x1000, 0, 0, stream);
+    CHECK(hbmalloc_last_error_code() == HBMALLOC_UNKNOWN_POINTER);
+    char message[256];
+    ssize_t length = hbmalloc_last_error(message, sizeof message);
+    CHECK(length > 0 && strstr(message, "0x1000") != NULL);
+    CHECK(hbmalloc_set_memory_fraction(-1.0, 0) == HBMALLOC_INVALID_ARGUMENT);
+    CHECK(hbmalloc_set_memory_fraction(0.5, 0) == HBMALLOC_OK);
+    hbmalloc_free(NULL, 0, 0, stream);
+    CHECK(hbmalloc_last_error_code() == HBMALLOC_OK);
+    CHECK(hbmalloc_last_error(message, sizeof message) == 0 && message[0] == '\0');
+
+    /* Stats and summary, sized snprintf style. */
+    ssize_t json_length = hbmalloc_stats_json(0, NULL, 0);
+    CHECK(json_length > 0);
+    char *json = malloc((size_t)json_length + 1);
+    CHECK(hbmalloc_stats_json(0, json, (size_t)json_length + 1) == json_length);
+    CHECK(json[0] == '{' && json[json_length - 1] == '}');
+    CHECK(strstr(json, "\"allocation.all.current\": 1") != NULL);
+    free(json);
+    char summary[8192];
+    CHECK(hbmalloc_summary(0, 1, summary, sizeof summary) > 0);
+    CHECK(strstr(summary, "PyTorch CUDA memory summary, device ID 0") != NULL);
+
+    CHECK(hbmalloc_snapshot(0, snapshot_path) == HBMALLOC_OK);
+
+    hbmalloc_free(p, 4096, 0, stream);
+    CHECK(hbmalloc_last_error_code() == HBMALLOC_OK);
+    hbmalloc_free(p, 4096, 0, stream);
+    CHECK(hbmalloc_last_error_code() == HBMALLOC_UNKNOWN_POINTER);
+    CHECK(hbmalloc_empty_cache(0) == HBMALLOC_OK);
+    CHECK(hbmalloc_reset() == HBMALLOC_OK);
+    CHECK(hbmalloc_last_error_code() == HBMALLOC_OK);
+
+    printf("abi_test: %d checks, %d failed\n", checks, failures);
+    return failures == 0 ? 0 : 1;
+}

@@ -1,0 +1,473 @@
+//! The C ABI called directly, against the CUDA driver test double.
+//!
+//! Allocators are created once per process, so this binary's tests share
+//! one configuration (`policy:pytorch`, history on) and run one at a time.
+//! Cases that need another configuration (or no driver) re-run this binary
+//! as a child process with their environment and a filter: see
+//! [`child_case`].
+
+mod support;
+
+use std::ffi::{c_char, c_void, CString};
+use std::process::Command;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use hbmalloc_capi::{
+    check_invariants, hbmalloc_alloc, hbmalloc_empty_cache, hbmalloc_free, hbmalloc_init,
+    hbmalloc_last_error, hbmalloc_last_error_code, hbmalloc_record_stream, hbmalloc_reset,
+    hbmalloc_set_memory_fraction, hbmalloc_snapshot, hbmalloc_stats_json, hbmalloc_summary,
+    settings, stats_map, Status,
+};
+
+const MIB: isize = 1 << 20;
+/// Set in a child process: the name of the case it runs.
+const CHILD_ENV: &str = "HBMALLOC_CAPI_TEST_CHILD";
+const NO_STREAM: *mut c_void = std::ptr::null_mut();
+
+/// Points the ABI at the driver double with a fixed configuration (unless
+/// this is a child process, whose parent chose its environment), and
+/// serialises the tests.
+fn setup() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    static ENV: OnceLock<()> = OnceLock::new();
+    ENV.get_or_init(|| {
+        if std::env::var_os(CHILD_ENV).is_none() {
+            for var in support::CONFIG_VARS {
+                std::env::remove_var(var);
+            }
+            std::env::set_var("HBMALLOC_CUDA_DRIVER", support::double_path());
+            std::env::set_var("HBMALLOC_CONF", "policy:pytorch");
+            std::env::set_var("HBMALLOC_HISTORY_ENTRIES", "100000");
+        }
+    });
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn last_error() -> String {
+    // SAFETY: a null buffer with length 0 only asks for the length.
+    let len = unsafe { hbmalloc_last_error(std::ptr::null_mut(), 0) };
+    let mut buf = vec![0u8; len as usize + 1];
+    // SAFETY: `buf` is valid for `buf.len()` bytes.
+    let written = unsafe { hbmalloc_last_error(buf.as_mut_ptr().cast::<c_char>(), buf.len()) };
+    assert_eq!(written, len);
+    buf.truncate(len as usize);
+    String::from_utf8(buf).unwrap()
+}
+
+fn last_status() -> i32 {
+    hbmalloc_last_error_code()
+}
+
+fn assert_ok() {
+    assert_eq!(last_status(), Status::Ok as i32, "{}", last_error());
+    assert_eq!(last_error(), "");
+}
+
+fn assert_error(status: Status, needles: &[&str]) {
+    let message = last_error();
+    assert_eq!(last_status(), status as i32, "message: {message}");
+    for needle in needles {
+        assert!(
+            message.contains(needle),
+            "{needle:?} not in the message: {message}"
+        );
+    }
+}
+
+fn assert_consistent() {
+    for device in 0..2 {
+        check_invariants(device).unwrap();
+    }
+}
+
+fn stat(device: i32, key: &str) -> i64 {
+    stats_map(device).unwrap()[key]
+}
+
+fn alloc(size: isize, device: i32) -> *mut c_void {
+    hbmalloc_alloc(size, device, NO_STREAM)
+}
+
+fn free(ptr: *mut c_void, device: i32) {
+    hbmalloc_free(ptr, 0, device, NO_STREAM)
+}
+
+#[test]
+fn alloc_free_round_trip_with_bytes_written_through_the_pointer() {
+    let _serial = setup();
+    let live_before = stat(0, "allocation.all.current");
+    let small = alloc(1000, 0);
+    assert_ok();
+    let large = alloc(3 * MIB + 5, 0);
+    assert_ok();
+    assert!(!small.is_null() && !large.is_null());
+    // The double aligns segments to 256 bytes, as cudaMalloc does.
+    assert_eq!(small as usize % 256, 0);
+    // The double backs segments with host memory: the pointers are usable.
+    // SAFETY: both blocks are live allocations of at least these sizes.
+    unsafe {
+        std::ptr::write_bytes(small.cast::<u8>(), 0xab, 1000);
+        std::ptr::write_bytes(large.cast::<u8>(), 0xcd, (3 * MIB + 5) as usize);
+        assert_eq!(*small.cast::<u8>().add(999), 0xab);
+        assert_eq!(*large.cast::<u8>().add(3 * MIB as usize), 0xcd);
+    }
+    assert_eq!(stat(0, "allocation.all.current"), live_before + 2);
+    free(small, 0);
+    assert_ok();
+    free(large, 0);
+    assert_ok();
+    assert_eq!(stat(0, "allocation.all.current"), live_before);
+    assert_consistent();
+}
+
+#[test]
+fn second_device_has_its_own_allocator() {
+    let _serial = setup();
+    let p = alloc(4096, 1);
+    assert_ok();
+    // Freed on the wrong device: hbmalloc on device 0 never handed it out.
+    free(p, 0);
+    assert_error(Status::UnknownPointer, &[&format!("{:#x}", p as usize)]);
+    free(p, 1);
+    assert_ok();
+    assert_consistent();
+}
+
+#[test]
+fn null_free_is_a_no_op() {
+    let _serial = setup();
+    let before = stats_map(0).unwrap();
+    free(std::ptr::null_mut(), 0);
+    assert_ok();
+    assert_eq!(stats_map(0).unwrap(), before);
+}
+
+#[test]
+fn unknown_and_interior_pointers_are_refused_and_change_nothing() {
+    let _serial = setup();
+    let p = alloc(8192, 0);
+    assert_ok();
+    let before = stats_map(0).unwrap();
+    free(0xdead_0000 as *mut c_void, 0);
+    assert_error(
+        Status::UnknownPointer,
+        &["0xdead0000", "not a live allocation"],
+    );
+    // SAFETY: only the address is computed; nothing is dereferenced.
+    let interior = unsafe { p.cast::<u8>().add(512) }.cast::<c_void>();
+    free(interior, 0);
+    assert_error(Status::UnknownPointer, &[]);
+    assert_eq!(stats_map(0).unwrap(), before);
+    assert_consistent();
+    free(p, 0);
+    assert_ok();
+}
+
+#[test]
+fn double_free_is_refused() {
+    let _serial = setup();
+    let p = alloc(512, 0);
+    free(p, 0);
+    assert_ok();
+    let before = stats_map(0).unwrap();
+    free(p, 0);
+    assert_error(Status::UnknownPointer, &["double free"]);
+    assert_eq!(stats_map(0).unwrap(), before);
+    assert_consistent();
+}
+
+#[test]
+fn sizes_zero_negative_and_absurd() {
+    let _serial = setup();
+    let before = stats_map(0).unwrap();
+    assert!(alloc(0, 0).is_null());
+    assert_ok();
+    for size in [-1, -MIB, isize::MIN] {
+        assert!(alloc(size, 0).is_null());
+        assert_error(
+            Status::InvalidArgument,
+            &["invalid allocation size", "positive"],
+        );
+    }
+    for size in [1 << 51, isize::MAX] {
+        assert!(alloc(size, 0).is_null());
+        assert_error(Status::InvalidArgument, &["invalid allocation size"]);
+    }
+    assert_eq!(stats_map(0).unwrap(), before);
+    assert_consistent();
+}
+
+#[test]
+fn device_out_of_range() {
+    let _serial = setup();
+    for device in [2, -1, i32::MAX] {
+        assert!(alloc(512, device).is_null());
+        assert_error(
+            Status::DeviceOutOfRange,
+            &[&format!("device {device} is out of range"), "2 device(s)"],
+        );
+        free(0x1000 as *mut c_void, device);
+        assert_eq!(last_status(), Status::DeviceOutOfRange as i32);
+        assert_eq!(
+            hbmalloc_empty_cache(device),
+            Status::DeviceOutOfRange as i32
+        );
+    }
+    assert_eq!(hbmalloc_init(2), Status::Ok as i32);
+    assert_eq!(hbmalloc_init(3), Status::DeviceOutOfRange as i32);
+    assert_consistent();
+}
+
+#[test]
+fn out_of_memory_returns_null_with_the_report() {
+    let _serial = setup();
+    // The double's devices hold 1 GiB each.
+    assert!(alloc(4 << 30, 0).is_null());
+    assert_error(
+        Status::OutOfMemory,
+        &["out of memory", "tried to allocate 4", "verdict"],
+    );
+    assert!(stat(0, "num_ooms") >= 1);
+    assert_consistent();
+    // Still serves requests afterwards.
+    let p = alloc(MIB, 0);
+    assert_ok();
+    free(p, 0);
+}
+
+#[test]
+fn record_stream_fraction_empty_cache_and_reset() {
+    let _serial = setup();
+    let p = alloc(2 * MIB, 0);
+    assert_eq!(hbmalloc_record_stream(p, 0, 0x77 as *mut c_void), 0);
+    assert_eq!(
+        hbmalloc_record_stream(0x1234_5600 as *mut c_void, 0, NO_STREAM),
+        Status::UnknownPointer as i32
+    );
+    free(p, 0);
+    assert_ok();
+    assert_eq!(
+        hbmalloc_set_memory_fraction(1.5, 0),
+        Status::InvalidArgument as i32
+    );
+    assert!(last_error().contains("1.5"), "{}", last_error());
+    assert_eq!(hbmalloc_set_memory_fraction(1.0, 0), 0);
+    assert_eq!(hbmalloc_empty_cache(0), 0);
+    assert_eq!(hbmalloc_reset(), 0);
+    assert_eq!(stat(0, "reserved_bytes.all.current"), 0);
+    assert_eq!(stat(1, "reserved_bytes.all.current"), 0);
+    assert_consistent();
+}
+
+#[test]
+fn stats_json_and_summary_text() {
+    let _serial = setup();
+    let p = alloc(3 * MIB, 0);
+    // SAFETY: a null buffer with length 0 only asks for the length.
+    let len = unsafe { hbmalloc_stats_json(0, std::ptr::null_mut(), 0) };
+    assert!(len > 100);
+    let mut buf = vec![0u8; len as usize + 1];
+    // SAFETY: `buf` is valid for `buf.len()` bytes.
+    let written = unsafe { hbmalloc_stats_json(0, buf.as_mut_ptr().cast(), buf.len()) };
+    assert_eq!(written, len);
+    assert_eq!(buf[len as usize], 0);
+    let json: serde_json::Value = serde_json::from_slice(&buf[..len as usize]).unwrap();
+    let object = json.as_object().unwrap();
+    assert_eq!(object.len(), stats_map(0).unwrap().len());
+    assert!(object["allocation.all.current"].as_i64().unwrap() >= 1);
+    assert!(
+        object["requested_bytes.large_pool.current"]
+            .as_i64()
+            .unwrap()
+            >= 3 << 20
+    );
+
+    // Truncation: snprintf semantics, always NUL-terminated.
+    let mut small = [0x55u8; 8];
+    // SAFETY: `small` is valid for 8 bytes.
+    let needed = unsafe { hbmalloc_summary(0, 0, small.as_mut_ptr().cast(), small.len()) };
+    assert!(needed > 8);
+    assert_eq!(small[7], 0);
+    let mut text = vec![0u8; needed as usize + 1];
+    // SAFETY: `text` is valid for `text.len()` bytes.
+    unsafe { hbmalloc_summary(0, 0, text.as_mut_ptr().cast(), text.len()) };
+    let text = String::from_utf8(text[..needed as usize].to_vec()).unwrap();
+    assert!(
+        text.contains("PyTorch CUDA memory summary, device ID 0"),
+        "{text}"
+    );
+    assert!(text.contains("from large pool"));
+    assert!(text.starts_with(std::str::from_utf8(&small[..7]).unwrap()));
+    // SAFETY: a null buffer with length 0 only asks for the length.
+    let abbreviated = unsafe { hbmalloc_summary(0, 1, std::ptr::null_mut(), 0) };
+    assert!(abbreviated < needed);
+    // A null buffer with a length is refused.
+    // SAFETY: the function checks for null before writing.
+    let refused = unsafe { hbmalloc_stats_json(0, std::ptr::null_mut(), 10) };
+    assert_eq!(refused, -1);
+    assert_error(Status::InvalidArgument, &["NULL"]);
+    free(p, 0);
+}
+
+#[test]
+fn snapshot_file_loads_as_a_trace() {
+    let _serial = setup();
+    let keep = alloc(5 * MIB, 0);
+    let gone = alloc(1000, 0);
+    free(gone, 0);
+    let path = std::env::temp_dir().join(format!("hbmalloc-capi-{}.pickle", std::process::id()));
+    let c_path = CString::new(path.to_str().unwrap()).unwrap();
+    // SAFETY: `c_path` is a valid NUL-terminated string.
+    let status = unsafe { hbmalloc_snapshot(0, c_path.as_ptr()) };
+    assert_eq!(status, 0, "{}", last_error());
+    let trace = hbmalloc_trace::load(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let device = trace.devices.iter().find(|d| d.device == 0).unwrap();
+    assert!(device.ops.len() >= 3, "history records the allocations");
+    assert_eq!(device.recorded_config.as_deref(), Some(""));
+    // SAFETY: null is checked before use.
+    let status = unsafe { hbmalloc_snapshot(0, std::ptr::null()) };
+    assert_eq!(status, Status::InvalidArgument as i32);
+    let bad = CString::new("/nonexistent-dir/x.pickle").unwrap();
+    // SAFETY: `bad` is a valid NUL-terminated string.
+    let status = unsafe { hbmalloc_snapshot(0, bad.as_ptr()) };
+    assert_eq!(status, Status::InvalidArgument as i32);
+    assert!(last_error().contains("/nonexistent-dir/x.pickle"));
+    free(keep, 0);
+    assert_consistent();
+}
+
+#[test]
+fn errors_are_per_thread() {
+    let _serial = setup();
+    free(0xbad0_0000 as *mut c_void, 0);
+    assert_eq!(last_status(), Status::UnknownPointer as i32);
+    std::thread::spawn(|| assert_eq!(hbmalloc_last_error_code(), 0))
+        .join()
+        .unwrap();
+    assert_eq!(last_status(), Status::UnknownPointer as i32);
+}
+
+/// Runs this binary again as a child with `env` (on a clean configuration
+/// environment) running only [`child_entry`] with the case `name`.
+fn child_case(name: &str, env: &[(&str, &str)]) {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"]);
+    for var in support::CONFIG_VARS {
+        command.env_remove(var);
+    }
+    command.env(CHILD_ENV, name);
+    command.env("HBMALLOC_CUDA_DRIVER", support::double_path());
+    command.envs(env.iter().copied());
+    let output = command.output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success() && stdout.contains("1 passed"),
+        "child case {name} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// The body of every child case; does nothing in the parent.
+#[test]
+fn child_entry() {
+    let Ok(case) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let _serial = setup();
+    match case.as_str() {
+        "bad_hbmalloc_conf" => {
+            assert!(alloc(512, 0).is_null());
+            assert_error(
+                Status::ConfigError,
+                &["HBMALLOC_CONF", "expandable_segments", "true"],
+            );
+            // Reported again at every use, not only the first.
+            free(0x1000 as *mut c_void, 0);
+            assert_eq!(last_status(), Status::ConfigError as i32);
+            assert_eq!(hbmalloc_init(-1), Status::ConfigError as i32);
+        }
+        "bad_pytorch_conf" => {
+            assert!(alloc(512, 0).is_null());
+            assert_error(
+                Status::ConfigError,
+                &["PYTORCH_CUDA_ALLOC_CONF", "no_such_key"],
+            );
+        }
+        "bad_history" => {
+            assert!(alloc(512, 0).is_null());
+            assert_error(Status::ConfigError, &["HBMALLOC_HISTORY_ENTRIES", "lots"]);
+        }
+        "pytorch_conf" => {
+            let p = alloc(512, 0);
+            assert_ok();
+            assert_eq!(
+                settings(0).unwrap(),
+                "policy:pytorch,expandable_segments:True"
+            );
+            free(p, 0);
+        }
+        "pytorch_alloc_conf" => {
+            assert_eq!(settings(0).unwrap(), "policy:pytorch,max_split_size_mb:64");
+        }
+        "hbmalloc_conf_wins" => {
+            assert_eq!(settings(0).unwrap(), "policy:pytorch,max_split_size_mb:64");
+        }
+        "default_conf" => {
+            let expected = hbmalloc::AllocatorConfig::default().policy.to_settings();
+            assert_eq!(settings(0).unwrap(), expected);
+        }
+        "no_driver" => {
+            assert!(alloc(512, 0).is_null());
+            assert_error(
+                Status::NoDriver,
+                &["/nonexistent", "cannot load CUDA driver"],
+            );
+            assert_eq!(hbmalloc_init(1), Status::NoDriver as i32);
+            // SAFETY: a null buffer with length 0 only asks for the length.
+            let length = unsafe { hbmalloc_stats_json(0, std::ptr::null_mut(), 0) };
+            assert_eq!(length, -1);
+            assert_eq!(last_status(), Status::NoDriver as i32);
+        }
+        "no_device" => {
+            assert!(alloc(512, 0).is_null());
+            assert_error(Status::NoDriver, &["CUDA_ERROR_NO_DEVICE"]);
+        }
+        other => panic!("unknown child case {other}"),
+    }
+}
+
+#[test]
+fn config_cases_in_child_processes() {
+    let _serial = setup();
+    child_case(
+        "bad_hbmalloc_conf",
+        &[("HBMALLOC_CONF", "policy:pytorch,expandable_segments:true")],
+    );
+    child_case(
+        "bad_pytorch_conf",
+        &[("PYTORCH_CUDA_ALLOC_CONF", "no_such_key:1")],
+    );
+    child_case("bad_history", &[("HBMALLOC_HISTORY_ENTRIES", "lots")]);
+    child_case(
+        "pytorch_conf",
+        &[("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")],
+    );
+    child_case(
+        "pytorch_alloc_conf",
+        &[("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")],
+    );
+    child_case(
+        "hbmalloc_conf_wins",
+        &[
+            ("HBMALLOC_CONF", "policy:pytorch,max_split_size_mb:64"),
+            ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+        ],
+    );
+    child_case("default_conf", &[]);
+    child_case(
+        "no_driver",
+        &[("HBMALLOC_CUDA_DRIVER", "/nonexistent/libcuda.so")],
+    );
+    child_case("no_device", &[("HBM_DOUBLE_NO_DEVICE", "1")]);
+}

@@ -1,0 +1,109 @@
+"""hbmalloc: a caching GPU-memory allocator.
+
+Functions here read and steer the allocators of this process (one per CUDA
+device, created at first use) and replay recorded traces offline::
+
+    import hbmalloc
+    hbmalloc.memory_stats(0)          # dict with torch.cuda.memory_stats() keys
+    print(hbmalloc.memory_summary(0)) # torch.cuda.memory_summary() text
+    hbmalloc.snapshot("snap.pickle")  # opens in pytorch.org/memory_viz
+    hbmalloc.replay("trace.json.gz", policy="pytorch", config="expandable_segments:True")
+
+To make hbmalloc PyTorch's CUDA allocator, call ``hbmalloc.torch.install()``
+before the first CUDA allocation (PyTorch itself is optional: ``import
+hbmalloc`` never imports it).
+
+Configuration comes from the environment, read once at first use:
+``HBMALLOC_CONF`` (``policy:NAME,key:value,...``), else
+``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` (policy ``pytorch``);
+``HBMALLOC_HISTORY_ENTRIES`` (history kept for snapshots, default 0);
+``HBMALLOC_CUDA_DRIVER`` (the CUDA driver library to load).
+
+Errors: ``ValueError`` for bad arguments, devices and configuration,
+``MemoryError`` for out of memory, ``RuntimeError`` for driver problems
+(including "no CUDA driver"), ``OSError`` for unreadable trace files.
+"""
+
+import json
+import os
+
+from . import _native
+
+__all__ = [
+    "memory_stats",
+    "memory_summary",
+    "snapshot",
+    "empty_cache",
+    "replay",
+    "library_path",
+    "settings",
+]
+
+
+def memory_stats(device=0):
+    """``torch.cuda.memory_stats(device)`` for hbmalloc's allocator: a dict
+    keyed exactly as PyTorch keys it (``allocation.all.current``, ...)."""
+    return dict(_native.memory_stats(device))
+
+
+def memory_summary(device=0, abbreviated=False):
+    """``torch.cuda.memory_summary(device, abbreviated)`` text for hbmalloc's allocator."""
+    return _native.memory_summary(device, abbreviated)
+
+
+def snapshot(path, device=0):
+    """Writes the allocator's memory snapshot of ``device`` to ``path`` in the
+    format of ``torch.cuda.memory._dump_snapshot`` (pytorch.org/memory_viz
+    and ``python -m torch.cuda._memory_viz`` read it). Set
+    ``HBMALLOC_HISTORY_ENTRIES`` before first use to include a trace."""
+    _native.snapshot(os.fspath(path), device)
+
+
+def empty_cache(device=0):
+    """Returns the cached free memory of ``device`` to the driver."""
+    _native.empty_cache(device)
+
+
+def settings(device=0):
+    """The policy and configuration of ``device``'s allocator, as a settings
+    string (``policy:pytorch,expandable_segments:True``)."""
+    return _native.settings(device)
+
+
+def replay(trace_path, policy="pytorch", config="", capacity=None, find_min_capacity=True):
+    """Replays a recorded trace (PyTorch snapshot ``.pickle``, torch.profiler
+    ``.json``/``.json.gz``, RMM ``.csv``) on a simulated GPU under ``policy``
+    with ``config`` (``PYTORCH_CUDA_ALLOC_CONF`` syntax), on a device of
+    ``capacity`` bytes (``None``: unbounded).
+
+    Returns one dict per device of the trace, with the metrics of
+    ``hbmalloc replay --json`` (``peak_live_bytes``, ``peak_reserved_bytes``,
+    ``efficiency``, ``min_capacity_bytes``, ``device_calls``, ...).
+    ``find_min_capacity=False`` skips the bisection for ``min_capacity_bytes``.
+    """
+    if capacity is not None:
+        capacity = int(capacity)
+        if capacity <= 0:
+            raise ValueError(f"capacity must be a positive number of bytes, got {capacity}")
+    return json.loads(
+        _native.replay_json(os.fspath(trace_path), policy, config, capacity, bool(find_min_capacity))
+    )
+
+
+def library_path():
+    """Path of the shared library that exports hbmalloc's C ABI
+    (``hbmalloc_alloc``, ``hbmalloc_free``, ...; see ``hbmalloc.h``).
+
+    It is this package's native module itself: one library serves Python and
+    ``torch.cuda.memory.CUDAPluggableAllocator``, so the stats read from
+    Python are those of the allocator PyTorch uses."""
+    return os.path.abspath(_native.__file__)
+
+
+def __getattr__(name):
+    # `hbmalloc.torch` without an explicit import; importing it never imports torch.
+    if name == "torch":
+        import importlib
+
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module 'hbmalloc' has no attribute '{name}'")

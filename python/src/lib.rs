@@ -1,0 +1,112 @@
+//! `hbmalloc._native`: the Python extension behind the `hbmalloc` package.
+//!
+//! Two faces in one shared library:
+//! - Python functions (`memory_stats`, `memory_summary`, `snapshot`,
+//!   `empty_cache`, `replay`) over the same per-device allocators that the
+//!   C ABI serves;
+//! - the C ABI of `hbmalloc-capi` (`hbmalloc_alloc`, `hbmalloc_free`, ...),
+//!   re-exported so that `torch.cuda.memory.CUDAPluggableAllocator` can load
+//!   this very file (`hbmalloc.library_path()`). One library means one set of
+//!   allocators: the stats Python reads are those of the memory PyTorch got.
+
+use std::path::PathBuf;
+
+use hbmalloc::PolicyConfig;
+use hbmalloc_capi::{ApiError, Status};
+use hbmalloc_replay::{evaluate, EvalOptions};
+use pyo3::exceptions::{PyMemoryError, PyOSError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+/// The C ABI, re-exported so the linker keeps its symbols in this library.
+pub use hbmalloc_capi::ffi::*;
+
+fn to_py(e: ApiError) -> PyErr {
+    match e.status {
+        Status::OutOfMemory => PyMemoryError::new_err(e.message),
+        Status::InvalidArgument | Status::DeviceOutOfRange | Status::ConfigError => {
+            PyValueError::new_err(e.message)
+        }
+        _ => PyRuntimeError::new_err(e.message),
+    }
+}
+
+/// `torch.cuda.memory_stats(device)`: a dict with PyTorch's keys.
+#[pyfunction]
+#[pyo3(signature = (device = 0))]
+fn memory_stats(device: i32) -> PyResult<std::collections::BTreeMap<String, i64>> {
+    hbmalloc_capi::stats_map(device).map_err(to_py)
+}
+
+/// `torch.cuda.memory_summary(device, abbreviated)` text.
+#[pyfunction]
+#[pyo3(signature = (device = 0, abbreviated = false))]
+fn memory_summary(device: i32, abbreviated: bool) -> PyResult<String> {
+    hbmalloc_capi::summary(device, abbreviated).map_err(to_py)
+}
+
+/// Writes `device`'s snapshot to `path` (`torch.cuda.memory._dump_snapshot` format).
+#[pyfunction]
+#[pyo3(signature = (path, device = 0))]
+fn snapshot(path: PathBuf, device: i32) -> PyResult<()> {
+    hbmalloc_capi::write_snapshot(device, &path).map_err(to_py)
+}
+
+/// Returns `device`'s cached free memory to the driver.
+#[pyfunction]
+#[pyo3(signature = (device = 0))]
+fn empty_cache(device: i32) -> PyResult<()> {
+    hbmalloc_capi::empty_cache(device).map_err(to_py)
+}
+
+/// Replays a trace file on a simulated GPU; a JSON list with one metrics
+/// object per device of the trace.
+#[pyfunction]
+#[pyo3(signature = (trace_path, policy, config, capacity, find_min_capacity))]
+fn replay_json(
+    py: Python<'_>,
+    trace_path: PathBuf,
+    policy: &str,
+    config: &str,
+    capacity: Option<u64>,
+    find_min_capacity: bool,
+) -> PyResult<String> {
+    let policy =
+        PolicyConfig::parse(policy, config).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    // The replay holds no Python object: let other Python threads run.
+    py.allow_threads(|| {
+        let trace =
+            hbmalloc_trace::load(&trace_path).map_err(|e| PyOSError::new_err(e.to_string()))?;
+        let options = EvalOptions {
+            policy,
+            capacity_bytes: capacity,
+            find_min_capacity,
+        };
+        let mut rows = Vec::new();
+        for device in &trace.devices {
+            let metrics = evaluate(&trace.source, device, &options).map_err(|e| {
+                PyRuntimeError::new_err(format!("{} device {}: {e}", trace.source, device.device))
+            })?;
+            rows.push(metrics);
+        }
+        serde_json::to_string(&rows).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    })
+}
+
+/// The settings string of `device`'s allocator (`policy:pytorch,...`).
+#[pyfunction]
+#[pyo3(signature = (device = 0))]
+fn settings(device: i32) -> PyResult<String> {
+    hbmalloc_capi::settings(device).map_err(to_py)
+}
+
+/// The native module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(memory_summary, m)?)?;
+    m.add_function(wrap_pyfunction!(snapshot, m)?)?;
+    m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(replay_json, m)?)?;
+    m.add_function(wrap_pyfunction!(settings, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,160 @@
+"""hbmalloc with PyTorch, on a machine without a GPU: install() builds and
+installs a CUDAPluggableAllocator from library_path(), refuses to run twice
+or too late, and torch's own memory_viz reads hbmalloc's snapshots.
+
+Skipped when torch is not importable (scripts/test-python installs it with
+HBMALLOC_TEST_TORCH=1). Each install() case runs in a fresh interpreter:
+PyTorch's current allocator is process-wide state.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import needs_driver, run_python
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (HBMALLOC_TEST_TORCH=1 scripts/test-python)")
+
+MIB = 1 << 20
+
+
+def run_ok(code):
+    result = run_python(textwrap.dedent(code))
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result.stdout
+
+
+def test_install_plugs_hbmalloc_in_and_refuses_a_second_time():
+    out = run_ok(
+        """
+        import torch, hbmalloc, hbmalloc.torch
+        plugged = hbmalloc.torch.install()
+        assert isinstance(plugged, torch.cuda.memory.CUDAPluggableAllocator)
+        assert hbmalloc.torch.is_installed()
+        try:
+            hbmalloc.torch.install()
+        except RuntimeError as e:
+            print("second:", e)
+        else:
+            raise SystemExit("a second install() did not raise")
+        """
+    )
+    assert "second: hbmalloc.torch.install() was already called" in out
+
+
+def test_install_too_late_after_cuda_was_initialised():
+    out = run_ok(
+        """
+        import torch, hbmalloc.torch
+        # What a process that already allocated CUDA memory looks like.
+        torch.cuda.is_initialized = lambda: True
+        try:
+            hbmalloc.torch.install()
+        except RuntimeError as e:
+            print("late:", e)
+        else:
+            raise SystemExit("install() after CUDA initialisation did not raise")
+        assert not hbmalloc.torch.is_installed()
+        """
+    )
+    assert "came too late" in out
+    assert "before the first CUDA allocation" in out
+
+
+def test_install_too_late_when_torch_refuses_the_swap():
+    out = run_ok(
+        """
+        import torch, hbmalloc.torch
+        # torch's own check (an allocator already initialised), as it raises it.
+        def refuse(allocator):
+            raise RuntimeError("Can't swap an already initialized allocator")
+        torch._C._cuda_changeCurrentAllocator = refuse
+        try:
+            hbmalloc.torch.install()
+        except RuntimeError as e:
+            print("late:", e)
+            assert isinstance(e.__cause__, RuntimeError)
+        else:
+            raise SystemExit("install() did not pass on torch's refusal")
+        assert not hbmalloc.torch.is_installed()
+        """
+    )
+    assert "came too late" in out
+    assert "Can't swap an already initialized allocator" in out
+
+
+def test_mem_pool_is_backed_by_hbmalloc():
+    out = run_ok(
+        """
+        import torch, hbmalloc.torch
+        try:
+            pool = hbmalloc.torch.mem_pool()
+        except (RuntimeError, AssertionError) as e:
+            # Some torch builds need an initialised CUDA context for a pool.
+            print("no-gpu:", type(e).__name__, e)
+        else:
+            assert isinstance(pool, torch.cuda.MemPool)
+            print("pool:", pool.allocator is not None)
+        """
+    )
+    if out.startswith("no-gpu:"):
+        pytest.skip(f"MemPool needs a GPU with this torch: {out.strip()}")
+    assert "pool: True" in out
+
+
+@needs_driver
+def test_memory_viz_reads_hbmalloc_snapshots(c_abi, tmp_path):
+    import hbmalloc
+
+    kept = [c_abi.hbmalloc_alloc(size, 0, None) for size in (1000, 3 * MIB, 25 * MIB)]
+    freed = c_abi.hbmalloc_alloc(2 * MIB, 0, None)
+    c_abi.hbmalloc_free(freed, 0, 0, None)
+    snapshot = tmp_path / "hbmalloc.pickle"
+    hbmalloc.snapshot(snapshot)
+    for ptr in kept:
+        c_abi.hbmalloc_free(ptr, 0, 0, None)
+
+    # `segments` and `memory` render flame graphs with flamegraph.pl, which
+    # _memory_viz downloads to ~/.cache; this machine is offline, so a stub
+    # in a private HOME stands in for the renderer: it keeps the lines
+    # _memory_viz computed from the snapshot (frames and sizes).
+    home = tmp_path / "home"
+    (home / ".cache").mkdir(parents=True)
+    stub = home / ".cache" / "flamegraph.pl"
+    stub.write_text(
+        f"#!{sys.executable}\n"
+        "import sys\n"
+        "sys.stdout.write('<svg>' + sys.stdin.read() + '</svg>')\n"
+    )
+    stub.chmod(0o755)
+    env = dict(os.environ, HOME=str(home))
+
+    def viz(*args):
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.cuda._memory_viz", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert result.returncode == 0, f"_memory_viz {args}:\n{result.stdout}\n{result.stderr}"
+        return result.stdout
+
+    for command in ("segments", "memory"):
+        svg = tmp_path / f"{command}.svg"
+        viz(command, str(snapshot), "-o", str(svg))
+        lines = svg.read_text()
+        assert lines.startswith("<svg>") and str(25 * MIB) in lines, lines
+    # Summary statistics and the trace, printed.
+    stats = viz("stats", str(snapshot))
+    assert "Total" in stats or "segment" in stats.lower(), stats
+    trace = viz("trace", str(snapshot))
+    assert "alloc" in trace, trace
+    # The interactive pages that pytorch.org/memory_viz shows.
+    for command in ("trace_plot", "segment_plot"):
+        html = tmp_path / f"{command}.html"
+        viz(command, str(snapshot), "-o", str(html))
+        assert html.stat().st_size > 1000, f"{command} wrote almost nothing"
