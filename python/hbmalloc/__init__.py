@@ -70,10 +70,11 @@ def settings(device=0):
     return _native.settings(device)
 
 
-def replay(trace_path, policy="pytorch", config="", capacity=None, find_min_capacity=True):
+def replay(trace_path, policy="hbm", config="", capacity=None, find_min_capacity=True):
     """Replays a recorded trace (PyTorch snapshot ``.pickle``, torch.profiler
     ``.json``/``.json.gz``, RMM ``.csv``) on a simulated GPU under ``policy``
-    with ``config`` (``PYTORCH_CUDA_ALLOC_CONF`` syntax), on a device of
+    (``hbm``, hbmalloc's own, or ``pytorch``) with ``config`` (``key:value,...``;
+    ``PYTORCH_CUDA_ALLOC_CONF`` syntax for ``pytorch``), on a device of
     ``capacity`` bytes (``None``: unbounded).
 
     Returns one dict per device of the trace, with the metrics of

@@ -80,6 +80,7 @@ fn replay_json(
             policy,
             capacity_bytes: capacity,
             find_min_capacity,
+            reproduce_recorded_ooms: false,
         };
         let mut rows = Vec::new();
         for device in &trace.devices {
