@@ -197,12 +197,16 @@ def test_replay_a_real_trace():
         assert row["out_of_memory"] is None
         assert row["device_calls"]["segment_alloc"] > 0
     expandable = hbmalloc.replay(
-        trace, config="expandable_segments:True", find_min_capacity=False
+        trace, policy="pytorch", config="expandable_segments:True", find_min_capacity=False
     )
     assert expandable[0]["settings"] == "policy:pytorch,expandable_segments:True"
     assert expandable[0]["min_capacity_bytes"] is None
     tight = hbmalloc.replay(trace, capacity=rows[0]["peak_live_bytes"] // 2, find_min_capacity=False)
     assert tight[0]["out_of_memory"] is not None
+    # The default policy is hbm, hbmalloc's own.
+    default = hbmalloc.replay(trace, find_min_capacity=False)
+    assert default[0]["settings"] == "policy:hbm"
+    assert default[0]["peak_reserved_bytes"] < rows[0]["peak_reserved_bytes"]
 
 
 def test_replay_bad_input():
