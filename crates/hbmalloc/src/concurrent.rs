@@ -10,15 +10,23 @@
 //! by one stream never causes another stream's out-of-memory error.
 //!
 //! What sharding does change: statistics are summed over shards, so `peak`
-//! values are upper bounds (the sum of each shard's peak), and a memory
-//! fraction applies to each shard. With one shard the behaviour is exactly
-//! the single-lock engine's.
+//! values are upper bounds (the sum of each shard's peak; exact when one
+//! stream does all the work, as in most training loops). A memory fraction is
+//! enforced on the memory of all shards together by [`LimitedDevice`], under
+//! the shards, and each shard's policy also sees it (for PyTorch's garbage
+//! collection threshold). With one shard the behaviour is exactly the
+//! single-lock engine's.
 
+use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::allocator::{Allocator, AllocatorConfig};
-use crate::device::{Device, DevicePtr, StreamId};
+use crate::device::{
+    CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
+    PhysicalHandle, StreamId,
+};
 use crate::error::AllocError;
 use crate::snapshot::Snapshot;
 use crate::stats::DeviceStats;
@@ -65,13 +73,134 @@ impl<D: Device> ThreadSafeAllocator for Mutex<Allocator<D>> {
     }
 }
 
+/// A device shared by several allocators, with a limit on the memory they
+/// hold together (segments plus physical memory). Past the limit it answers
+/// out-of-memory, so each allocator's usual retry path releases its cache.
+pub struct LimitedDevice<D: Device> {
+    inner: D,
+    held_bytes: AtomicU64,
+    limit_bytes: AtomicU64,
+    /// Sizes of physical memory, which `physical_release` does not repeat.
+    physical_sizes: Mutex<HashMap<PhysicalHandle, u64>>,
+}
+
+impl<D: Device> LimitedDevice<D> {
+    /// `inner` with no limit.
+    pub fn new(inner: D) -> Self {
+        LimitedDevice {
+            inner,
+            held_bytes: AtomicU64::new(0),
+            limit_bytes: AtomicU64::new(u64::MAX),
+            physical_sizes: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The device underneath.
+    pub fn inner(&self) -> &D {
+        &self.inner
+    }
+
+    /// Limits the memory held through this device to `bytes`.
+    pub fn set_limit(&self, bytes: u64) {
+        self.limit_bytes.store(bytes, Ordering::SeqCst);
+    }
+
+    /// Bytes held through this device now.
+    pub fn held_bytes(&self) -> u64 {
+        self.held_bytes.load(Ordering::SeqCst)
+    }
+
+    /// Reserves `size` bytes under the limit, or answers out-of-memory.
+    fn charge(&self, call: CallKind, size: u64) -> DeviceResult<()> {
+        let limit = self.limit_bytes.load(Ordering::SeqCst);
+        let before = self.held_bytes.fetch_add(size, Ordering::SeqCst);
+        if before.saturating_add(size) > limit {
+            self.held_bytes.fetch_sub(size, Ordering::SeqCst);
+            return Err(DeviceError::new(
+                call,
+                DeviceErrorKind::OutOfMemory,
+                format!("the memory fraction allows {limit} bytes; {before} are held"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn refund(&self, size: u64) {
+        self.held_bytes.fetch_sub(size, Ordering::SeqCst);
+    }
+}
+
+impl<D: Device> Device for LimitedDevice<D> {
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+    fn memory_info(&self) -> DeviceResult<MemoryInfo> {
+        self.inner.memory_info()
+    }
+    fn segment_alloc(&self, size: u64) -> DeviceResult<DevicePtr> {
+        self.charge(CallKind::SegmentAlloc, size)?;
+        self.inner.segment_alloc(size).inspect_err(|_| self.refund(size))
+    }
+    fn segment_free(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
+        self.inner.segment_free(ptr, size)?;
+        self.refund(size);
+        Ok(())
+    }
+    fn granularity(&self) -> Option<u64> {
+        self.inner.granularity()
+    }
+    fn address_reserve(&self, size: u64) -> DeviceResult<DevicePtr> {
+        self.inner.address_reserve(size)
+    }
+    fn address_free(&self, base: DevicePtr, size: u64) -> DeviceResult<()> {
+        self.inner.address_free(base, size)
+    }
+    fn physical_create(&self, size: u64) -> DeviceResult<PhysicalHandle> {
+        self.charge(CallKind::PhysicalCreate, size)?;
+        let handle = self
+            .inner
+            .physical_create(size)
+            .inspect_err(|_| self.refund(size))?;
+        lock(&self.physical_sizes).insert(handle, size);
+        Ok(handle)
+    }
+    fn physical_release(&self, handle: PhysicalHandle) -> DeviceResult<()> {
+        self.inner.physical_release(handle)?;
+        if let Some(size) = lock(&self.physical_sizes).remove(&handle) {
+            self.refund(size);
+        }
+        Ok(())
+    }
+    fn map(&self, va: DevicePtr, size: u64, handle: PhysicalHandle, offset: u64) -> DeviceResult<()> {
+        self.inner.map(va, size, handle, offset)
+    }
+    fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
+        self.inner.set_access(va, size)
+    }
+    fn unmap(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
+        self.inner.unmap(va, size)
+    }
+    fn record_event(&self, stream: StreamId) -> DeviceResult<EventId> {
+        self.inner.record_event(stream)
+    }
+    fn query_event(&self, event: EventId) -> DeviceResult<bool> {
+        self.inner.query_event(event)
+    }
+    fn synchronize_event(&self, event: EventId) -> DeviceResult<()> {
+        self.inner.synchronize_event(event)
+    }
+    fn synchronize_device(&self) -> DeviceResult<()> {
+        self.inner.synchronize_device()
+    }
+}
+
 /// Shards of the pointer map: enough that threads rarely meet on one.
 const OWNER_SHARDS: usize = 64;
 
 /// An allocator for one device, shared by many threads. See the module docs.
 pub struct SharedAllocator<D: Device> {
-    device: Arc<D>,
-    shards: Box<[Mutex<Allocator<Arc<D>>>]>,
+    device: Arc<LimitedDevice<D>>,
+    shards: Box<[Mutex<Allocator<Arc<LimitedDevice<D>>>>]>,
     /// Which shard owns each live pointer, sharded by pointer.
     owners: Box<[Mutex<FastMap<DevicePtr, u32>>]>,
 }
@@ -79,7 +208,7 @@ pub struct SharedAllocator<D: Device> {
 impl<D: Device> SharedAllocator<D> {
     /// An allocator over `device` with `shards` independent engines (at least 1).
     pub fn new(device: D, config: AllocatorConfig, shards: usize) -> Result<Self, AllocError> {
-        let device = Arc::new(device);
+        let device = Arc::new(LimitedDevice::new(device));
         let shards = (0..shards.max(1))
             .map(|_| Allocator::new(Arc::clone(&device), config.clone()).map(Mutex::new))
             .collect::<Result<Vec<_>, _>>()?
@@ -96,7 +225,12 @@ impl<D: Device> SharedAllocator<D> {
 
     /// The device.
     pub fn device(&self) -> &D {
-        &self.device
+        self.device.inner()
+    }
+
+    /// The policy and configuration (`policy:hbm,...`).
+    pub fn settings(&self) -> String {
+        lock(&self.shards[0]).settings()
     }
 
     /// Number of engine shards.
@@ -136,11 +270,13 @@ impl<D: Device> SharedAllocator<D> {
         out
     }
 
-    /// Limits each shard to `fraction` of the device.
+    /// Limits the memory of all shards together to `fraction` of the device.
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<(), AllocError> {
         for shard in self.shards.iter() {
             lock(shard).set_memory_fraction(fraction)?;
         }
+        let total = self.device.memory_info()?.total_bytes;
+        self.device.set_limit((fraction * total as f64) as u64);
         Ok(())
     }
 
@@ -148,12 +284,20 @@ impl<D: Device> SharedAllocator<D> {
     /// exactly the live allocations.
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut live = 0i64;
+        let mut reserved = 0i64;
         for (i, shard) in self.shards.iter().enumerate() {
             let shard = lock(shard);
             shard
                 .check_invariants()
                 .map_err(|e| format!("shard {i}: {e}"))?;
             live += shard.stats().allocation[0].current;
+            reserved += shard.stats().reserved_bytes[0].current;
+        }
+        if reserved as u64 != self.device.held_bytes() {
+            return Err(format!(
+                "shards reserve {reserved} bytes but hold {} from the device",
+                self.device.held_bytes()
+            ));
         }
         let mapped: usize = self.owners.iter().map(|o| lock(o).len()).sum();
         if mapped as i64 != live {

@@ -146,6 +146,7 @@ fn a_shard_out_of_memory_releases_the_other_shards_caches() {
             pa >> 21 != pb >> 21
         })
         .unwrap();
+    assert_eq!(alloc.settings(), "policy:pytorch");
     let big = alloc.malloc(48 * MIB, a).unwrap();
     alloc.free(big).unwrap();
     // Stream a's shard caches 48 MiB; stream b needs 40 MiB of a 64 MiB device.
@@ -154,4 +155,34 @@ fn a_shard_out_of_memory_releases_the_other_shards_caches() {
         .expect("the cache of shard a is released");
     alloc.free(other).unwrap();
     alloc.check_invariants().unwrap();
+}
+
+#[test]
+fn a_memory_fraction_limits_all_shards_together() {
+    for settings in ["policy:pytorch", "policy:hbm"] {
+        let device = SimDevice::with_capacity(1 << 30);
+        let alloc = SharedAllocator::new(device, config(settings), 8).unwrap();
+        alloc.set_memory_fraction(0.25).unwrap();
+        // 256 MiB allowed: 100 MiB on each of several streams fits twice, not thrice.
+        let mut held = Vec::new();
+        let mut refused = 0;
+        for s in 1..=3 {
+            match alloc.malloc(100 * MIB, StreamId(s)) {
+                Ok(ptr) => held.push(ptr),
+                Err(AllocError::OutOfMemory(_)) => refused += 1,
+                Err(e) => panic!("{settings}: {e}"),
+            }
+        }
+        assert_eq!((held.len(), refused), (2, 1), "{settings}");
+        assert!(alloc.device().used_bytes() <= 256 * MIB, "{settings}");
+        alloc.check_invariants().unwrap();
+        for ptr in held {
+            alloc.free(ptr).unwrap();
+        }
+    }
+}
+
+#[test]
+fn four_threads_churn_hbm_policy_sharded() {
+    churn("policy:hbm", 8);
 }
