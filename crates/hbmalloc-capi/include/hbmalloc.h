@@ -18,12 +18,15 @@
  *   HBMALLOC_CONF            settings string, e.g. "policy:pytorch,expandable_segments:True"
  *   PYTORCH_CUDA_ALLOC_CONF  (else PYTORCH_ALLOC_CONF) PyTorch's syntax, policy pytorch
  *   HBMALLOC_HISTORY_ENTRIES history entries kept for snapshots (default 0)
+ *   HBMALLOC_SHARDS          engine shards per device (default 8; 1 = one lock per device)
  *   HBMALLOC_CUDA_DRIVER     path of the CUDA driver library (default: libcuda.so.1)
  * A bad value is reported by every call (HBMALLOC_CONFIG_ERROR, naming the
  * variable and the key).
  *
  * Threads: every function may be called from any thread. Each device has
- * one allocator, created at its first use, behind its own lock.
+ * one allocator, created at its first use and sharded by stream
+ * (HBMALLOC_SHARDS, default 8): threads working on different streams do not
+ * wait for each other.
  */
 #ifndef HBMALLOC_H
 #define HBMALLOC_H

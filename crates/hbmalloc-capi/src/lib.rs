@@ -13,7 +13,9 @@
 //! (`hbmalloc_cuda::CudaDriver::load`, which honours `HBMALLOC_CUDA_DRIVER`)
 //! and asks it how many devices it sees. The outcome, success or error, is
 //! kept for the life of the process. Each device then gets one
-//! [`Allocator`], created at its first use behind its own `Mutex`.
+//! [`SharedAllocator`] (the engine sharded by stream, so threads working on
+//! different streams never wait for each other), created at its first use;
+//! after that, finding it takes no lock.
 //!
 //! Configuration, read once:
 //! - `HBMALLOC_CONF`: a settings string (`policy:pytorch,expandable_segments:True`);
@@ -22,16 +24,18 @@
 //! - else the engine's default policy;
 //! - `HBMALLOC_HISTORY_ENTRIES`: history entries kept for snapshots (default 0:
 //!   snapshots then hold segments only, as PyTorch's do before
-//!   `_record_memory_history`).
+//!   `_record_memory_history`);
+//! - `HBMALLOC_SHARDS`: engine shards per device (default 8; 1 gives a single
+//!   lock per device, exactly PyTorch's locking).
 
 pub mod ffi;
 
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use hbmalloc::{
-    AllocError, Allocator, AllocatorConfig, DeviceError, DeviceErrorKind, DevicePtr, PolicyConfig,
-    StreamId,
+    AllocError, AllocatorConfig, DeviceError, DeviceErrorKind, DevicePtr, PolicyConfig,
+    SharedAllocator, StreamId, ThreadSafeAllocator,
 };
 use hbmalloc_cuda::{CudaDevice, CudaDriver};
 
@@ -43,6 +47,10 @@ pub const CONF_ENV: &str = "HBMALLOC_CONF";
 pub const PYTORCH_CONF_ENVS: [&str; 2] = ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"];
 /// Environment variable: history entries each allocator keeps for snapshots.
 pub const HISTORY_ENV: &str = "HBMALLOC_HISTORY_ENTRIES";
+/// Environment variable: engine shards per device.
+pub const SHARDS_ENV: &str = "HBMALLOC_SHARDS";
+/// Engine shards per device unless [`SHARDS_ENV`] says otherwise.
+pub const DEFAULT_SHARDS: usize = 8;
 
 /// Status codes of the C ABI (`hbmalloc_status` in the header).
 #[repr(C)]
@@ -127,7 +135,27 @@ fn device_error(e: DeviceError) -> ApiError {
 struct Runtime {
     driver: Arc<CudaDriver>,
     config: AllocatorConfig,
-    devices: Vec<Mutex<Option<Allocator<CudaDevice>>>>,
+    shards: usize,
+    devices: Vec<OnceLock<SharedAllocator<CudaDevice>>>,
+    /// Serialises creating allocators (never taken once they exist).
+    creating: Mutex<()>,
+}
+
+/// Reads [`SHARDS_ENV`].
+fn shards_from_env() -> Result<usize, ApiError> {
+    match std::env::var(SHARDS_ENV) {
+        Err(_) => Ok(DEFAULT_SHARDS),
+        Ok(text) => match text.trim().parse::<usize>() {
+            Ok(n) if (1..=1024).contains(&n) => Ok(n),
+            _ => Err(ApiError::new(
+                Status::ConfigError,
+                format!(
+                    "hbmalloc: invalid configuration in {SHARDS_ENV}: expected a number from 1 to 1024, got '{}'",
+                    text.escape_debug()
+                ),
+            )),
+        },
+    }
 }
 
 /// Reads the configuration from the environment (see the crate docs).
@@ -166,17 +194,20 @@ pub fn config_from_env() -> Result<AllocatorConfig, ApiError> {
 impl Runtime {
     fn load() -> Result<Runtime, ApiError> {
         let config = config_from_env()?;
+        let shards = shards_from_env()?;
         let driver = CudaDriver::load().map_err(device_error)?;
         let count = driver.device_count().map_err(device_error)?;
-        let devices = (0..count.max(0)).map(|_| Mutex::new(None)).collect();
+        let devices = (0..count.max(0)).map(|_| OnceLock::new()).collect();
         Ok(Runtime {
             driver,
             config,
+            shards,
             devices,
+            creating: Mutex::new(()),
         })
     }
 
-    fn slot(&self, device: i32) -> Result<&Mutex<Option<Allocator<CudaDevice>>>, ApiError> {
+    fn slot(&self, device: i32) -> Result<&OnceLock<SharedAllocator<CudaDevice>>, ApiError> {
         usize::try_from(device)
             .ok()
             .and_then(|i| self.devices.get(i))
@@ -201,48 +232,39 @@ fn runtime() -> Result<&'static Runtime, ApiError> {
         .map_err(Clone::clone)
 }
 
-fn lock(
-    device: i32,
-    slot: &Mutex<Option<Allocator<CudaDevice>>>,
-) -> Result<MutexGuard<'_, Option<Allocator<CudaDevice>>>, ApiError> {
-    slot.lock().map_err(|_| {
-        ApiError::new(
-            Status::Internal,
-            format!(
-                "hbmalloc: the allocator of device {device} is unusable after an internal panic"
-            ),
-        )
-    })
-}
-
 /// Runs `f` on the allocator of `device`, creating it on first use.
 pub fn with_allocator<R>(
     device: i32,
-    f: impl FnOnce(&mut Allocator<CudaDevice>) -> Result<R, ApiError>,
+    f: impl FnOnce(&SharedAllocator<CudaDevice>) -> Result<R, ApiError>,
 ) -> Result<R, ApiError> {
     let runtime = runtime()?;
-    let mut guard = lock(device, runtime.slot(device)?)?;
-    let allocator = match &mut *guard {
-        Some(allocator) => allocator,
-        empty => {
-            let cuda =
-                CudaDevice::new(Arc::clone(&runtime.driver), device).map_err(device_error)?;
-            let allocator = Allocator::new(cuda, runtime.config.clone())?;
-            empty.insert(allocator)
-        }
-    };
-    f(allocator)
+    let slot = runtime.slot(device)?;
+    if let Some(allocator) = slot.get() {
+        return f(allocator);
+    }
+    let _creating = runtime.creating.lock().unwrap_or_else(|e| e.into_inner());
+    if slot.get().is_none() {
+        let cuda = CudaDevice::new(Arc::clone(&runtime.driver), device).map_err(device_error)?;
+        let allocator = SharedAllocator::new(cuda, runtime.config.clone(), runtime.shards)?;
+        // Only this thread sets slots (under `creating`), so this cannot fail.
+        let _ = slot.set(allocator);
+    }
+    match slot.get() {
+        Some(allocator) => f(allocator),
+        None => Err(ApiError::new(
+            Status::Internal,
+            format!("hbmalloc: the allocator of device {device} could not be stored"),
+        )),
+    }
 }
 
 /// Runs `f` on the allocator of `device` if it exists; `None` when the
 /// device has not allocated yet.
 pub fn with_existing_allocator<R>(
     device: i32,
-    f: impl FnOnce(&mut Allocator<CudaDevice>) -> Result<R, ApiError>,
+    f: impl FnOnce(&SharedAllocator<CudaDevice>) -> Result<R, ApiError>,
 ) -> Result<Option<R>, ApiError> {
-    let runtime = runtime()?;
-    let mut guard = lock(device, runtime.slot(device)?)?;
-    guard.as_mut().map(f).transpose()
+    runtime()?.slot(device)?.get().map(f).transpose()
 }
 
 /// Loads the runtime now (driver, configuration); `Ok` with the number of
@@ -310,7 +332,7 @@ pub fn reset() -> Result<(), ApiError> {
 
 /// `torch.cuda.memory_stats()` of `device` as one JSON object.
 pub fn stats_json(device: i32) -> Result<String, ApiError> {
-    with_allocator(device, |a| Ok(hbmalloc_export::stats_to_json(a.stats())))
+    with_allocator(device, |a| Ok(hbmalloc_export::stats_to_json(&a.stats())))
 }
 
 /// PyTorch's `memory_stats()` dictionary for `device`.
@@ -322,7 +344,7 @@ pub fn stats_map(device: i32) -> Result<std::collections::BTreeMap<String, i64>,
 pub fn summary(device: i32, abbreviated: bool) -> Result<String, ApiError> {
     with_allocator(device, |a| {
         Ok(hbmalloc::memory_summary(
-            a.stats(),
+            &a.stats(),
             i64::from(device),
             abbreviated,
         ))

@@ -471,3 +471,40 @@ fn config_cases_in_child_processes() {
     );
     child_case("no_device", &[("HBM_DOUBLE_NO_DEVICE", "1")]);
 }
+
+/// Many threads on many streams through the C ABI, freeing each other's
+/// pointers: nothing lost, invariants hold.
+#[test]
+fn threads_allocate_and_free_concurrently() {
+    let _serial = setup();
+    let before = stats_map(0).unwrap()["allocation.all.current"];
+    let handles: Vec<_> = (0..4usize)
+        .map(|t| {
+            std::thread::spawn(move || {
+                let stream = ((t + 1) * 0x100) as *mut c_void;
+                let mut live: Vec<usize> = Vec::new();
+                for i in 0..500usize {
+                    let size = 512 * (1 + (i * 7 + t) % 64) as isize;
+                    let ptr = hbmalloc_alloc(size, 0, stream.cast());
+                    assert!(!ptr.is_null(), "{}", last_error());
+                    live.push(ptr as usize);
+                    if i % 3 == 2 {
+                        let victim = live.swap_remove(i % live.len());
+                        hbmalloc_free(victim as *mut c_void, 0, 0, stream.cast());
+                        assert_eq!(last_status(), Status::Ok as i32, "{}", last_error());
+                    }
+                }
+                live
+            })
+        })
+        .collect();
+    // Free every survivor from this thread: frees find their shard.
+    for handle in handles {
+        for ptr in handle.join().unwrap() {
+            hbmalloc_free(ptr as *mut c_void, 0, 0, NO_STREAM.cast());
+            assert_ok();
+        }
+    }
+    assert_eq!(stats_map(0).unwrap()["allocation.all.current"], before);
+    assert_consistent();
+}

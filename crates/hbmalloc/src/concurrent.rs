@@ -139,7 +139,9 @@ impl<D: Device> Device for LimitedDevice<D> {
     }
     fn segment_alloc(&self, size: u64) -> DeviceResult<DevicePtr> {
         self.charge(CallKind::SegmentAlloc, size)?;
-        self.inner.segment_alloc(size).inspect_err(|_| self.refund(size))
+        self.inner
+            .segment_alloc(size)
+            .inspect_err(|_| self.refund(size))
     }
     fn segment_free(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
         self.inner.segment_free(ptr, size)?;
@@ -171,7 +173,13 @@ impl<D: Device> Device for LimitedDevice<D> {
         }
         Ok(())
     }
-    fn map(&self, va: DevicePtr, size: u64, handle: PhysicalHandle, offset: u64) -> DeviceResult<()> {
+    fn map(
+        &self,
+        va: DevicePtr,
+        size: u64,
+        handle: PhysicalHandle,
+        offset: u64,
+    ) -> DeviceResult<()> {
         self.inner.map(va, size, handle, offset)
     }
     fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
