@@ -205,10 +205,13 @@ impl<D: Device> Device for LimitedDevice<D> {
 /// Shards of the pointer map: enough that threads rarely meet on one.
 const OWNER_SHARDS: usize = 64;
 
+/// One engine shard: an allocator over the shared, limited device.
+type Shard<D> = Mutex<Allocator<Arc<LimitedDevice<D>>>>;
+
 /// An allocator for one device, shared by many threads. See the module docs.
 pub struct SharedAllocator<D: Device> {
     device: Arc<LimitedDevice<D>>,
-    shards: Box<[Mutex<Allocator<Arc<LimitedDevice<D>>>>]>,
+    shards: Box<[Shard<D>]>,
     /// Which shard owns each live pointer, sharded by pointer.
     owners: Box<[Mutex<FastMap<DevicePtr, u32>>]>,
 }
