@@ -234,3 +234,80 @@ pub fn threads(
     );
     Ok(())
 }
+
+/// `hbmalloc bench-scaling`: cost per operation as the number of live blocks
+/// grows. For each count N, N blocks are allocated, then `churn` operations
+/// free a random live block and allocate a new one, keeping N live; the
+/// churn is timed and its driver calls counted.
+pub fn scaling(runs: &[PolicyConfig], counts: &[u64], churn: u64) -> Result<(), String> {
+    print!("{:>9}", "live");
+    for policy in runs {
+        let name = label(&policy.to_settings());
+        print!(" {:>16} {:>12}", format!("{name} ns/op"), "calls");
+    }
+    println!();
+    for &count in counts {
+        print!("{count:>9}");
+        for policy in runs {
+            let (ns, calls) = scaling_point(policy, count, churn)?;
+            print!(" {ns:>16.1} {calls:>12}");
+        }
+        println!();
+    }
+    println!(
+        "\nns/op: mean time of a malloc or free during {churn} churn operations with N blocks live \
+         (sizes 512 B to 4 MiB, mostly small); calls: driver calls that allocate, free, map or \
+         unmap memory during the churn. Zero-latency simulated device."
+    );
+    Ok(())
+}
+
+fn scaling_point(policy: &PolicyConfig, count: u64, churn: u64) -> Result<(f64, u64), String> {
+    let config = AllocatorConfig {
+        policy: policy.clone(),
+        history_entries: 0,
+    };
+    let mut allocator = Allocator::new(zero_latency_device(), config).map_err(|e| e.to_string())?;
+    let mut rng = 0x2545_F491_4F6C_DD1Du64 ^ count;
+    let mut next = move || {
+        rng ^= rng >> 12;
+        rng ^= rng << 25;
+        rng ^= rng >> 27;
+        rng.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    };
+    // Mostly small tensors, some medium, a few large: a model's mix.
+    let size = move |r: u64| match r % 100 {
+        0 => (1 << 20) + (r >> 8) % (3 << 20),
+        1..=9 => 65536 + (r >> 8) % (1 << 20),
+        _ => 512 + (r >> 8) % 65536,
+    };
+    let stream = StreamId(0);
+    let mut live = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let r = next();
+        live.push(
+            allocator
+                .malloc(size(r), stream)
+                .map_err(|e| e.to_string())?,
+        );
+    }
+    let calls_before = allocator.device().call_counts();
+    let started = std::time::Instant::now();
+    for _ in 0..churn {
+        let r = next();
+        let victim = live.swap_remove((r % live.len() as u64) as usize);
+        allocator.free(victim).map_err(|e| e.to_string())?;
+        live.push(
+            allocator
+                .malloc(size(r >> 7), stream)
+                .map_err(|e| e.to_string())?,
+        );
+    }
+    let ns = started.elapsed().as_nanos() as f64 / (2 * churn) as f64;
+    let calls = allocator
+        .device()
+        .call_counts()
+        .since(&calls_before)
+        .memory_calls();
+    Ok((ns, calls))
+}

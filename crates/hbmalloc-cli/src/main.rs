@@ -131,6 +131,23 @@ enum Command {
         #[arg(long, default_value_t = 3)]
         repeat: usize,
     },
+    /// Measure cost per operation and driver calls as the number of live
+    /// blocks grows (10^2 to 10^6 by default), side by side.
+    BenchScaling {
+        /// A configuration to run; repeat for several. Default: pytorch, pytorch+expandable, hbm.
+        #[arg(long = "run", value_name = "SETTINGS")]
+        runs: Vec<String>,
+        /// Live-block counts to measure.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "100,1000,10000,100000,1000000"
+        )]
+        live: Vec<u64>,
+        /// Churn operations (free one, allocate one) per measurement.
+        #[arg(long, default_value_t = 200_000)]
+        churn: u64,
+    },
 }
 
 fn main() -> ExitCode {
@@ -246,6 +263,13 @@ fn run(command: Command) -> Result<(), String> {
             let runs = parse_runs(&runs)?;
             let traces = load_or_bundled(&traces)?;
             bench::run(&traces, &runs, repeat.max(1), json)
+        }
+        Command::BenchScaling { runs, live, churn } => {
+            let runs = parse_runs(&runs)?;
+            if live.iter().any(|&n| n == 0 || n > 10_000_000) || churn == 0 {
+                return Err("--live counts must be between 1 and 10^7, --churn positive".into());
+            }
+            bench::scaling(&runs, &live, churn)
         }
         Command::BenchThreads {
             traces,
