@@ -27,7 +27,9 @@ pub use device::{
 };
 pub use error::{AllocError, OomReport, OomVerdict};
 pub use history::{Action, History, TraceEntry};
-pub use sim::{CallCounts, Fault, LatencyModel, SimConfig, SimDevice};
+pub use sim::{
+    CallCounts, Fault, LatencyModel, PendingUse, SimConfig, SimDevice, UseId, UseViolation,
+};
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
 pub use stats::{DeviceStats, Stat, StatArray, StatType, PYTORCH_STAT_KEY_COUNT};
 pub use summary::{format_count, format_size, memory_summary};
