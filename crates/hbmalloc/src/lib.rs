@@ -13,6 +13,7 @@ pub mod format;
 pub mod history;
 mod pytorch;
 pub mod sim;
+pub mod simtest;
 pub mod snapshot;
 pub mod stats;
 pub mod summary;

@@ -537,7 +537,7 @@ impl SimState {
         self.uses.retain(|_, u| {
             streams
                 .get(&u.stream)
-                .map_or(true, |s| s.completed < u.sequence)
+                .is_none_or(|s| s.completed < u.sequence)
         });
     }
 
@@ -551,7 +551,7 @@ impl SimState {
                     && self
                         .streams
                         .get(&u.stream)
-                        .map_or(true, |s| s.completed < u.sequence)
+                        .is_none_or(|s| s.completed < u.sequence)
             })
             .map(|(&id, u)| u.public(id))
             .collect()
