@@ -63,7 +63,27 @@ fn simulation_pytorch() {
 }
 
 #[test]
+fn simulation_pytorch_expandable() {
+    let total = run(SETTINGS[1], seeds());
+    assert!(total.ops > 0);
+}
+
+#[test]
 fn simulation_pytorch_gc_fraction() {
     let total = run(SETTINGS[2], seeds());
     assert!(total.ops > 0);
+}
+
+/// Seeds that found engine bugs in policy `pytorch` with expandable segments
+/// (an unmap or release failing part-way left reserved_bytes disagreeing
+/// with the device and pages unmapped behind the books; a failed event
+/// synchronization leaked the event; a page a failed undo could not unmap
+/// was later mapped over).
+#[test]
+fn regression_expandable_partial_unmap_seeds() {
+    for seed in [0, 6, 29, 39, 516, 1001] {
+        if let Err(failure) = run_seed(SETTINGS[1], seed, &SimOptions::default()) {
+            panic!("{failure}");
+        }
+    }
 }
