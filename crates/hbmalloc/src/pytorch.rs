@@ -32,6 +32,18 @@ use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 use crate::stats::{DeviceStats, Stat, StatType};
 use crate::{FastMap, SegmentImage};
 
+/// Deliberately broken behaviour, for proving that the simulation harness
+/// catches it (test builds only).
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::cell::Cell;
+
+    thread_local! {
+        /// When set, freed blocks are never merged with their free neighbours.
+        pub(crate) static SKIP_COALESCING: Cell<bool> = const { Cell::new(false) };
+    }
+}
+
 const MIB: u64 = 1 << 20;
 /// Every request rounds up to a multiple of this (`kMinBlockSize`).
 const MIN_BLOCK_SIZE: u64 = 512;
@@ -644,6 +656,10 @@ impl PytorchPolicy {
 
     fn try_merge_blocks(&mut self, dst: BlockId, src: BlockId) -> u64 {
         if src == NO_BLOCK {
+            return 0;
+        }
+        #[cfg(test)]
+        if testing::SKIP_COALESCING.with(|skip| skip.get()) {
             return 0;
         }
         {
