@@ -714,3 +714,52 @@ pub fn run_seeds(
     }
     Ok(total)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_seed_same_run() {
+        let opts = SimOptions::default();
+        for settings in ["policy:pytorch", "policy:pytorch,expandable_segments:True"] {
+            let a = run_seed(settings, 7, &opts).unwrap();
+            let b = run_seed(settings, 7, &opts).unwrap();
+            assert_eq!(a, b);
+            assert!(a.ops == opts.steps as u64 && a.mallocs > 0 && a.uses > 0);
+        }
+    }
+
+    #[test]
+    fn prng_is_splitmix64() {
+        // Reference values of SplitMix64 seeded with 0.
+        let mut rng = SplitMix64::new(0);
+        assert_eq!(rng.next_u64(), 0xE220_A839_7B1D_CDAF);
+        assert_eq!(rng.next_u64(), 0x6E78_9E6A_A1B9_65F4);
+        for _ in 0..1000 {
+            let v = rng.log_range(1, 1 << 20);
+            assert!((1..=1 << 20).contains(&v));
+            assert!(rng.below(3) < 3);
+        }
+    }
+
+    /// Broken variant (b): an allocator that never coalesces free neighbours
+    /// must be caught within a bounded number of seeds.
+    #[test]
+    fn catches_an_allocator_that_skips_coalescing() {
+        crate::pytorch::testing::SKIP_COALESCING.with(|s| s.set(true));
+        let opts = SimOptions {
+            faults: false,
+            ..SimOptions::default()
+        };
+        let found = (0..20).find_map(|seed| run_seed("policy:pytorch", seed, &opts).err());
+        crate::pytorch::testing::SKIP_COALESCING.with(|s| s.set(false));
+        let failure = found.expect("skipped coalescing went unnoticed for 20 seeds");
+        println!("{failure}");
+        assert!(
+            failure.message.contains("not coalesced"),
+            "{}",
+            failure.message
+        );
+    }
+}

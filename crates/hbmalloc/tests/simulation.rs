@@ -7,7 +7,12 @@
 //!   `HBMALLOC_SIM_FIRST=<n>` starts elsewhere than seed 0.
 //! - `HBMALLOC_SIM_TRACE=1`: prints every operation (with `--nocapture`).
 
-use hbmalloc::simtest::{run_seed, SeedReport, SimOptions};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use hbmalloc::simtest::{run_seed, run_seed_with, SeedReport, SimBacked, SimFailure, SimOptions};
+use hbmalloc::{
+    Device, DevicePtr, DeviceResult, EventId, MemoryInfo, PhysicalHandle, SimDevice, StreamId,
+};
 
 /// The configurations every seed runs under. Add `policy:hbm` settings here
 /// when that policy lands.
@@ -18,7 +23,7 @@ const SETTINGS: [&str; 3] = [
 ];
 
 /// Seeds per configuration in CI mode.
-const CI_SEEDS: u64 = 150;
+const CI_SEEDS: u64 = 600;
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().map(|v| {
@@ -85,5 +90,179 @@ fn regression_expandable_partial_unmap_seeds() {
         if let Err(failure) = run_seed(SETTINGS[1], seed, &SimOptions::default()) {
             panic!("{failure}");
         }
+    }
+}
+
+// ----- Deliberately broken variants: the harness must catch each one. -----
+
+/// Runs seeds until one fails; the failure must come within `bound` seeds.
+fn first_failure<D: SimBacked>(
+    settings: &str,
+    bound: u64,
+    opts: &SimOptions,
+    make: impl Fn(u64) -> D,
+) -> SimFailure {
+    (0..bound)
+        .find_map(|seed| run_seed_with(settings, seed, opts, &make).err())
+        .unwrap_or_else(|| panic!("broken variant went unnoticed for {bound} seeds of {settings}"))
+}
+
+/// Implements `Device` for a wrapper by forwarding every call to `self.sim`
+/// except the ones listed.
+macro_rules! forward_device {
+    ($($skip:ident),*) => {
+        fn name(&self) -> String {
+            self.sim.name()
+        }
+        fn memory_info(&self) -> DeviceResult<MemoryInfo> {
+            self.sim.memory_info()
+        }
+        fn segment_alloc(&self, size: u64) -> DeviceResult<DevicePtr> {
+            self.sim.segment_alloc(size)
+        }
+        fn segment_free(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
+            self.sim.segment_free(ptr, size)
+        }
+        fn granularity(&self) -> Option<u64> {
+            self.sim.granularity()
+        }
+        fn address_reserve(&self, size: u64) -> DeviceResult<DevicePtr> {
+            self.sim.address_reserve(size)
+        }
+        fn address_free(&self, base: DevicePtr, size: u64) -> DeviceResult<()> {
+            self.sim.address_free(base, size)
+        }
+        fn physical_create(&self, size: u64) -> DeviceResult<PhysicalHandle> {
+            self.sim.physical_create(size)
+        }
+        fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
+            self.sim.set_access(va, size)
+        }
+        fn unmap(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
+            self.sim.unmap(va, size)
+        }
+        fn record_event(&self, stream: StreamId) -> DeviceResult<EventId> {
+            self.sim.record_event(stream)
+        }
+        fn synchronize_event(&self, event: EventId) -> DeviceResult<()> {
+            self.sim.synchronize_event(event)
+        }
+        fn synchronize_device(&self) -> DeviceResult<()> {
+            self.sim.synchronize_device()
+        }
+    };
+}
+
+/// Variant (c): after a map fails, the allocator's undo "releases" the
+/// physical memory it created but the release never reaches the driver — a
+/// segment leaked on a failed map.
+struct LeakOnFailedMap {
+    sim: SimDevice,
+    map_failed: AtomicBool,
+}
+
+impl SimBacked for LeakOnFailedMap {
+    fn sim(&self) -> &SimDevice {
+        &self.sim
+    }
+}
+
+impl Device for LeakOnFailedMap {
+    forward_device!();
+    fn map(&self, va: DevicePtr, size: u64, handle: PhysicalHandle) -> DeviceResult<()> {
+        let result = self.sim.map(va, size, handle);
+        if result.is_err() {
+            self.map_failed.store(true, Ordering::Relaxed);
+        }
+        result
+    }
+    fn physical_release(&self, handle: PhysicalHandle) -> DeviceResult<()> {
+        if self.map_failed.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        self.sim.physical_release(handle)
+    }
+    fn query_event(&self, event: EventId) -> DeviceResult<bool> {
+        self.sim.query_event(event)
+    }
+}
+
+/// Variant (d): events report completion as soon as they are queried, while
+/// the stream's kernels are still queued — a block freed with
+/// `record_stream` is reused too early.
+struct EventsCompleteEarly {
+    sim: SimDevice,
+}
+
+impl SimBacked for EventsCompleteEarly {
+    fn sim(&self) -> &SimDevice {
+        &self.sim
+    }
+}
+
+impl Device for EventsCompleteEarly {
+    forward_device!();
+    fn map(&self, va: DevicePtr, size: u64, handle: PhysicalHandle) -> DeviceResult<()> {
+        self.sim.map(va, size, handle)
+    }
+    fn physical_release(&self, handle: PhysicalHandle) -> DeviceResult<()> {
+        self.sim.physical_release(handle)
+    }
+    fn query_event(&self, _event: EventId) -> DeviceResult<bool> {
+        Ok(true)
+    }
+}
+
+/// Variant (a): an allocator that ignores `record_stream` (the program
+/// launches kernels on other streams and the allocator never hears of it)
+/// reuses memory those kernels still touch.
+#[test]
+fn catches_an_allocator_that_ignores_record_stream() {
+    let opts = SimOptions {
+        skip_record_stream: true,
+        faults: false,
+        ..SimOptions::default()
+    };
+    for settings in SETTINGS {
+        let failure = first_failure(settings, 20, &opts, SimDevice::with_capacity);
+        println!("caught: {}", failure.message);
+        assert!(failure.message.starts_with("use-after-free"), "{failure}");
+    }
+}
+
+/// Variant (c): a segment leaked on a failed map.
+#[test]
+fn catches_a_segment_leaked_on_a_failed_map() {
+    let failure = first_failure(SETTINGS[1], 50, &SimOptions::default(), |capacity| {
+        LeakOnFailedMap {
+            sim: SimDevice::with_capacity(capacity),
+            map_failed: AtomicBool::new(false),
+        }
+    });
+    println!("caught: {}", failure.message);
+    assert!(
+        failure.message.contains("!= device used_bytes") || failure.message.contains("leak"),
+        "{failure}"
+    );
+}
+
+/// Variant (d): events that complete before their stream's work.
+#[test]
+fn catches_events_that_complete_early() {
+    let opts = SimOptions {
+        faults: false,
+        ..SimOptions::default()
+    };
+    for settings in SETTINGS {
+        // Every seed fails (events left pending at the end at least); within
+        // 20 seeds one must show the use-after-free itself.
+        let make = |capacity| EventsCompleteEarly {
+            sim: SimDevice::with_capacity(capacity),
+        };
+        let failure = (0..20)
+            .filter_map(|seed| run_seed_with(settings, seed, &opts, make).err())
+            .find(|f| f.message.starts_with("use-after-free"))
+            .unwrap_or_else(|| panic!("no use-after-free seen in 20 seeds of {settings}"));
+        println!("caught: {}", failure.message);
     }
 }
