@@ -77,10 +77,12 @@ impl OomReport {
             .limit_bytes
             .unwrap_or(u64::MAX)
             .min(self.device_total_bytes);
-        let needed = self.allocated_bytes + self.rounded_bytes;
+        let needed = self.allocated_bytes.saturating_add(self.rounded_bytes);
+        // Pending frees explain the failure only when the request fits once
+        // they complete, and does not fit while they hold their memory.
         self.verdict = if self.pending_free_bytes > 0
-            && needed <= available + self.pending_free_bytes
-            && needed > available.saturating_sub(self.pending_free_bytes)
+            && needed <= available
+            && needed.saturating_add(self.pending_free_bytes) > available
         {
             OomVerdict::PendingStreams
         } else if needed > self.device_total_bytes.min(available) {
