@@ -61,24 +61,32 @@ impl SplitMix64 {
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
     }
+}
+
+/// A source of random choices: [`SplitMix64`] for seeded runs, or a byte
+/// string (a fuzzer's input) for [`run_bytes`]. The choices are derived from
+/// [`RandomSource::next_u64`]'s high bits, so a byte string steers them directly.
+pub trait RandomSource {
+    /// The next 64 random bits.
+    fn next_u64(&mut self) -> u64;
 
     /// Uniform in `0..n` (`n > 0`).
-    pub fn below(&mut self, n: u64) -> u64 {
+    fn below(&mut self, n: u64) -> u64 {
         ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
     }
 
     /// Uniform in `lo..=hi`.
-    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
         lo + self.below(hi - lo + 1)
     }
 
     /// True with probability `percent` / 100.
-    pub fn chance(&mut self, percent: u64) -> bool {
+    fn chance(&mut self, percent: u64) -> bool {
         self.below(100) < percent
     }
 
     /// Log-uniform in `lo..=hi` (`lo >= 1`): as many small sizes as large ones.
-    pub fn log_range(&mut self, lo: u64, hi: u64) -> u64 {
+    fn log_range(&mut self, lo: u64, hi: u64) -> u64 {
         let lo_bits = 64 - lo.leading_zeros() as u64;
         let hi_bits = 64 - hi.leading_zeros() as u64;
         let bits = self.range(lo_bits, hi_bits);
@@ -89,6 +97,49 @@ impl SplitMix64 {
         };
         let bottom = 1u64 << (bits - 1);
         self.range(bottom.max(lo), top.min(hi))
+    }
+}
+
+impl RandomSource for SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        SplitMix64::next_u64(self)
+    }
+}
+
+/// Choices read from a byte string, two bytes per choice; zeros once it is
+/// exhausted.
+#[derive(Clone, Debug)]
+struct ByteSource {
+    data: Vec<u8>,
+    pos: usize,
+}
+
+impl ByteSource {
+    fn exhausted(&self) -> bool {
+        self.pos >= self.data.len()
+    }
+}
+
+impl RandomSource for ByteSource {
+    fn next_u64(&mut self) -> u64 {
+        let hi = self.data.get(self.pos).copied().unwrap_or(0);
+        let lo = self.data.get(self.pos + 1).copied().unwrap_or(0);
+        self.pos += 2;
+        (u64::from(hi) << 56) | (u64::from(lo) << 48)
+    }
+}
+
+enum Source {
+    Seeded(SplitMix64),
+    Bytes(ByteSource),
+}
+
+impl RandomSource for Source {
+    fn next_u64(&mut self) -> u64 {
+        match self {
+            Source::Seeded(r) => r.next_u64(),
+            Source::Bytes(b) => b.next_u64(),
+        }
     }
 }
 
@@ -212,7 +263,7 @@ struct Live {
 
 struct Run<D: SimBacked> {
     alloc: Allocator<D>,
-    rng: SplitMix64,
+    rng: Source,
     opts: SimOptions,
     streams: Vec<StreamId>,
     capacity: u64,
@@ -237,6 +288,39 @@ pub fn run_seed_with<D: SimBacked>(
     opts: &SimOptions,
     make_device: impl FnOnce(u64) -> D,
 ) -> Result<SeedReport, SimFailure> {
+    let rng = Source::Seeded(SplitMix64::new(seed ^ 0x5DEE_CE66_D1CE_5EED));
+    run_with(settings, seed, opts, rng, make_device)
+}
+
+/// Runs the program a byte string spells (a fuzzer's input) on a fresh
+/// [`SimDevice`], with every check of a seeded run: the first byte picks one
+/// of `settings`, the rest are the program's choices, two bytes each, until
+/// they run out; then everything is freed and the cache emptied.
+pub fn run_bytes(settings: &[&str], data: &[u8]) -> Result<SeedReport, SimFailure> {
+    let Some((&first, rest)) = data.split_first() else {
+        return Ok(SeedReport::default());
+    };
+    let Some(&chosen) = settings.get(usize::from(first) % settings.len().max(1)) else {
+        return Ok(SeedReport::default());
+    };
+    let opts = SimOptions {
+        steps: rest.len(),
+        ..SimOptions::default()
+    };
+    let rng = Source::Bytes(ByteSource {
+        data: rest.to_vec(),
+        pos: 0,
+    });
+    run_with(chosen, 0, &opts, rng, SimDevice::with_capacity)
+}
+
+fn run_with<D: SimBacked>(
+    settings: &str,
+    seed: u64,
+    opts: &SimOptions,
+    mut rng: Source,
+    make_device: impl FnOnce(u64) -> D,
+) -> Result<SeedReport, SimFailure> {
     let fail = |step: usize, message: String, recent: Vec<String>| SimFailure {
         settings: settings.to_string(),
         seed,
@@ -246,7 +330,6 @@ pub fn run_seed_with<D: SimBacked>(
     };
     let policy = PolicyConfig::from_settings(settings)
         .map_err(|e| fail(0, format!("bad settings: {e}"), Vec::new()))?;
-    let mut rng = SplitMix64::new(seed ^ 0x5DEE_CE66_D1CE_5EED);
     let capacity = opts
         .capacity_bytes
         .unwrap_or_else(|| rng.range(48, 256) * 2 * MIB);
@@ -275,7 +358,14 @@ pub fn run_seed_with<D: SimBacked>(
         report: SeedReport::default(),
         recent: Vec::new(),
     };
+    let mut steps = opts.steps;
     for step in 0..opts.steps {
+        if let Source::Bytes(b) = &run.rng {
+            if b.exhausted() {
+                steps = step;
+                break;
+            }
+        }
         let result = run.step(step).and_then(|()| run.check());
         run.report.ops += 1;
         if let Err(message) = result {
@@ -284,7 +374,7 @@ pub fn run_seed_with<D: SimBacked>(
     }
     match run.finish() {
         Ok(()) => Ok(run.report),
-        Err(message) => Err(fail(opts.steps, message, run.recent)),
+        Err(message) => Err(fail(steps, message, run.recent)),
     }
 }
 

@@ -266,3 +266,24 @@ fn catches_events_that_complete_early() {
         println!("caught: {}", failure.message);
     }
 }
+
+/// The fuzz target `engine_ops` runs `run_bytes`; inputs it found, and a few
+/// pseudo-random byte strings, run here in the normal suite.
+#[test]
+fn byte_programs() {
+    let mut inputs: Vec<Vec<u8>> = vec![Vec::new(), vec![0], vec![1, 0, 0], vec![2; 64]];
+    let mut rng = hbmalloc::simtest::SplitMix64::new(42);
+    for len in [16usize, 100, 400, 1000, 3000] {
+        for _ in 0..10 {
+            inputs.push((0..len).map(|_| rng.next_u64() as u8).collect());
+        }
+    }
+    let mut ops = 0;
+    for data in &inputs {
+        match hbmalloc::simtest::run_bytes(&SETTINGS, data) {
+            Ok(r) => ops += r.ops,
+            Err(failure) => panic!("{failure}\ninput: {data:?}"),
+        }
+    }
+    assert!(ops > 1000, "{ops}");
+}
