@@ -15,6 +15,7 @@ mod hbm;
 pub mod history;
 mod pytorch;
 pub mod sim;
+pub mod simtest;
 pub mod snapshot;
 pub mod stats;
 pub mod summary;
@@ -31,7 +32,9 @@ pub use device::{
 pub use error::{AllocError, OomReport, OomVerdict};
 pub use hbm::HbmConfig;
 pub use history::{Action, History, TraceEntry};
-pub use sim::{CallCounts, Fault, LatencyModel, SimConfig, SimDevice};
+pub use sim::{
+    CallCounts, Fault, LatencyModel, PendingUse, SimConfig, SimDevice, UseId, UseViolation,
+};
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
 pub use stats::{DeviceStats, Stat, StatArray, StatType, PYTORCH_STAT_KEY_COUNT};
 pub use summary::{format_count, format_size, memory_summary};

@@ -14,6 +14,13 @@
 //!   mapped and reports an error (PyTorch #188008 crashed).
 //! - Streams' pending events are processed in stream order (PyTorch iterates a
 //!   hash map), so runs are deterministic.
+//! - Unmapping that fails part-way keeps the books exact: the pages already
+//!   unmapped become an unmapped block, the rest stays mapped, and physical
+//!   memory the driver refused to release (or could not unmap while undoing
+//!   a failed map) is kept as "stray" memory, counted as reserved, and
+//!   released by the next `empty_cache` or out-of-memory retry. So is an
+//!   event whose synchronization failed. (Found by the simulation harness,
+//!   `tests/simulation.rs`.)
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -24,6 +31,18 @@ use crate::history::{Action, History};
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 use crate::stats::{DeviceStats, Stat, StatType};
 use crate::{FastMap, SegmentImage};
+
+/// Deliberately broken behaviour, for proving that the simulation harness
+/// catches it (test builds only).
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::cell::Cell;
+
+    thread_local! {
+        /// When set, freed blocks are never merged with their free neighbours.
+        pub(crate) static SKIP_COALESCING: Cell<bool> = const { Cell::new(false) };
+    }
+}
 
 const MIB: u64 = 1 << 20;
 /// Every request rounds up to a multiple of this (`kMinBlockSize`).
@@ -102,6 +121,17 @@ struct ExpandableSegment {
     handles: Vec<Option<PhysicalHandle>>,
 }
 
+/// Physical memory the policy still holds but no block describes: the driver
+/// refused to release it (or to unmap it while undoing a failed map).
+#[derive(Debug)]
+struct StrayPage {
+    handle: PhysicalHandle,
+    /// Where it is still mapped, if unmapping it failed.
+    mapped_at: Option<DevicePtr>,
+    size: u64,
+    small: bool,
+}
+
 /// The `pytorch` policy's state for one device.
 #[derive(Debug)]
 pub(crate) struct PytorchPolicy {
@@ -121,6 +151,10 @@ pub(crate) struct PytorchPolicy {
     device_total: u64,
     stats: DeviceStats,
     history: History,
+    /// Pages to release at the next `release_cached_blocks` (counted as reserved).
+    stray_pages: Vec<StrayPage>,
+    /// Events whose synchronization failed, to retire at the next `release_cached_blocks`.
+    stray_events: Vec<EventId>,
 }
 
 fn pool_index(small: bool) -> usize {
@@ -142,6 +176,8 @@ impl PytorchPolicy {
             stats: DeviceStats::default(),
             history,
             config,
+            stray_pages: Vec::new(),
+            stray_events: Vec::new(),
         };
         policy.stats.max_split_size = if policy.config.max_split_size == u64::MAX {
             -1
@@ -622,6 +658,10 @@ impl PytorchPolicy {
         if src == NO_BLOCK {
             return 0;
         }
+        #[cfg(test)]
+        if testing::SKIP_COALESCING.with(|skip| skip.get()) {
+            return 0;
+        }
         {
             let s = self.b(src);
             if s.allocated
@@ -714,6 +754,7 @@ impl PytorchPolicy {
     }
 
     fn release_cached_blocks(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
+        self.release_strays(dev)?;
         self.synchronize_and_free_events(dev)?;
         self.release_blocks(dev, false)?;
         self.release_blocks(dev, true)
@@ -739,6 +780,27 @@ impl PytorchPolicy {
             if !self.b(id).is_split() {
                 self.release_expandable_segment(dev, id)?;
             }
+        }
+        Ok(())
+    }
+
+    /// Retires events and releases pages left over by failed driver calls.
+    fn release_strays(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
+        while let Some(&event) = self.stray_events.last() {
+            dev.synchronize_event(event)?;
+            self.stray_events.pop();
+        }
+        while let Some(page) = self.stray_pages.last_mut() {
+            if let Some(va) = page.mapped_at {
+                dev.unmap(va, page.size)?;
+                page.mapped_at = None;
+            }
+            dev.physical_release(page.handle)?;
+            let (size, small) = (page.size, page.small);
+            self.stray_pages.pop();
+            self.total_allocated_memory -= size;
+            Self::decrease(&mut self.stats.reserved_bytes, small, size);
+            self.stats.num_device_free += 1;
         }
         Ok(())
     }
@@ -959,7 +1021,12 @@ impl PytorchPolicy {
         index: u32,
         ptr: DevicePtr,
         size: u64,
+        small: bool,
     ) -> Result<Option<(DevicePtr, u64)>, AllocError> {
+        // A page a failed undo could not unmap still occupies its address.
+        if self.stray_pages.iter().any(|p| p.mapped_at.is_some()) {
+            self.release_strays(dev)?;
+        }
         let seg = self.expandable_segments[index as usize]
             .as_mut()
             .expect("live expandable segment");
@@ -971,16 +1038,31 @@ impl PytorchPolicy {
             seg.handles.resize(end as usize, None);
         }
         let mut created = Vec::new();
-        let undo =
-            |seg: &mut ExpandableSegment, created: &[(u64, PhysicalHandle)], mapped: usize| {
-                for (i, &(page_index, handle)) in created.iter().enumerate() {
-                    if i < mapped {
-                        let _ = dev.unmap(seg.base + page_index * seg.page_size, seg.page_size);
-                    }
-                    let _ = dev.physical_release(handle);
-                    seg.handles[page_index as usize] = None;
+        // Undoes a failed map; returns what the driver would not give back.
+        let undo = |seg: &mut ExpandableSegment,
+                    created: &[(u64, PhysicalHandle)],
+                    mapped: usize|
+         -> Vec<StrayPage> {
+            let mut stray = Vec::new();
+            for (i, &(page_index, handle)) in created.iter().enumerate() {
+                let va = seg.base + page_index * seg.page_size;
+                seg.handles[page_index as usize] = None;
+                if i < mapped && dev.unmap(va, seg.page_size).is_err() {
+                    stray.push((handle, Some(va)));
+                } else if dev.physical_release(handle).is_err() {
+                    stray.push((handle, None));
                 }
-            };
+            }
+            stray
+                .into_iter()
+                .map(|(handle, mapped_at)| StrayPage {
+                    handle,
+                    mapped_at,
+                    size: seg.page_size,
+                    small: false,
+                })
+                .collect()
+        };
         for i in begin..end {
             debug_assert!(seg.handles[i as usize].is_none());
             match dev.physical_create(page) {
@@ -989,7 +1071,8 @@ impl PytorchPolicy {
                     created.push((i, handle));
                 }
                 Err(e) => {
-                    undo(seg, &created, 0);
+                    let stray = undo(seg, &created, 0);
+                    self.keep_stray(stray, small);
                     return if e.is_out_of_memory() {
                         Ok(None)
                     } else {
@@ -1000,16 +1083,28 @@ impl PytorchPolicy {
         }
         for (n, &(i, handle)) in created.iter().enumerate() {
             if let Err(e) = dev.map(seg.base + i * page, page, handle, 0) {
-                undo(seg, &created, n);
+                let stray = undo(seg, &created, n);
+                self.keep_stray(stray, small);
                 return Err(e.into());
             }
         }
         if let Err(e) = dev.set_access(seg.base + begin * page, (end - begin) * page) {
             let mapped = created.len();
-            undo(seg, &created, mapped);
+            let stray = undo(seg, &created, mapped);
+            self.keep_stray(stray, small);
             return Err(e.into());
         }
         Ok(Some((seg.base + begin * page, (end - begin) * page)))
+    }
+
+    /// Keeps pages a failed map could not give back, counted as reserved.
+    fn keep_stray(&mut self, pages: Vec<StrayPage>, small: bool) {
+        for mut page in pages {
+            page.small = small;
+            self.total_allocated_memory += page.size;
+            Self::increase(&mut self.stats.reserved_bytes, small, page.size);
+            self.stray_pages.push(page);
+        }
     }
 
     fn map_block(
@@ -1030,7 +1125,8 @@ impl PytorchPolicy {
                 b.next,
             )
         };
-        let Some((mapped_ptr, mapped_size)) = self.segment_map(dev, index, ptr, size)? else {
+        let Some((mapped_ptr, mapped_size)) = self.segment_map(dev, index, ptr, size, small)?
+        else {
             return Ok(None);
         };
         debug_assert_eq!(mapped_ptr, ptr);
@@ -1089,13 +1185,15 @@ impl PytorchPolicy {
         }
         // The stream may still be using the memory: wait for it first.
         let event = dev.record_event(seg_stream)?;
-        dev.synchronize_event(event)?;
-        // A driver failure part-way must not leave the books claiming pages
-        // that are gone (or the reverse): account for the pages actually
-        // unmapped so far, then report the error. A page whose physical
-        // memory cannot be released is mapped back, so it stays usable.
+        if let Err(e) = dev.synchronize_event(event) {
+            self.stray_events.push(event);
+            return Err(e.into());
+        }
+        // Pages [begin, end) are unmapped one by one; a failure part-way
+        // leaves [begin, i) unmapped (booked below) and the rest mapped.
         let mut failure = None;
-        let mut done = end;
+        let mut unmapped_end = begin;
+        let mut stray_bytes = 0;
         for i in begin..end {
             let handle = {
                 let seg = self.expandable_segments[index as usize]
@@ -1103,38 +1201,36 @@ impl PytorchPolicy {
                     .expect("live expandable segment");
                 seg.handles[i as usize]
             };
-            let Some(handle) = handle else { continue };
-            let va = base + i * page;
-            if let Err(e) = dev.unmap(va, page) {
-                failure = Some(e);
-                done = i;
-                break;
-            }
-            if let Err(e) = dev.physical_release(handle) {
-                let remapped = dev
-                    .map(va, page, handle, 0)
-                    .and_then(|()| dev.set_access(va, page))
-                    .is_ok();
-                failure = Some(e);
-                done = if remapped { i } else { i + 1 };
-                if remapped {
+            if let Some(handle) = handle {
+                if let Err(e) = dev.unmap(base + i * page, page) {
+                    failure = Some(e);
                     break;
                 }
+                if let Err(e) = dev.physical_release(handle) {
+                    self.stray_pages.push(StrayPage {
+                        handle,
+                        mapped_at: None,
+                        size: page,
+                        small,
+                    });
+                    stray_bytes += page;
+                    failure = Some(e);
+                }
+                if let Some(seg) = self.expandable_segments[index as usize].as_mut() {
+                    seg.handles[i as usize] = None;
+                }
             }
-            if let Some(seg) = self.expandable_segments[index as usize].as_mut() {
-                seg.handles[i as usize] = None;
-            }
+            unmapped_end = i + 1;
             if failure.is_some() {
                 break;
             }
         }
-        if done == begin {
-            return match failure {
-                Some(e) => Err(e.into()),
-                None => Ok(id),
-            };
+        if unmapped_end == begin {
+            if let Some(e) = failure {
+                return Err(e.into());
+            }
         }
-        let end = done;
+        let end = unmapped_end;
         let unmapped_ptr = base + begin * page;
         let unmapped_size = (end - begin) * page;
         self.pool_erase(id);
@@ -1177,8 +1273,13 @@ impl PytorchPolicy {
         let next = self.b(id).next;
         self.try_merge_blocks(id, next);
         self.unmapped_insert(id);
-        self.total_allocated_memory -= unmapped_size;
-        Self::decrease(&mut self.stats.reserved_bytes, small, unmapped_size);
+        // Stray pages stay counted as reserved until they are released.
+        self.total_allocated_memory -= unmapped_size - stray_bytes;
+        Self::decrease(
+            &mut self.stats.reserved_bytes,
+            small,
+            unmapped_size - stray_bytes,
+        );
         self.stats.num_device_free += 1;
         self.history
             .record(Action::SegmentUnmap, unmapped_ptr, unmapped_size, stream);
@@ -1422,6 +1523,8 @@ impl PytorchPolicy {
                 "pools hold {pooled}+{pooled_unmapped} blocks, but {free_in_pools}+{unmapped_in_pools} blocks are free"
             ));
         }
+        // Pages the driver would not give back are still held.
+        mapped_total += self.stray_pages.iter().map(|p| p.size).sum::<u64>();
         if mapped_total != self.total_allocated_memory {
             return Err(format!(
                 "reserved {} != sum of segments and mapped pages {}",

@@ -158,6 +158,72 @@ struct SimState {
     calls: [u64; CallKind::ALL.len()],
     simulated_ns: u64,
     faults: Vec<(Fault, u64)>,
+    /// Kernels the caller said are queued, by id: see [`SimDevice::enqueue_use`].
+    uses: BTreeMap<u64, UseRecord>,
+    next_use: u64,
+    /// Frees and unmaps of memory that queued work still touched.
+    violations: Vec<UseViolation>,
+    /// Whether `segment_free` waits for all queued work first (`cudaFree` does).
+    free_synchronizes: bool,
+}
+
+#[derive(Clone, Debug)]
+struct UseRecord {
+    stream: StreamId,
+    ptr: DevicePtr,
+    len: u64,
+    /// Position of the use in its stream's work queue.
+    sequence: u64,
+}
+
+/// Work queued on a stream that reads or writes `[ptr, ptr + len)`: a kernel
+/// launch, a copy, a collective. See [`SimDevice::enqueue_use`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PendingUse {
+    /// The use, as [`SimDevice::enqueue_use`] returned it.
+    pub id: UseId,
+    /// The stream it is queued on.
+    pub stream: StreamId,
+    /// First byte it touches.
+    pub ptr: DevicePtr,
+    /// Bytes it touches.
+    pub len: u64,
+}
+
+/// A use of memory queued on a stream (see [`SimDevice::enqueue_use`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct UseId(pub u64);
+
+/// Memory given back to the driver while queued work still touched it: a
+/// use-after-free on a real GPU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UseViolation {
+    /// The call that gave the memory back (`segment_free`, `unmap`).
+    pub call: CallKind,
+    /// Start of the range given back.
+    pub ptr: DevicePtr,
+    /// Bytes given back.
+    pub len: u64,
+    /// The queued work that still touched it.
+    pub uses: Vec<PendingUse>,
+}
+
+impl std::fmt::Display for UseViolation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} of [{:#x}, +{}) while queued work still touches it:",
+            self.call, self.ptr, self.len
+        )?;
+        for u in &self.uses {
+            write!(
+                f,
+                " use {} on stream {:#x} [{:#x}, +{})",
+                u.id.0, u.stream.0, u.ptr, u.len
+            )?;
+        }
+        Ok(())
+    }
 }
 
 /// Counts of driver calls by kind, and the simulated time they took.
@@ -240,6 +306,10 @@ impl SimDevice {
                 calls: [0; CallKind::ALL.len()],
                 simulated_ns: 0,
                 faults: Vec::new(),
+                uses: BTreeMap::new(),
+                next_use: 1,
+                violations: Vec::new(),
+                free_synchronizes: true,
             }),
         }
     }
@@ -341,6 +411,88 @@ impl SimDevice {
         (va < start + m.size).then(|| (m.handle, m.offset + (va - start)))
     }
 
+    /// The events recorded and not yet retired, in the order they were
+    /// recorded (so a caller can complete them in an order of its choosing
+    /// with [`SimDevice::complete_event`]).
+    pub fn pending_event_ids(&self) -> Vec<EventId> {
+        let state = self.lock();
+        let mut ids: Vec<u64> = state.events.keys().copied().collect();
+        ids.sort_unstable();
+        ids.into_iter().map(EventId).collect()
+    }
+
+    /// The streams this device has seen (events or uses), in order.
+    pub fn streams(&self) -> Vec<StreamId> {
+        self.lock().streams.keys().copied().collect()
+    }
+
+    /// Says that `stream` has work queued that touches `[ptr, ptr + len)` (a
+    /// kernel launch). Like any work on a stream, it completes when the
+    /// stream's work up to it completes: [`SimDevice::complete_stream`],
+    /// [`SimDevice::complete_all`], [`SimDevice::complete_use`], or an event
+    /// recorded after it on the same stream completing or being synchronized.
+    ///
+    /// While it is pending, giving its memory back to the driver (`unmap`, or
+    /// `segment_free` when frees do not synchronize) is recorded as a
+    /// [`UseViolation`]; a caller checks new allocations against
+    /// [`SimDevice::pending_uses_overlapping`] itself.
+    pub fn enqueue_use(&self, stream: StreamId, ptr: DevicePtr, len: u64) -> UseId {
+        let mut state = self.lock();
+        let s = state.streams.entry(stream).or_default();
+        s.enqueued += 1;
+        let sequence = s.enqueued;
+        let id = state.next_use;
+        state.next_use += 1;
+        state.uses.insert(
+            id,
+            UseRecord {
+                stream,
+                ptr,
+                len,
+                sequence,
+            },
+        );
+        UseId(id)
+    }
+
+    /// Completes `stream`'s work up to and including the use `id`.
+    pub fn complete_use(&self, id: UseId) {
+        let mut state = self.lock();
+        if let Some(u) = state.uses.get(&id.0).cloned() {
+            let s = state.streams.entry(u.stream).or_default();
+            s.completed = s.completed.max(u.sequence);
+        }
+        state.prune_uses();
+    }
+
+    /// Every use still pending, oldest first.
+    pub fn pending_uses(&self) -> Vec<PendingUse> {
+        let mut state = self.lock();
+        state.prune_uses();
+        state.uses.iter().map(|(&id, u)| u.public(id)).collect()
+    }
+
+    /// The pending uses that touch any byte of `[ptr, ptr + len)`, oldest first.
+    pub fn pending_uses_overlapping(&self, ptr: DevicePtr, len: u64) -> Vec<PendingUse> {
+        let mut state = self.lock();
+        state.prune_uses();
+        state.overlapping_uses(ptr, len)
+    }
+
+    /// Use-after-free violations seen so far (frees and unmaps of memory that
+    /// queued work still touched); clears the list.
+    pub fn take_violations(&self) -> Vec<UseViolation> {
+        std::mem::take(&mut self.lock().violations)
+    }
+
+    /// Whether `segment_free` first waits for all queued work, as `cudaFree`
+    /// does (the default). With `false`, freeing a segment that pending work
+    /// touches is a [`UseViolation`]: the stricter model of a driver whose
+    /// free is stream-ordered.
+    pub fn set_free_synchronizes(&self, synchronizes: bool) {
+        self.lock().free_synchronizes = synchronizes;
+    }
+
     /// Checks the device's own books: used bytes equal segments plus
     /// physical memory, every mapping lies inside a reserved range.
     pub fn check_invariants(&self) -> Result<(), String> {
@@ -390,6 +542,48 @@ impl SimState {
             }
         }
         Ok(())
+    }
+
+    /// Drops the uses whose stream has run past them.
+    fn prune_uses(&mut self) {
+        let streams = &self.streams;
+        self.uses.retain(|_, u| {
+            streams
+                .get(&u.stream)
+                .is_none_or(|s| s.completed < u.sequence)
+        });
+    }
+
+    fn overlapping_uses(&self, ptr: DevicePtr, len: u64) -> Vec<PendingUse> {
+        let end = ptr.saturating_add(len);
+        self.uses
+            .iter()
+            .filter(|(_, u)| {
+                u.ptr < end
+                    && ptr < u.ptr.saturating_add(u.len)
+                    && self
+                        .streams
+                        .get(&u.stream)
+                        .is_none_or(|s| s.completed < u.sequence)
+            })
+            .map(|(&id, u)| u.public(id))
+            .collect()
+    }
+
+    /// Records a violation when queued work still touches `[ptr, ptr + len)`.
+    fn check_release(&mut self, call: CallKind, ptr: DevicePtr, len: u64) {
+        if self.uses.is_empty() {
+            return;
+        }
+        let uses = self.overlapping_uses(ptr, len);
+        if !uses.is_empty() {
+            self.violations.push(UseViolation {
+                call,
+                ptr,
+                len,
+                uses,
+            });
+        }
     }
 
     fn add_used(&mut self, bytes: u64) {
@@ -466,6 +660,17 @@ fn oom(call: CallKind, size: u64, free: u64) -> DeviceError {
     )
 }
 
+impl UseRecord {
+    fn public(&self, id: u64) -> PendingUse {
+        PendingUse {
+            id: UseId(id),
+            stream: self.stream,
+            ptr: self.ptr,
+            len: self.len,
+        }
+    }
+}
+
 impl Device for SimDevice {
     fn name(&self) -> String {
         let state = self.lock();
@@ -530,12 +735,17 @@ impl Device for SimDevice {
                 ))
             }
         }
+        if state.free_synchronizes {
+            // cudaFree synchronizes the device.
+            for s in state.streams.values_mut() {
+                s.completed = s.enqueued;
+            }
+        } else {
+            state.check_release(CallKind::SegmentFree, ptr, size);
+        }
         state.segments.remove(&ptr);
         state.used_bytes -= size;
-        // cudaFree synchronizes the device.
-        for s in state.streams.values_mut() {
-            s.completed = s.enqueued;
-        }
+        state.prune_uses();
         Ok(())
     }
 
@@ -705,6 +915,7 @@ impl Device for SimDevice {
                 ))
             }
         }
+        state.check_release(CallKind::Unmap, va, size);
         if let Some(m) = state.mappings.remove(&va) {
             if let Some(mem) = state.physical.get_mut(&m.handle.0) {
                 mem.mappings -= 1;
@@ -823,6 +1034,56 @@ mod tests {
         assert!(dev.segment_alloc(MIB).is_ok());
         assert!(dev.segment_alloc(MIB).is_err());
         assert!(dev.segment_alloc(MIB).is_ok());
+    }
+
+    #[test]
+    fn uses_complete_with_their_stream_and_flag_early_unmaps() {
+        let dev = SimDevice::with_capacity(8 * MIB);
+        let base = dev.address_reserve(4 * MIB).unwrap();
+        let h = dev.physical_create(2 * MIB).unwrap();
+        dev.map(base, 2 * MIB, h, 0).unwrap();
+        let a = StreamId(1);
+        let b = StreamId(2);
+        let u1 = dev.enqueue_use(a, base + 512, 1024);
+        let u2 = dev.enqueue_use(b, base + 4096, 512);
+        let e = dev.record_event(a).unwrap();
+        let u3 = dev.enqueue_use(a, base, 512);
+        assert_eq!(dev.pending_uses().len(), 3);
+        assert_eq!(dev.pending_uses_overlapping(base, 1024).len(), 2);
+        assert!(dev.pending_uses_overlapping(base + 2048, 1024).is_empty());
+        // The event recorded after u1 completes u1, not u3.
+        dev.complete_event(e);
+        let left: Vec<UseId> = dev.pending_uses().iter().map(|u| u.id).collect();
+        assert_eq!(left, vec![u2, u3]);
+        assert_eq!(dev.pending_event_ids(), vec![e]);
+        dev.complete_use(u3);
+        assert!(dev.pending_uses_overlapping(base, 512).is_empty());
+        // Unmapping while stream b still uses the page is a violation.
+        dev.unmap(base, 2 * MIB).unwrap();
+        let v = dev.take_violations();
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].call, CallKind::Unmap);
+        assert_eq!(v[0].uses[0].id, u2);
+        assert!(v[0].to_string().contains("stream 0x2"));
+        let _ = u1;
+        assert!(dev.take_violations().is_empty());
+    }
+
+    #[test]
+    fn segment_free_synchronizes_unless_told_otherwise() {
+        let dev = SimDevice::with_capacity(8 * MIB);
+        let p = dev.segment_alloc(2 * MIB).unwrap();
+        dev.enqueue_use(StreamId(3), p, 512);
+        dev.segment_free(p, 2 * MIB).unwrap();
+        assert!(dev.take_violations().is_empty());
+        assert!(dev.pending_uses().is_empty());
+        dev.set_free_synchronizes(false);
+        let p = dev.segment_alloc(2 * MIB).unwrap();
+        dev.enqueue_use(StreamId(3), p + 1024, 512);
+        dev.segment_free(p, 2 * MIB).unwrap();
+        let v = dev.take_violations();
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].call, CallKind::SegmentFree);
     }
 
     #[test]

@@ -1,0 +1,256 @@
+//! Out-of-memory reports under policy `pytorch`: the numbers they carry and
+//! their verdicts, for a fragmentation case, a real-demand case, a
+//! pending-streams case and a memory-fraction case; and the fragmentation
+//! report printed next to the message PyTorch prints for the same numbers.
+
+use hbmalloc::{
+    AllocError, Allocator, AllocatorConfig, DevicePtr, OomReport, OomVerdict, PolicyConfig,
+    SimDevice, StreamId,
+};
+
+const MIB: u64 = 1 << 20;
+const S: StreamId = StreamId(0);
+
+fn allocator(capacity: u64, settings: &str) -> Allocator<SimDevice> {
+    Allocator::new(
+        SimDevice::with_capacity(capacity),
+        AllocatorConfig {
+            policy: PolicyConfig::from_settings(settings).unwrap(),
+            history_entries: 0,
+        },
+    )
+    .unwrap()
+}
+
+fn oom(result: Result<DevicePtr, AllocError>) -> OomReport {
+    match result {
+        Err(AllocError::OutOfMemory(report)) => *report,
+        other => panic!("expected out of memory, got {other:?}"),
+    }
+}
+
+/// The numbers every report must get right, whatever the verdict.
+fn check_numbers(alloc: &Allocator<SimDevice>, report: &OomReport, requested: u64) {
+    let stats = alloc.stats();
+    assert_eq!(report.requested_bytes, requested, "unrounded request");
+    assert!(report.rounded_bytes >= requested);
+    assert_eq!(report.device_total_bytes, alloc.device().capacity_bytes());
+    assert_eq!(
+        report.allocated_bytes,
+        stats.allocated_bytes[0].current as u64
+    );
+    assert_eq!(
+        report.reserved_bytes,
+        stats.reserved_bytes[0].current as u64
+    );
+    assert_eq!(report.reserved_bytes, alloc.device().used_bytes());
+    assert_eq!(
+        report.cached_free_bytes,
+        report.reserved_bytes - report.allocated_bytes
+    );
+    assert!(report.largest_free_block_bytes <= report.cached_free_bytes);
+    assert_eq!(
+        report.device_free_bytes,
+        report.device_total_bytes - report.reserved_bytes
+    );
+    let text = report.render();
+    assert!(text.contains("verdict: "), "{text}");
+}
+
+/// PyTorch's binary size format (`c10::CachingAllocator::format_size`).
+fn pytorch_format_size(size: u64) -> String {
+    let s = size as f64;
+    if size <= 1024 {
+        format!("{size} bytes")
+    } else if size <= 1 << 20 {
+        format!("{:.2} KiB", s / 1024.0)
+    } else if size <= 1 << 30 {
+        format!("{:.2} MiB", s / 1048576.0)
+    } else {
+        format!("{:.2} GiB", s / 1073741824.0)
+    }
+}
+
+/// The message PyTorch's caching allocator raises, from the same numbers
+/// (`../shared/reference/pytorch-allocator.md`, "OOM message"). Note X is the
+/// size PyTorch tried to get from the driver, not the tensor's size.
+fn pytorch_oom_message(r: &OomReport, device: u32) -> String {
+    format!(
+        "CUDA out of memory. Tried to allocate {}. GPU {device} has a total capacity of {} of which {} is free. \
+         Including non-PyTorch memory, this process has {} memory in use. \
+         Of the allocated memory {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated. \
+         If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+         to avoid fragmentation.",
+        pytorch_format_size(r.device_request_bytes),
+        pytorch_format_size(r.device_total_bytes),
+        pytorch_format_size(r.device_free_bytes),
+        pytorch_format_size(r.reserved_bytes),
+        pytorch_format_size(r.allocated_bytes),
+        pytorch_format_size(r.cached_free_bytes),
+    )
+}
+
+#[test]
+fn fragmentation() {
+    // 10 segments of 20 MiB, each cut into five 4 MiB blocks; every second
+    // block freed: 80 MiB free in 4 MiB holes between live blocks.
+    let mut alloc = allocator(200 * MIB, "policy:pytorch");
+    let mut ptrs = Vec::new();
+    for _ in 0..50 {
+        ptrs.push(alloc.malloc(4 * MIB, S).unwrap());
+    }
+    assert_eq!(alloc.device().used_bytes(), 200 * MIB);
+    ptrs.sort_unstable();
+    for (i, &p) in ptrs.iter().enumerate() {
+        if i % 5 == 1 || i % 5 == 3 {
+            alloc.free(p).unwrap();
+        }
+    }
+    let requested = 10_000_000;
+    let report = oom(alloc.malloc(requested, S));
+    check_numbers(&alloc, &report, requested);
+    assert_eq!(
+        report.verdict,
+        OomVerdict::Fragmentation,
+        "{}",
+        report.render()
+    );
+    assert_eq!(report.allocated_bytes, 120 * MIB);
+    assert_eq!(report.reserved_bytes, 200 * MIB);
+    assert_eq!(report.cached_free_bytes, 80 * MIB);
+    assert!(report.cached_free_bytes >= requested);
+    assert_eq!(report.largest_free_block_bytes, 4 * MIB);
+    assert_eq!(report.pending_free_bytes, 0);
+    // Under 10 MiB a request asks the driver for a whole 20 MiB segment.
+    assert_eq!(report.device_request_bytes, 20 * MIB);
+    assert_eq!(report.limit_bytes, None);
+    println!("hbmalloc:\n{}\n", report.render());
+    println!(
+        "PyTorch, same numbers:\n{}",
+        pytorch_oom_message(&report, 0)
+    );
+    alloc.check_invariants().unwrap();
+}
+
+#[test]
+fn real_demand() {
+    let mut alloc = allocator(100 * MIB, "policy:pytorch");
+    for _ in 0..4 {
+        alloc.malloc(20 * MIB, S).unwrap();
+    }
+    let requested = 30 * MIB + 123;
+    let report = oom(alloc.malloc(requested, S));
+    check_numbers(&alloc, &report, requested);
+    assert_eq!(
+        report.verdict,
+        OomVerdict::RealDemand,
+        "{}",
+        report.render()
+    );
+    assert_eq!(report.allocated_bytes, 80 * MIB);
+    assert_eq!(report.cached_free_bytes, 0);
+}
+
+#[test]
+fn memory_fraction() {
+    let mut alloc = allocator(100 * MIB, "policy:pytorch,per_process_memory_fraction:0.5");
+    alloc.malloc(20 * MIB, S).unwrap();
+    alloc.malloc(20 * MIB, S).unwrap();
+    let requested = 20 * MIB;
+    let report = oom(alloc.malloc(requested, S));
+    check_numbers(&alloc, &report, requested);
+    assert_eq!(report.limit_bytes, Some(50 * MIB));
+    assert_eq!(
+        report.verdict,
+        OomVerdict::ConfiguredLimit,
+        "{}",
+        report.render()
+    );
+    assert!(report.render().contains("per_process_memory_fraction"));
+    // The same through set_memory_fraction at run time.
+    let mut alloc = allocator(100 * MIB, "policy:pytorch");
+    alloc.malloc(40 * MIB, S).unwrap();
+    alloc.set_memory_fraction(0.5).unwrap();
+    let report = oom(alloc.malloc(20 * MIB, S));
+    assert_eq!(
+        report.verdict,
+        OomVerdict::ConfiguredLimit,
+        "{}",
+        report.render()
+    );
+}
+
+#[test]
+fn pending_streams() {
+    // Under policy pytorch an allocation that fails while frees wait on other
+    // streams synchronizes them and retries, so it succeeds...
+    let mut alloc = allocator(100 * MIB, "policy:pytorch");
+    let other = StreamId(7);
+    let a = alloc.malloc(20 * MIB, S).unwrap();
+    let b = alloc.malloc(20 * MIB, S).unwrap();
+    alloc.malloc(20 * MIB, S).unwrap();
+    alloc.malloc(20 * MIB, S).unwrap();
+    for p in [a, b] {
+        alloc.record_stream(p, other).unwrap();
+        alloc.free(p).unwrap();
+    }
+    let syncs = alloc.stats().num_sync_all_streams;
+    alloc.malloc(30 * MIB, S).unwrap();
+    assert_eq!(alloc.stats().num_sync_all_streams, syncs + 1);
+    alloc.check_invariants().unwrap();
+
+    // ...so the verdict is judged from the numbers: 40 MiB waits on another
+    // stream, and the request fits once it is released.
+    let mut report = OomReport {
+        requested_bytes: 30 * MIB,
+        rounded_bytes: 30 * MIB,
+        device_request_bytes: 30 * MIB,
+        stream: S,
+        device_total_bytes: 100 * MIB,
+        device_free_bytes: 20 * MIB,
+        allocated_bytes: 40 * MIB,
+        reserved_bytes: 80 * MIB,
+        cached_free_bytes: 40 * MIB,
+        largest_free_block_bytes: 0,
+        pending_free_bytes: 40 * MIB,
+        limit_bytes: None,
+        verdict: OomVerdict::RealDemand,
+    };
+    report.judge();
+    assert_eq!(
+        report.verdict,
+        OomVerdict::PendingStreams,
+        "{}",
+        report.render()
+    );
+    // Pending frees that could not make room do not explain the failure:
+    // 90 MiB live + 20 MiB asked exceeds 100 MiB whatever the streams do.
+    report.allocated_bytes = 90 * MIB;
+    report.reserved_bytes = 100 * MIB;
+    report.cached_free_bytes = 10 * MIB;
+    report.device_free_bytes = 0;
+    report.rounded_bytes = 20 * MIB;
+    report.pending_free_bytes = 10 * MIB;
+    report.judge();
+    assert_eq!(
+        report.verdict,
+        OomVerdict::RealDemand,
+        "{}",
+        report.render()
+    );
+    // Same under a limit: the limit, not the streams, refuses it (the
+    // device still has 50 MiB free).
+    report.limit_bytes = Some(50 * MIB);
+    report.device_free_bytes = 50 * MIB;
+    report.allocated_bytes = 40 * MIB;
+    report.reserved_bytes = 50 * MIB;
+    report.rounded_bytes = 15 * MIB;
+    report.pending_free_bytes = 10 * MIB;
+    report.judge();
+    assert_eq!(
+        report.verdict,
+        OomVerdict::ConfiguredLimit,
+        "{}",
+        report.render()
+    );
+}

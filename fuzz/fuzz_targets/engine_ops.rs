@@ -1,0 +1,19 @@
+//! Bytes spell a GPU program (allocations, kernels on several streams,
+//! record_stream, frees, event completions, empty_cache, memory fractions,
+//! injected driver faults) run on a small SimDevice with every check of the
+//! simulation harness after every operation.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+
+const SETTINGS: [&str; 3] = [
+    "policy:pytorch",
+    "policy:pytorch,expandable_segments:True",
+    "policy:pytorch,max_split_size_mb:40,garbage_collection_threshold:0.6,per_process_memory_fraction:0.9",
+];
+
+fuzz_target!(|data: &[u8]| {
+    if let Err(failure) = hbmalloc::simtest::run_bytes(&SETTINGS, data) {
+        panic!("{failure}");
+    }
+});
