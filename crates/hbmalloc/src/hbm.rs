@@ -20,15 +20,27 @@
 //!   repeating step lands on the same addresses, still mapped, and calls
 //!   nothing. (Measured: one handle per granule gave the tightest memory but
 //!   ten times the driver calls and driver time of PyTorch on real traces.)
-//! * **On a miss** a run gets physical memory from, in order: spare unmapped
-//!   handles that fit; one new handle while the memory held stays within
-//!   `max_waste_percent` of the peak demand seen so far; chunks *stolen* from
-//!   wholly free ranges, highest address first (unmapped there and stitched
-//!   in here where they fit, GMLake-style; those that do not fit are
-//!   released); and only then one new handle beyond the allowance. Before
-//!   unmapping, the owning stream is synchronized through an event, so no
-//!   kernel still running can touch a page that moves. A chunk partly under
-//!   a live block cannot move: that pinning is where `hbm` still wastes.
+//! * **A chunk is one mapping of a sub-range of a handle** (`map` with an
+//!   offset). Physical memory held but not mapped is kept as *spare pieces*
+//!   (handle, offset, bytes); any piece can be split at granule boundaries
+//!   and mapped anywhere, so stolen memory is always stitched in whole and
+//!   never released to be created again. A handle is released (by
+//!   `empty_cache`) once nothing of it is mapped.
+//! * **On a miss** a run gets physical memory from, in order: spare pieces
+//!   (the smallest that covers the run, else the largest, split as needed);
+//!   one new handle while the memory held stays within `max_waste_percent`
+//!   of the peak demand seen so far; chunks *stolen* from wholly free
+//!   ranges, highest address first (unmapped there and stitched in here,
+//!   GMLake-style); under memory pressure only (an out-of-memory retry),
+//!   chunks *unpinned*: a chunk partly under live blocks is unmapped, its
+//!   used parts mapped again at the same addresses from the same handle, and
+//!   its free granules stitched in here; and only then one new handle beyond
+//!   the allowance. Before a steal, the owning stream is synchronized
+//!   through an event; before unpinning, the device is synchronized (live
+//!   blocks are unmapped for a moment). Unpinning is kept off the normal
+//!   path: measured, it made repeating steps move the same memory every
+//!   step (steady-state driver calls), while it lets a job run at a
+//!   capacity within 1-2% of its peak live memory on every shared trace.
 //! * **Streams.** A stream only ever reuses free ranges of its own regions.
 //!   Blocks used on other streams (`record_stream`) stay out of the free set
 //!   until events recorded on those streams complete, as in PyTorch.
@@ -40,6 +52,9 @@
 //!   request rounded up to 2 MiB), always fully backed; best fit and
 //!   coalescing still apply inside them, and wholly free segments are freed by
 //!   `empty_cache` or an out-of-memory retry.
+//!
+//! Measured figures: `hbmalloc compare ../shared/traces/pytorch-snapshots/*
+//! ../shared/traces/profiler-cpu/* --json` (release build).
 //!
 //! Hot path (a cache hit): one ordered-set lookup for best fit, a few
 //! ordered-map updates to split, one hash insert, and a bitmap test that the
@@ -202,10 +217,10 @@ struct Region {
     segment: bool,
     /// Granules in the region.
     granules: u64,
-    /// Mapped chunks by first granule: (granules, handle). Each chunk is one
-    /// physical handle mapped in one call; a run of granules may be stitched
-    /// together from several chunks.
-    chunks: BTreeMap<u64, (u64, PhysicalHandle)>,
+    /// Mapped chunks by first granule. Each chunk is one mapping (one
+    /// `map` call) of a sub-range of one physical handle; a run of granules
+    /// may be stitched together from several chunks.
+    chunks: BTreeMap<u64, Chunk>,
     /// One bit per granule: mapped. Lets the hot path test a whole block's
     /// granules 64 at a time.
     mapped_bits: Vec<u64>,
@@ -252,6 +267,29 @@ impl Region {
     }
 }
 
+/// One mapping: `count` granules of `handle`, from byte `offset` of it.
+#[derive(Copy, Clone, Debug)]
+struct Chunk {
+    count: u64,
+    handle: PhysicalHandle,
+    offset: u64,
+}
+
+/// Physical memory held but not mapped: `bytes` of `handle` from `offset`.
+#[derive(Copy, Clone, Debug)]
+struct Piece {
+    handle: PhysicalHandle,
+    offset: u64,
+    bytes: u64,
+}
+
+/// A physical handle: its size and how much of it is mapped now.
+#[derive(Copy, Clone, Debug)]
+struct HandleInfo {
+    bytes: u64,
+    mapped: u64,
+}
+
 /// Why a range could not be backed.
 enum Backing {
     /// Backed: every granule under it is mapped.
@@ -273,8 +311,12 @@ pub(crate) struct HbmPolicy {
     free_by_addr: BTreeMap<DevicePtr, FreeRange>,
     /// Free ranges by (stream, size, address): best fit, lowest address on ties.
     free_by_size: BTreeSet<(StreamId, u64, DevicePtr, u32)>,
-    /// Physical handles held but not mapped (left over from failed maps).
-    spare_handles: Vec<(PhysicalHandle, u64)>,
+    /// Physical memory held but not mapped: pieces of handles, taken from
+    /// unmapped chunks (stolen, unpinned, or left over from failed maps).
+    /// Any piece can be split at granule boundaries and mapped elsewhere.
+    spare: Vec<Piece>,
+    /// Every physical handle held, with how much of it is mapped.
+    handles: BTreeMap<PhysicalHandle, HandleInfo>,
     /// Pending end-of-use events, per stream, in record order.
     pending_events: BTreeMap<StreamId, VecDeque<(EventId, DevicePtr)>>,
     /// Physical memory held: mapped granules, spare handles and segments.
@@ -322,7 +364,8 @@ impl HbmPolicy {
             live: FastMap::default(),
             free_by_addr: BTreeMap::new(),
             free_by_size: BTreeSet::new(),
-            spare_handles: Vec::new(),
+            spare: Vec::new(),
+            handles: BTreeMap::new(),
             pending_events: BTreeMap::new(),
             held_bytes: 0,
             peak_demand_bytes: 0,
@@ -579,6 +622,7 @@ impl HbmPolicy {
         match dev.physical_create(bytes) {
             Ok(handle) => {
                 self.add_held(bytes);
+                self.handles.insert(handle, HandleInfo { bytes, mapped: 0 });
                 self.stats.num_device_alloc += 1;
                 Ok(Some(handle))
             }
@@ -587,9 +631,11 @@ impl HbmPolicy {
         }
     }
 
-    /// Maps `handle` (of `count` granules) at granule `first` of the region.
-    /// On failure the handle is kept as a spare (or as a chunk, if it could
-    /// not be unmapped again), so nothing is ever lost track of.
+    /// Maps `count` granules of `handle`, from byte `offset` of it, at granule
+    /// `first` of the region. On failure the piece is kept as a spare (or as
+    /// a chunk, if it could not be unmapped again), so nothing is ever lost
+    /// track of.
+    #[allow(clippy::too_many_arguments)]
     fn map_chunk(
         &mut self,
         dev: &dyn Device,
@@ -598,14 +644,20 @@ impl HbmPolicy {
         first: u64,
         count: u64,
         handle: PhysicalHandle,
+        offset: u64,
     ) -> Result<(), AllocError> {
         let (va, stream) = {
             let r = self.region(region_index);
             (r.base + first * granule, r.stream)
         };
         let bytes = count * granule;
-        if let Err(e) = dev.map(va, bytes, handle, 0) {
-            self.spare_handles.push((handle, bytes));
+        let piece = Piece {
+            handle,
+            offset,
+            bytes,
+        };
+        if let Err(e) = dev.map(va, bytes, handle, offset) {
+            self.spare.push(piece);
             return Err(e.into());
         }
         self.stats.num_device_alloc += 1;
@@ -613,13 +665,23 @@ impl HbmPolicy {
             // Never leave memory mapped without access.
             if dev.unmap(va, bytes).is_ok() {
                 self.stats.num_device_free += 1;
-                self.spare_handles.push((handle, bytes));
+                self.spare.push(piece);
                 return Err(e.into());
             }
             // Could not undo: keep it as a chunk, so the books stay right.
         }
+        if let Some(info) = self.handles.get_mut(&handle) {
+            info.mapped += bytes;
+        }
         let region = self.region_mut(region_index);
-        region.chunks.insert(first, (count, handle));
+        region.chunks.insert(
+            first,
+            Chunk {
+                count,
+                handle,
+                offset,
+            },
+        );
         region.set_mapped(first, count, true);
         self.history.record(Action::SegmentMap, va, bytes, stream);
         Ok(())
@@ -694,10 +756,12 @@ impl HbmPolicy {
         Ok(Backing::Done)
     }
 
-    /// Backs the unmapped granules `[start, start + count)`: spare handles
-    /// that fit; one new handle within the allowance; chunks stolen from free
-    /// ranges (stitched in where they fit, released where they do not); one
-    /// new handle within the hard limit. False: out of memory.
+    /// Backs the unmapped granules `[start, start + count)`: spare pieces;
+    /// one new handle within the allowance; chunks lying wholly in free
+    /// ranges, stolen (unmapped, stitched in here); free granules of chunks
+    /// partly under live blocks, unpinned (the chunk is unmapped and its used
+    /// parts mapped again from the same handle); one new handle within the
+    /// hard limit. False: out of memory.
     #[allow(clippy::too_many_arguments)]
     fn back_run(
         &mut self,
@@ -716,29 +780,38 @@ impl HbmPolicy {
         }
         let remaining = (end - cursor) * granule;
         if let Some(handle) = self.create(dev, remaining, soft_limit)? {
-            self.map_chunk(dev, granule, region_index, cursor, end - cursor, handle)?;
+            self.map_chunk(dev, granule, region_index, cursor, end - cursor, handle, 0)?;
             return Ok(true);
         }
-        let victims = self.free_chunks(granule, remaining);
-        self.unmap_chunks(dev, granule, &victims)?;
-        cursor = self.stitch_spares(dev, granule, region_index, cursor, end)?;
-        if cursor == end {
-            return Ok(true);
+        // Unpinning unmaps live blocks for a moment (a device
+        // synchronization) and makes a repeating workload move the same
+        // memory every step: only under memory pressure.
+        let passes: &[bool] = if soft_limit == 0 {
+            &[true, false]
+        } else {
+            &[true]
+        };
+        for &whole_only in passes {
+            let remaining = (end - cursor) * granule;
+            let victims = self.free_spans(granule, remaining, whole_only);
+            self.unmap_spans(dev, granule, &victims)?;
+            cursor = self.stitch_spares(dev, granule, region_index, cursor, end)?;
+            if cursor == end {
+                return Ok(true);
+            }
         }
-        // What is left over is too big to stitch in: give it back, then
-        // create exactly what is missing.
-        self.release_spares(dev, granule)?;
         let remaining = (end - cursor) * granule;
         match self.create(dev, remaining, hard_limit)? {
             Some(handle) => {
-                self.map_chunk(dev, granule, region_index, cursor, end - cursor, handle)?;
+                self.map_chunk(dev, granule, region_index, cursor, end - cursor, handle, 0)?;
                 Ok(true)
             }
             None => Ok(false),
         }
     }
 
-    /// Maps spare handles that fit into `[cursor, end)`, largest first;
+    /// Maps spare pieces into `[cursor, end)`: the smallest piece that covers
+    /// what is left (split, the rest staying spare), else the largest piece;
     /// returns the first granule still unmapped.
     fn stitch_spares(
         &mut self,
@@ -748,27 +821,50 @@ impl HbmPolicy {
         mut cursor: u64,
         end: u64,
     ) -> Result<u64, AllocError> {
-        while cursor < end {
+        while cursor < end && !self.spare.is_empty() {
             let room = (end - cursor) * granule;
-            let best = self
-                .spare_handles
-                .iter()
-                .enumerate()
-                .filter(|(_, &(_, bytes))| bytes <= room)
-                .max_by_key(|(i, &(_, bytes))| (bytes, usize::MAX - i))
-                .map(|(i, _)| i);
-            let Some(i) = best else { break };
-            let (handle, bytes) = self.spare_handles.swap_remove(i);
-            self.map_chunk(dev, granule, region_index, cursor, bytes / granule, handle)?;
-            cursor += bytes / granule;
+            let mut best = 0;
+            for (i, p) in self.spare.iter().enumerate().skip(1) {
+                let b = &self.spare[best];
+                let better = match (p.bytes >= room, b.bytes >= room) {
+                    (true, true) => p.bytes < b.bytes,
+                    (true, false) => true,
+                    (false, true) => false,
+                    (false, false) => p.bytes > b.bytes,
+                };
+                if better {
+                    best = i;
+                }
+            }
+            let piece = self.spare.swap_remove(best);
+            let take = piece.bytes.min(room);
+            if piece.bytes > take {
+                self.spare.push(Piece {
+                    handle: piece.handle,
+                    offset: piece.offset + take,
+                    bytes: piece.bytes - take,
+                });
+            }
+            self.map_chunk(
+                dev,
+                granule,
+                region_index,
+                cursor,
+                take / granule,
+                piece.handle,
+                piece.offset,
+            )?;
+            cursor += take / granule;
         }
         Ok(cursor)
     }
 
-    /// Chunks lying wholly inside free ranges, highest address first
+    /// Granules lying wholly inside free ranges, highest address first
     /// (placement favours low addresses, so the top is the least likely to be
-    /// wanted again soon), until they add up to `bytes`.
-    fn free_chunks(&self, granule: u64, bytes: u64) -> Vec<(u32, u64)> {
+    /// wanted again soon), until they add up to `bytes`: as (region, chunk
+    /// start, first granule, granules). `whole_only`: only chunks that lie
+    /// wholly in a free range.
+    fn free_spans(&self, granule: u64, bytes: u64, whole_only: bool) -> Vec<(u32, u64, u64, u64)> {
         let mut victims = Vec::new();
         let mut found = 0u64;
         for (&ptr, range) in self.free_by_addr.iter().rev() {
@@ -784,63 +880,124 @@ impl HbmPolicy {
             }
             let first = (ptr - region.base).div_ceil(granule);
             let end = (ptr + range.size - region.base) / granule;
-            for (&start, &(count, _)) in region.chunks.range(first..end).rev() {
-                if found >= bytes {
+            if first >= end {
+                continue;
+            }
+            for (&start, chunk) in region.chunks.range(..end).rev() {
+                let chunk_end = start + chunk.count;
+                if chunk_end <= first || found >= bytes {
                     break;
                 }
-                if start + count <= end {
-                    victims.push((range.region, start));
-                    found += count * granule;
+                let (lo, hi) = (start.max(first), chunk_end.min(end));
+                if whole_only && (lo != start || hi != chunk_end) {
+                    continue;
                 }
+                victims.push((range.region, start, lo, hi - lo));
+                found += (hi - lo) * granule;
             }
         }
         victims
     }
 
-    /// Unmaps the given chunks after synchronizing their streams; their
-    /// handles become spares.
-    fn unmap_chunks(
+    /// Takes the given free granules out of their chunks; they become spare
+    /// pieces. A chunk taken whole is unmapped (one call). A chunk taken in
+    /// part is unpinned: unmapped, and the parts still wanted mapped again at
+    /// the same addresses from the same handle (live data stays in place).
+    fn unmap_spans(
         &mut self,
         dev: &dyn Device,
         granule: u64,
-        victims: &[(u32, u64)],
+        victims: &[(u32, u64, u64, u64)],
     ) -> Result<(), AllocError> {
-        // A page may still be touched by kernels queued on its stream before
-        // the free: wait for each owning stream once.
-        let streams: BTreeSet<StreamId> = victims
-            .iter()
-            .map(|&(r, _)| self.region(r).stream)
-            .collect();
-        for stream in streams {
-            let event = dev.record_event(stream)?;
-            dev.synchronize_event(event)?;
+        if victims.is_empty() {
+            return Ok(());
         }
-        for &(region_index, start) in victims {
+        // Group the spans by chunk.
+        let mut by_chunk: BTreeMap<(u32, u64), Vec<(u64, u64)>> = BTreeMap::new();
+        for &(r, start, first, count) in victims {
+            by_chunk.entry((r, start)).or_default().push((first, count));
+        }
+        let unpinning = by_chunk.iter().any(|(&(r, start), spans)| {
+            spans.iter().map(|s| s.1).sum::<u64>() != self.region(r).chunks[&start].count
+        });
+        if unpinning {
+            // Live blocks in the chunks are unmapped for a moment: no kernel
+            // on any stream may be running.
+            dev.synchronize_device()?;
+        } else {
+            // A page may still be touched by kernels queued on its stream
+            // before the free: wait for each owning stream once.
+            let streams: BTreeSet<StreamId> = by_chunk
+                .keys()
+                .map(|&(r, _)| self.region(r).stream)
+                .collect();
+            for stream in streams {
+                let event = dev.record_event(stream)?;
+                dev.synchronize_event(event)?;
+            }
+        }
+        for ((region_index, start), mut spans) in by_chunk {
+            spans.sort_unstable();
             let region = self.region(region_index);
-            let (count, handle) = region.chunks[&start];
+            let chunk = region.chunks[&start];
             let va = region.base + start * granule;
             let stream = region.stream;
-            dev.unmap(va, count * granule)?;
+            let bytes = chunk.count * granule;
+            dev.unmap(va, bytes)?;
+            self.stats.num_device_free += 1;
+            self.history.record(Action::SegmentUnmap, va, bytes, stream);
+            if let Some(info) = self.handles.get_mut(&chunk.handle) {
+                info.mapped -= bytes;
+            }
             let region = self.region_mut(region_index);
             region.chunks.remove(&start);
-            region.set_mapped(start, count, false);
-            self.stats.num_device_free += 1;
-            self.history
-                .record(Action::SegmentUnmap, va, count * granule, stream);
-            self.spare_handles.push((handle, count * granule));
+            region.set_mapped(start, chunk.count, false);
+            let piece = |first: u64, count: u64| Piece {
+                handle: chunk.handle,
+                offset: chunk.offset + (first - start) * granule,
+                bytes: count * granule,
+            };
+            let mut kept = Vec::new();
+            let mut cursor = start;
+            for &(first, count) in &spans {
+                if first > cursor {
+                    kept.push((cursor, first - cursor));
+                }
+                self.spare.push(piece(first, count));
+                cursor = first + count;
+            }
+            if cursor < start + chunk.count {
+                kept.push((cursor, start + chunk.count - cursor));
+            }
+            for (first, count) in kept {
+                let p = piece(first, count);
+                // Parts under live blocks must be mapped again: retry once
+                // after a failure (the failed piece is spare again).
+                if self
+                    .map_chunk(dev, granule, region_index, first, count, p.handle, p.offset)
+                    .is_err()
+                {
+                    self.spare.pop();
+                    self.map_chunk(dev, granule, region_index, first, count, p.handle, p.offset)?;
+                }
+            }
         }
         Ok(())
     }
 
-    /// Releases every spare handle.
-    fn release_spares(&mut self, dev: &dyn Device, granule: u64) -> Result<(), AllocError> {
-        debug_assert!(self.spare_handles.iter().all(|&(_, b)| b % granule == 0));
-        while let Some((handle, bytes)) = self.spare_handles.pop() {
-            if let Err(e) = dev.physical_release(handle) {
-                self.spare_handles.push((handle, bytes));
-                return Err(e.into());
-            }
-            self.sub_held(bytes);
+    /// Releases every handle of which nothing is mapped.
+    fn release_spares(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
+        let idle: Vec<PhysicalHandle> = self
+            .handles
+            .iter()
+            .filter(|(_, info)| info.mapped == 0)
+            .map(|(&h, _)| h)
+            .collect();
+        for handle in idle {
+            dev.physical_release(handle)?;
+            let info = self.handles.remove(&handle).expect("a held handle");
+            self.spare.retain(|p| p.handle != handle);
+            self.sub_held(info.bytes);
             self.stats.num_device_free += 1;
         }
         Ok(())
@@ -1025,9 +1182,9 @@ impl HbmPolicy {
     pub(crate) fn empty_cache(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
         self.synchronize_and_free_events(dev)?;
         if let Some(granule) = self.granule {
-            let victims = self.free_chunks(granule, u64::MAX);
-            self.unmap_chunks(dev, granule, &victims)?;
-            self.release_spares(dev, granule)?;
+            let victims = self.free_spans(granule, u64::MAX, true);
+            self.unmap_spans(dev, granule, &victims)?;
+            self.release_spares(dev)?;
         }
         self.release_free_segments(dev)
     }
@@ -1050,9 +1207,9 @@ impl HbmPolicy {
         // request: that is the largest piece the allocator could offer.
         let largest_free = match self.granule {
             Some(g) => self
-                .free_chunks(g, u64::MAX)
+                .free_spans(g, u64::MAX, false)
                 .iter()
-                .map(|&(r, start)| self.region(r).chunks[&start].0 * g)
+                .map(|v| v.3 * g)
                 .sum(),
             None => self
                 .free_by_addr
@@ -1223,6 +1380,9 @@ impl HbmPolicy {
         }
         let mut mapped_granules = 0u64;
         let mut segment_bytes = 0u64;
+        let granule_bytes = self.granule.unwrap_or(0);
+        // Per handle: its mapped and spare pieces, which must tile it.
+        let mut pieces: BTreeMap<PhysicalHandle, Vec<(u64, u64)>> = BTreeMap::new();
         for (i, region) in self.regions.iter().enumerate() {
             let Some(region) = region else { continue };
             let mut blocks = by_region.remove(&(i as u32)).unwrap_or_default();
@@ -1259,7 +1419,12 @@ impl HbmPolicy {
             } else {
                 let mut next_free_granule = 0;
                 let mut counted = 0;
-                for (&start, &(count, _)) in &region.chunks {
+                for (&start, chunk) in &region.chunks {
+                    let count = chunk.count;
+                    pieces
+                        .entry(chunk.handle)
+                        .or_default()
+                        .push((chunk.offset, count * granule_bytes));
                     if start < next_free_granule || start + count > region.granules {
                         return Err(format!("region {:#x}: chunks overlap", region.base));
                     }
@@ -1290,7 +1455,52 @@ impl HbmPolicy {
             return Err("blocks in regions that do not exist".into());
         }
         let granule = self.granule.unwrap_or(0);
-        let spare: u64 = self.spare_handles.iter().map(|&(_, bytes)| bytes).sum();
+        let spare: u64 = self.spare.iter().map(|p| p.bytes).sum();
+        for p in &self.spare {
+            pieces
+                .entry(p.handle)
+                .or_default()
+                .push((p.offset, p.bytes));
+        }
+        if pieces.len() != self.handles.len() {
+            return Err("a held handle is neither mapped nor spare".into());
+        }
+        let mut handle_bytes = 0u64;
+        for (handle, info) in &self.handles {
+            let mut list = pieces.remove(handle).unwrap_or_default();
+            list.sort_unstable();
+            let mut cursor = 0;
+            let mut mapped = 0;
+            for &(offset, bytes) in &list {
+                if offset != cursor {
+                    return Err(format!(
+                        "handle {}: pieces overlap or leave a hole at {offset}",
+                        handle.0
+                    ));
+                }
+                cursor += bytes;
+                mapped += bytes;
+            }
+            if cursor != info.bytes {
+                return Err(format!("handle {}: pieces do not cover it", handle.0));
+            }
+            let spare_of: u64 = self
+                .spare
+                .iter()
+                .filter(|p| p.handle == *handle)
+                .map(|p| p.bytes)
+                .sum();
+            if mapped - spare_of != info.mapped {
+                return Err(format!("handle {}: mapped bytes disagree", handle.0));
+            }
+            handle_bytes += info.bytes;
+        }
+        if !pieces.is_empty() {
+            return Err("a mapping or spare piece of an unknown handle".into());
+        }
+        if handle_bytes != mapped_granules * granule + spare {
+            return Err("handles held disagree with mapped and spare memory".into());
+        }
         let held = mapped_granules * granule + spare + segment_bytes;
         if held != self.held_bytes {
             return Err(format!(

@@ -50,6 +50,31 @@ fn check(a: &Allocator<SimDevice>) {
     );
 }
 
+/// No two live blocks share physical memory, even through different virtual
+/// addresses: each physical granule under a live block backs one virtual
+/// granule only.
+fn check_physical(a: &Allocator<SimDevice>, live: &[(DevicePtr, u64, StreamId)]) {
+    let granule = 2 * MIB;
+    let mut backing: BTreeMap<(u64, u64), u64> = BTreeMap::new();
+    for &(ptr, size, _) in live {
+        let mut va = ptr / granule * granule;
+        while va < ptr + size {
+            let probe = va.max(ptr);
+            let (handle, offset) = a
+                .device()
+                .physical_location(probe)
+                .expect("a live block lies over mapped memory");
+            let key = (handle.0, offset / granule);
+            let previous = backing.insert(key, va / granule);
+            assert!(
+                previous.is_none_or(|v| v == va / granule),
+                "physical granule {key:?} backs two live virtual granules"
+            );
+            va += granule;
+        }
+    }
+}
+
 /// A request size drawn from a training-like mix: many small tensors, some
 /// medium, a few large.
 fn mixed_size(random: &mut Random) -> u64 {
@@ -136,6 +161,7 @@ fn random_workload(seed: u64, conf: &str, steps: usize) {
             _ => {}
         }
         check(&a);
+        check_physical(&a, &live);
     }
     for (ptr, _, _) in live.drain(..) {
         a.free(ptr).unwrap();
@@ -297,8 +323,9 @@ fn reserved_tracks_live_where_pytorch_wastes() {
 fn runs_at_a_capacity_just_above_peak_live() {
     let mut probe = hbm(16 * GIB, "");
     let peak_live = phased_workload(&mut probe);
-    // The goal is 1.03; pinned chunks need a little more on this workload.
-    let capacity = (peak_live as f64 * 1.06) as u64;
+    // Under pressure, chunks pinned by long-lived tensors are unpinned, so
+    // the goal of 1.03 holds.
+    let capacity = (peak_live as f64 * 1.03) as u64;
     let mut tight = hbm(capacity, "");
     assert_eq!(phased_workload(&mut tight), peak_live);
     check(&tight);
