@@ -81,7 +81,6 @@ fn simulation_pytorch_gc_fraction() {
 }
 
 #[test]
-#[ignore = "TEMPORARY while merging: hbm's invariant refuses a fraction lowered below what it holds (seed 0)"]
 fn simulation_hbm() {
     let total = run(SETTINGS[3], seeds());
     assert!(total.ops > 0);
@@ -300,8 +299,7 @@ fn byte_programs() {
     }
     let mut ops = 0;
     for data in &inputs {
-        // TEMPORARY while merging: hbm joins once its empty_cache returns its regions.
-        match hbmalloc::simtest::run_bytes(&SETTINGS[..3], data) {
+        match hbmalloc::simtest::run_bytes(&SETTINGS, data) {
             Ok(r) => ops += r.ops,
             Err(failure) => panic!("{failure}\ninput: {data:?}"),
         }
