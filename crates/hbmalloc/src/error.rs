@@ -96,7 +96,8 @@ impl OomReport {
     }
 
     /// The message PyTorch's allocator raises for the same numbers (its
-    /// `OutOfMemoryError` text, less the per-process lines), so users can
+    /// `OutOfMemoryError` text; the process's memory in use is taken to be
+    /// what this allocator reserves, where PyTorch asks NVML), so users can
     /// compare. Note that PyTorch names the segment size it tried, not the
     /// tensor size.
     pub fn pytorch_message(&self, device: i64) -> String {
@@ -105,6 +106,7 @@ impl OomReport {
         });
         format!(
             "CUDA out of memory. Tried to allocate {}. GPU {device} has a total capacity of {} of which {} is free. \
+             Including non-PyTorch memory, this process has {} memory in use. \
              {allowed}Of the allocated memory {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated. \
              If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
              to avoid fragmentation.  See documentation for Memory Management  \
@@ -112,6 +114,7 @@ impl OomReport {
             pytorch_format_size(self.device_request_bytes),
             pytorch_format_size(self.device_total_bytes),
             pytorch_format_size(self.device_free_bytes),
+            pytorch_format_size(self.reserved_bytes),
             pytorch_format_size(self.allocated_bytes),
             pytorch_format_size(self.reserved_bytes.saturating_sub(self.allocated_bytes)),
         )
@@ -287,7 +290,7 @@ mod tests {
         assert_eq!(pytorch_format_size(3 << 30), "3.00 GiB");
         let message = report().pytorch_message(0);
         assert!(message.starts_with(
-            "CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total capacity of 80.00 GiB of which 1024.00 MiB is free. Of the allocated memory 70.00 GiB is allocated by PyTorch, and 8.00 GiB is reserved by PyTorch but unallocated."
+            "CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total capacity of 80.00 GiB of which 1024.00 MiB is free. Including non-PyTorch memory, this process has 78.00 GiB memory in use. Of the allocated memory 70.00 GiB is allocated by PyTorch, and 8.00 GiB is reserved by PyTorch but unallocated."
         ), "{message}");
     }
 }

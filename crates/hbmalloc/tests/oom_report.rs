@@ -57,39 +57,6 @@ fn check_numbers(alloc: &Allocator<SimDevice>, report: &OomReport, requested: u6
     assert!(text.contains("verdict: "), "{text}");
 }
 
-/// PyTorch's binary size format (`c10::CachingAllocator::format_size`).
-fn pytorch_format_size(size: u64) -> String {
-    let s = size as f64;
-    if size <= 1024 {
-        format!("{size} bytes")
-    } else if size <= 1 << 20 {
-        format!("{:.2} KiB", s / 1024.0)
-    } else if size <= 1 << 30 {
-        format!("{:.2} MiB", s / 1048576.0)
-    } else {
-        format!("{:.2} GiB", s / 1073741824.0)
-    }
-}
-
-/// The message PyTorch's caching allocator raises, from the same numbers
-/// (`../shared/reference/pytorch-allocator.md`, "OOM message"). Note X is the
-/// size PyTorch tried to get from the driver, not the tensor's size.
-fn pytorch_oom_message(r: &OomReport, device: u32) -> String {
-    format!(
-        "CUDA out of memory. Tried to allocate {}. GPU {device} has a total capacity of {} of which {} is free. \
-         Including non-PyTorch memory, this process has {} memory in use. \
-         Of the allocated memory {} is allocated by PyTorch, and {} is reserved by PyTorch but unallocated. \
-         If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-         to avoid fragmentation.",
-        pytorch_format_size(r.device_request_bytes),
-        pytorch_format_size(r.device_total_bytes),
-        pytorch_format_size(r.device_free_bytes),
-        pytorch_format_size(r.reserved_bytes),
-        pytorch_format_size(r.allocated_bytes),
-        pytorch_format_size(r.cached_free_bytes),
-    )
-}
-
 #[test]
 fn fragmentation() {
     // 10 segments of 20 MiB, each cut into five 4 MiB blocks; every second
@@ -125,9 +92,16 @@ fn fragmentation() {
     assert_eq!(report.device_request_bytes, 20 * MIB);
     assert_eq!(report.limit_bytes, None);
     println!("hbmalloc:\n{}\n", report.render());
-    println!(
-        "PyTorch, same numbers:\n{}",
-        pytorch_oom_message(&report, 0)
+    let pytorch = report.pytorch_message(0);
+    println!("PyTorch, same numbers:\n{pytorch}");
+    // PyTorch names the 20 MiB segment it tried, not the 9.54 MiB tensor.
+    assert!(
+        pytorch.starts_with("CUDA out of memory. Tried to allocate 20.00 MiB."),
+        "{pytorch}"
+    );
+    assert!(
+        pytorch.contains("80.00 MiB is reserved by PyTorch but unallocated"),
+        "{pytorch}"
     );
     alloc.check_invariants().unwrap();
 }
