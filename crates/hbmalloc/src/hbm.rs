@@ -90,6 +90,10 @@ const SEGMENT_ROUND: u64 = 2 * MIB;
 const REGION_CAPACITY_FACTOR: u64 = 2;
 
 const DEFAULT_MAX_WASTE_PERCENT: f64 = 2.0;
+/// Largest mapping of new memory, in granules. A mapping moves only whole,
+/// so a big tensor's memory is mapped in pieces of this size: when it is
+/// freed and partly reused, the other pieces can be stitched elsewhere.
+const MAX_CHUNK_GRANULES: u64 = 32;
 /// Mapping ahead is bounded by this share of peak demand whatever the
 /// allowance: memory mapped ahead is pinned by the first small block placed
 /// in it, so larger chunks trade efficiency for fewer calls.
@@ -635,6 +639,48 @@ impl HbmPolicy {
         }
     }
 
+    /// Maps a new handle of `count` granules at granule `first`, in chunks of
+    /// at most [`MAX_CHUNK_GRANULES`]: one handle (one create, like one
+    /// `cudaMalloc`), but mappings small enough that when a big block is
+    /// freed and partly reused, the rest can move elsewhere.
+    fn map_new_handle(
+        &mut self,
+        dev: &dyn Device,
+        granule: u64,
+        region_index: u32,
+        first: u64,
+        count: u64,
+        handle: PhysicalHandle,
+    ) -> Result<(), AllocError> {
+        let mut done = 0;
+        while done < count {
+            let step = (count - done).min(MAX_CHUNK_GRANULES);
+            let offset = done * granule;
+            let mapped = self.map_chunk(
+                dev,
+                granule,
+                region_index,
+                first + done,
+                step,
+                handle,
+                offset,
+            );
+            done += step;
+            if let Err(e) = mapped {
+                // `map_chunk` kept the failed piece; the rest is spare too.
+                if done < count {
+                    self.spare.push(Piece {
+                        handle,
+                        offset: done * granule,
+                        bytes: (count - done) * granule,
+                    });
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
     /// Maps `count` granules of `handle`, from byte `offset` of it, at granule
     /// `first` of the region. On failure the piece is kept as a spare (or as
     /// a chunk, if it could not be unmapped again), so nothing is ever lost
@@ -782,7 +828,7 @@ impl HbmPolicy {
         }
         let remaining = (end - cursor) * granule;
         if let Some(handle) = self.create(dev, remaining, soft_limit)? {
-            self.map_chunk(dev, granule, region_index, cursor, end - cursor, handle, 0)?;
+            self.map_new_handle(dev, granule, region_index, cursor, end - cursor, handle)?;
             return Ok(true);
         }
         let remaining = (end - cursor) * granule;
@@ -795,7 +841,7 @@ impl HbmPolicy {
         let remaining = (end - cursor) * granule;
         match self.create(dev, remaining, hard_limit)? {
             Some(handle) => {
-                self.map_chunk(dev, granule, region_index, cursor, end - cursor, handle, 0)?;
+                self.map_new_handle(dev, granule, region_index, cursor, end - cursor, handle)?;
                 Ok(true)
             }
             None => Ok(false),
