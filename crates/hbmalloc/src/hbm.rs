@@ -526,6 +526,14 @@ impl HbmPolicy {
             retried = true;
             self.stats.num_alloc_retries += 1;
             self.synchronize_and_free_events(dev)?;
+            // Every wholly free chunk becomes a spare piece, so memory held
+            // in a chunk that straddled the failed block's edge (neither
+            // under the block nor wholly in the free range beyond it) can be
+            // stitched in too.
+            if let Some(granule) = self.granule {
+                let victims = self.free_spans(granule, u64::MAX);
+                self.unmap_spans(dev, granule, &victims)?;
+            }
             self.release_free_segments(dev)?;
         };
         self.live.insert(

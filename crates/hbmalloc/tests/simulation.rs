@@ -100,6 +100,16 @@ fn regression_expandable_partial_unmap_seeds() {
     }
 }
 
+/// A seed that found a spurious out-of-memory error in policy `hbm`: with
+/// nothing live, a chunk straddling the edge of the block being placed could
+/// not move, and the retry did not free it.
+#[test]
+fn regression_hbm_straddling_chunk_seed() {
+    if let Err(failure) = run_seed(SETTINGS[3], 15345, &SimOptions::default()) {
+        panic!("{failure}");
+    }
+}
+
 // ----- Deliberately broken variants: the harness must catch each one. -----
 
 /// Runs seeds until one fails; the failure must come within `bound` seeds.
