@@ -314,8 +314,11 @@ pub(crate) struct HbmPolicy {
     regions: Vec<Option<Region>>,
     /// Allocated and pending-free blocks by address.
     live: FastMap<DevicePtr, LiveBlock>,
-    /// Free ranges by address, for coalescing and stealing.
-    free_by_addr: BTreeMap<DevicePtr, FreeRange>,
+    /// Free ranges by end address, for coalescing and stealing. Keyed by
+    /// the end, not the start: a carve takes the front of a range and a
+    /// merge with the next range keeps that range's end, so both update the
+    /// entry in place instead of removing and reinserting it.
+    free_by_end: BTreeMap<DevicePtr, FreeRange>,
     /// Free ranges by (stream, size, address): best fit, lowest address on ties.
     free_by_size: BTreeSet<(StreamId, u64, DevicePtr, u32)>,
     /// Physical memory held but not mapped: pieces of handles, taken from
@@ -372,7 +375,7 @@ impl HbmPolicy {
             granule: granule.filter(|&g| g > 0 && g % MIN_BLOCK_SIZE == 0),
             regions: Vec::new(),
             live: FastMap::default(),
-            free_by_addr: BTreeMap::new(),
+            free_by_end: BTreeMap::new(),
             free_by_size: BTreeSet::new(),
             spare: Vec::new(),
             handles: BTreeMap::new(),
@@ -435,45 +438,56 @@ impl HbmPolicy {
 
     /// Adds `[ptr, ptr + size)` of `region` to the free set, merging it with
     /// free neighbours in the same region.
-    fn insert_free(&mut self, mut ptr: DevicePtr, mut size: u64, region: u32) {
+    fn insert_free(&mut self, ptr: DevicePtr, size: u64, region: u32) {
         let stream = self.region(region).stream;
-        if let Some((&prev, &range)) = self.free_by_addr.range(..ptr).next_back() {
-            if prev + range.size == ptr && range.region == region {
-                self.free_by_addr.remove(&prev);
+        let end = ptr + size;
+        let mut start = ptr;
+        // The previous range ends exactly at `ptr`.
+        if let Some(&prev) = self.free_by_end.get(&ptr) {
+            if prev.region == region {
+                self.free_by_end.remove(&ptr);
+                start = ptr - prev.size;
                 self.free_by_size
-                    .remove(&(stream, range.size, prev, region));
-                ptr = prev;
-                size += range.size;
+                    .remove(&(stream, prev.size, start, region));
             }
         }
-        if let Some(&range) = self.free_by_addr.get(&(ptr + size)) {
-            if range.region == region {
-                self.free_by_addr.remove(&(ptr + size));
-                self.free_by_size
-                    .remove(&(stream, range.size, ptr + size, region));
-                size += range.size;
+        // The next range is the first to end after `end`; it is adjacent if
+        // it starts there. Merged, it keeps its key: grow it in place.
+        if let Some((&next_end, next)) = self.free_by_end.range_mut(end + 1..).next() {
+            if next_end - next.size == end && next.region == region {
+                self.free_by_size.remove(&(stream, next.size, end, region));
+                next.size = next_end - start;
+                self.free_by_size.insert((stream, next.size, start, region));
+                return;
             }
         }
-        self.free_by_addr.insert(ptr, FreeRange { size, region });
-        self.free_by_size.insert((stream, size, ptr, region));
+        self.free_by_end.insert(
+            end,
+            FreeRange {
+                size: end - start,
+                region,
+            },
+        );
+        self.free_by_size
+            .insert((stream, end - start, start, region));
     }
 
     /// Takes the first `size` bytes of the free range at `ptr` (of
     /// `range_size` bytes); the rest stays free.
     fn carve(&mut self, stream: StreamId, ptr: DevicePtr, range_size: u64, region: u32, size: u64) {
         self.free_by_size.remove(&(stream, range_size, ptr, region));
-        self.free_by_addr.remove(&ptr);
+        let end = ptr + range_size;
         if range_size > size {
-            let rest = ptr + size;
+            // The rest keeps the range's end, hence its address-index entry.
             let rest_size = range_size - size;
-            self.free_by_addr.insert(
-                rest,
-                FreeRange {
-                    size: rest_size,
-                    region,
-                },
-            );
-            self.free_by_size.insert((stream, rest_size, rest, region));
+            self.free_by_end
+                .get_mut(&end)
+                .expect("an indexed free range")
+                .size = rest_size;
+            self.free_by_size
+                .insert((stream, rest_size, ptr + size, region));
+        } else {
+            self.free_by_end.remove(&end);
         }
     }
 
@@ -916,7 +930,8 @@ impl HbmPolicy {
     fn free_spans(&self, granule: u64, bytes: u64) -> Vec<(u32, u64, u64, u64)> {
         let mut victims = Vec::new();
         let mut found = 0u64;
-        for (&ptr, range) in self.free_by_addr.iter().rev() {
+        for (&range_end, range) in self.free_by_end.iter().rev() {
+            let ptr = range_end - range.size;
             if found >= bytes {
                 break;
             }
@@ -1177,8 +1192,8 @@ impl HbmPolicy {
             .filter(|(i, r)| {
                 (r.segment || r.chunks.is_empty())
                     && self
-                        .free_by_addr
-                        .get(&r.base)
+                        .free_by_end
+                        .get(&(r.base + r.size))
                         .is_some_and(|f| f.region == *i && f.size == r.size)
             })
             .map(|(i, _)| i)
@@ -1196,7 +1211,7 @@ impl HbmPolicy {
             } else {
                 dev.address_free(base, size)?;
             }
-            self.free_by_addr.remove(&base);
+            self.free_by_end.remove(&(base + size));
             self.free_by_size.remove(&(stream, size, base, index));
             self.regions[index as usize] = None;
             decrease(&mut self.stats.segment, u64::MAX, 1);
@@ -1232,12 +1247,7 @@ impl HbmPolicy {
         // request: that is the largest piece the allocator could offer.
         let largest_free = match self.granule {
             Some(g) => self.free_spans(g, u64::MAX).iter().map(|v| v.3 * g).sum(),
-            None => self
-                .free_by_addr
-                .values()
-                .map(|f| f.size)
-                .max()
-                .unwrap_or(0),
+            None => self.free_by_end.values().map(|f| f.size).max().unwrap_or(0),
         };
         let pending: u64 = self
             .live
@@ -1338,12 +1348,11 @@ impl HbmPolicy {
                     });
                 }
                 // Free ranges overlapping the run, clipped to it.
-                let first_free = self
-                    .free_by_addr
-                    .range(..start)
-                    .next_back()
-                    .map_or(start, |(&p, _)| p);
-                for (&p, f) in self.free_by_addr.range(first_free..end) {
+                for (&free_end, f) in self.free_by_end.range(start + 1..) {
+                    let p = free_end - f.size;
+                    if p >= end {
+                        break;
+                    }
                     let lo = p.max(start);
                     let hi = (p + f.size).min(end);
                     if lo < hi {
@@ -1381,7 +1390,8 @@ impl HbmPolicy {
                 .or_default()
                 .push((p, b.size, true));
         }
-        for (&p, f) in &self.free_by_addr {
+        for (&free_end, f) in &self.free_by_end {
+            let p = free_end - f.size;
             by_region
                 .entry(f.region)
                 .or_default()
@@ -1396,7 +1406,7 @@ impl HbmPolicy {
                 return Err(format!("free range {p:#x} missing from the size index"));
             }
         }
-        if self.free_by_size.len() != self.free_by_addr.len() {
+        if self.free_by_size.len() != self.free_by_end.len() {
             return Err("size index and address index disagree".into());
         }
         let mut mapped_granules = 0u64;
