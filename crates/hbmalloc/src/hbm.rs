@@ -213,6 +213,20 @@ struct FreeRange {
     region: u32,
 }
 
+/// One stream's free ranges by (size, address), packed into one `u128` key
+/// (size high, address low) so the best-fit search compares plain integers:
+/// the smallest range that fits, lowest address on ties. Values: the region.
+#[derive(Debug)]
+struct SizeIndex {
+    stream: StreamId,
+    ranges: BTreeMap<u128, u32>,
+}
+
+#[inline]
+fn size_key(size: u64, ptr: DevicePtr) -> u128 {
+    (u128::from(size) << 64) | u128::from(ptr)
+}
+
 /// A virtual reservation owned by one stream, or (without a virtual-memory
 /// API) a plain segment.
 #[derive(Debug)]
@@ -220,6 +234,8 @@ struct Region {
     base: DevicePtr,
     size: u64,
     stream: StreamId,
+    /// The stream's entry in `HbmPolicy::free_by_size`.
+    size_index: usize,
     /// A plain segment: always fully backed, no granules.
     segment: bool,
     /// Granules in the region.
@@ -319,8 +335,9 @@ pub(crate) struct HbmPolicy {
     /// merge with the next range keeps that range's end, so both update the
     /// entry in place instead of removing and reinserting it.
     free_by_end: BTreeMap<DevicePtr, FreeRange>,
-    /// Free ranges by (stream, size, address): best fit, lowest address on ties.
-    free_by_size: BTreeSet<(StreamId, u64, DevicePtr, u32)>,
+    /// Free ranges per stream by (size, address), one entry per stream that
+    /// ever had a region (few: a linear search finds a stream's entry).
+    free_by_size: Vec<SizeIndex>,
     /// Physical memory held but not mapped: pieces of handles, taken from
     /// unmapped chunks (stolen, unpinned, or left over from failed maps).
     /// Any piece can be split at granule boundaries and mapped elsewhere.
@@ -376,7 +393,7 @@ impl HbmPolicy {
             regions: Vec::new(),
             live: FastMap::default(),
             free_by_end: BTreeMap::new(),
-            free_by_size: BTreeSet::new(),
+            free_by_size: Vec::new(),
             spare: Vec::new(),
             handles: BTreeMap::new(),
             pending_events: BTreeMap::new(),
@@ -439,7 +456,8 @@ impl HbmPolicy {
     /// Adds `[ptr, ptr + size)` of `region` to the free set, merging it with
     /// free neighbours in the same region.
     fn insert_free(&mut self, ptr: DevicePtr, size: u64, region: u32) {
-        let stream = self.region(region).stream;
+        let slot = self.region(region).size_index;
+        let sizes = &mut self.free_by_size[slot].ranges;
         let end = ptr + size;
         let mut start = ptr;
         // The previous range ends exactly at `ptr`.
@@ -447,17 +465,16 @@ impl HbmPolicy {
             if prev.region == region {
                 self.free_by_end.remove(&ptr);
                 start = ptr - prev.size;
-                self.free_by_size
-                    .remove(&(stream, prev.size, start, region));
+                sizes.remove(&size_key(prev.size, start));
             }
         }
         // The next range is the first to end after `end`; it is adjacent if
         // it starts there. Merged, it keeps its key: grow it in place.
         if let Some((&next_end, next)) = self.free_by_end.range_mut(end + 1..).next() {
             if next_end - next.size == end && next.region == region {
-                self.free_by_size.remove(&(stream, next.size, end, region));
+                sizes.remove(&size_key(next.size, end));
                 next.size = next_end - start;
-                self.free_by_size.insert((stream, next.size, start, region));
+                sizes.insert(size_key(next.size, start), region);
                 return;
             }
         }
@@ -468,14 +485,15 @@ impl HbmPolicy {
                 region,
             },
         );
-        self.free_by_size
-            .insert((stream, end - start, start, region));
+        sizes.insert(size_key(end - start, start), region);
     }
 
     /// Takes the first `size` bytes of the free range at `ptr` (of
     /// `range_size` bytes); the rest stays free.
-    fn carve(&mut self, stream: StreamId, ptr: DevicePtr, range_size: u64, region: u32, size: u64) {
-        self.free_by_size.remove(&(stream, range_size, ptr, region));
+    fn carve(&mut self, ptr: DevicePtr, range_size: u64, region: u32, size: u64) {
+        let slot = self.region(region).size_index;
+        let sizes = &mut self.free_by_size[slot].ranges;
+        sizes.remove(&size_key(range_size, ptr));
         let end = ptr + range_size;
         if range_size > size {
             // The rest keeps the range's end, hence its address-index entry.
@@ -484,8 +502,7 @@ impl HbmPolicy {
                 .get_mut(&end)
                 .expect("an indexed free range")
                 .size = rest_size;
-            self.free_by_size
-                .insert((stream, rest_size, ptr + size, region));
+            sizes.insert(size_key(rest_size, ptr + size), region);
         } else {
             self.free_by_end.remove(&end);
         }
@@ -515,17 +532,17 @@ impl HbmPolicy {
         self.peak_demand_bytes = self.peak_demand_bytes.max(demand);
         let mut retried = false;
         let (ptr, region) = loop {
-            let found = match self
+            let best = self
                 .free_by_size
-                .range((stream, size, 0, 0)..)
-                .next()
-                .filter(|k| k.0 == stream)
-            {
-                Some(&(_, range_size, ptr, region)) => Some((ptr, range_size, region)),
+                .iter()
+                .find(|index| index.stream == stream)
+                .and_then(|index| index.ranges.range(size_key(size, 0)..).next());
+            let found = match best {
+                Some((&key, &region)) => Some((key as u64, (key >> 64) as u64, region)),
                 None => self.new_region(dev, stream, size)?,
             };
             if let Some((ptr, range_size, region)) = found {
-                self.carve(stream, ptr, range_size, region, size);
+                self.carve(ptr, range_size, region, size);
                 match self.back_range(dev, ptr, size, region, retried) {
                     Ok(Backing::Done) => break (ptr, region),
                     Ok(Backing::OutOfMemory) => self.insert_free(ptr, size, region),
@@ -583,6 +600,16 @@ impl HbmPolicy {
         size: u64,
     ) -> Result<Option<(DevicePtr, u64, u32)>, AllocError> {
         let index = self.regions.len() as u32;
+        let size_index = match self.free_by_size.iter().position(|s| s.stream == stream) {
+            Some(slot) => slot,
+            None => {
+                self.free_by_size.push(SizeIndex {
+                    stream,
+                    ranges: BTreeMap::new(),
+                });
+                self.free_by_size.len() - 1
+            }
+        };
         let region = match self.granule {
             Some(granule) => {
                 let wanted = (self.device_total.saturating_mul(REGION_CAPACITY_FACTOR)).max(size);
@@ -593,6 +620,7 @@ impl HbmPolicy {
                     base,
                     size: region_size,
                     stream,
+                    size_index,
                     segment: false,
                     granules,
                     chunks: BTreeMap::new(),
@@ -620,6 +648,7 @@ impl HbmPolicy {
                     base,
                     size: segment_size,
                     stream,
+                    size_index,
                     segment: true,
                     granules: 0,
                     chunks: BTreeMap::new(),
@@ -1212,7 +1241,8 @@ impl HbmPolicy {
                 dev.address_free(base, size)?;
             }
             self.free_by_end.remove(&(base + size));
-            self.free_by_size.remove(&(stream, size, base, index));
+            let slot = self.region(index).size_index;
+            self.free_by_size[slot].ranges.remove(&size_key(size, base));
             self.regions[index as usize] = None;
             decrease(&mut self.stats.segment, u64::MAX, 1);
         }
@@ -1396,17 +1426,18 @@ impl HbmPolicy {
                 .entry(f.region)
                 .or_default()
                 .push((p, f.size, false));
-            let stream = self
+            let slot = self
                 .regions
                 .get(f.region as usize)
                 .and_then(|r| r.as_ref())
                 .ok_or_else(|| format!("free range {p:#x} in a dead region"))?
-                .stream;
-            if !self.free_by_size.contains(&(stream, f.size, p, f.region)) {
+                .size_index;
+            if self.free_by_size[slot].ranges.get(&size_key(f.size, p)) != Some(&f.region) {
                 return Err(format!("free range {p:#x} missing from the size index"));
             }
         }
-        if self.free_by_size.len() != self.free_by_end.len() {
+        let indexed: usize = self.free_by_size.iter().map(|s| s.ranges.len()).sum();
+        if indexed != self.free_by_end.len() {
             return Err("size index and address index disagree".into());
         }
         let mut mapped_granules = 0u64;
@@ -1604,6 +1635,7 @@ mod tests {
             base: 0,
             size: 200 * 4096,
             stream: StreamId(0),
+            size_index: 0,
             segment: false,
             granules: 200,
             chunks: BTreeMap::new(),
