@@ -245,24 +245,53 @@ struct Region {
     /// may be stitched together from several chunks.
     chunks: BTreeMap<u64, Chunk>,
     /// One bit per granule: mapped. Lets the hot path test a whole block's
-    /// granules 64 at a time.
+    /// granules 64 at a time. It grows with the highest granule ever mapped
+    /// (words past its end read as unmapped): a region spans twice the
+    /// device, and zeroing a bitmap for all of it on every new region cost
+    /// more than the rest of the replay on traces with many streams.
     mapped_bits: Vec<u64>,
 }
 
+/// Bits `lo..hi` of a word (`lo < hi <= 64`).
+#[inline]
+fn bit_mask(lo: u64, hi: u64) -> u64 {
+    if hi - lo == 64 {
+        u64::MAX
+    } else {
+        ((1u64 << (hi - lo)) - 1) << lo
+    }
+}
+
 impl Region {
-    fn is_mapped(&self, index: u64) -> bool {
-        self.segment || self.mapped_bits[(index / 64) as usize] & (1 << (index % 64)) != 0
+    #[inline]
+    fn mapped_word(&self, word: u64) -> u64 {
+        self.mapped_bits.get(word as usize).copied().unwrap_or(0)
     }
 
+    #[inline]
+    fn is_mapped(&self, index: u64) -> bool {
+        self.segment || self.mapped_word(index / 64) & (1 << (index % 64)) != 0
+    }
+
+    /// Sets or clears the bits of granules `[first, first + count)`, a word
+    /// at a time.
     fn set_mapped(&mut self, first: u64, count: u64, mapped: bool) {
-        for index in first..first + count {
-            let bit = 1u64 << (index % 64);
-            let word = &mut self.mapped_bits[(index / 64) as usize];
+        let end = first + count;
+        if mapped && self.mapped_bits.len() < end.div_ceil(64) as usize {
+            self.mapped_bits.resize(end.div_ceil(64) as usize, 0);
+        }
+        let mut i = first;
+        while i < end {
+            let lo = i % 64;
+            let hi = (end - (i - lo)).min(64);
+            let mask = bit_mask(lo, hi);
+            let word = &mut self.mapped_bits[(i / 64) as usize];
             if mapped {
-                *word |= bit;
+                *word |= mask;
             } else {
-                *word &= !bit;
+                *word &= !mask;
             }
+            i = i - lo + 64;
         }
     }
 
@@ -273,14 +302,10 @@ impl Region {
         }
         let mut i = first;
         while i < end {
-            let word = self.mapped_bits[(i / 64) as usize];
+            let word = self.mapped_word(i / 64);
             let lo = i % 64;
             let hi = (end - (i - lo)).min(64);
-            let mask = if hi - lo == 64 {
-                u64::MAX
-            } else {
-                ((1u64 << (hi - lo)) - 1) << lo
-            };
+            let mask = bit_mask(lo, hi);
             if word & mask != mask {
                 return false;
             }
@@ -624,7 +649,7 @@ impl HbmPolicy {
                     segment: false,
                     granules,
                     chunks: BTreeMap::new(),
-                    mapped_bits: vec![0; granules.div_ceil(64) as usize],
+                    mapped_bits: Vec::new(),
                 }
             }
             None => {
@@ -1650,5 +1675,13 @@ mod tests {
         r.set_mapped(100, 1, false);
         assert!(!r.all_mapped(64, 128));
         assert!(r.is_mapped(99) && !r.is_mapped(100));
+        // The bitmap grows on demand; granules past its end are unmapped.
+        r.mapped_bits.clear();
+        assert!(!r.is_mapped(150) && !r.all_mapped(150, 151) && r.all_mapped(150, 150));
+        r.set_mapped(130, 5, true);
+        assert_eq!(r.mapped_bits.len(), 3);
+        assert!(r.all_mapped(130, 135) && !r.all_mapped(129, 135) && !r.is_mapped(199));
+        r.set_mapped(131, 3, false);
+        assert!(r.is_mapped(130) && !r.is_mapped(131) && !r.is_mapped(133) && r.is_mapped(134));
     }
 }
