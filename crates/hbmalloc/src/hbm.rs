@@ -295,6 +295,31 @@ impl Region {
         }
     }
 
+    /// The first granule in `[from, limit)` whose mapped bit is `mapped`, or
+    /// `limit` (`from` when `from >= limit`). A segment is all mapped.
+    fn next_with(&self, from: u64, limit: u64, mapped: bool) -> u64 {
+        if from >= limit {
+            return from;
+        }
+        if self.segment {
+            return if mapped { from } else { limit };
+        }
+        let mut i = from;
+        while i < limit {
+            let lo = i % 64;
+            let mut word = self.mapped_word(i / 64);
+            if !mapped {
+                word = !word;
+            }
+            word &= u64::MAX << lo;
+            if word != 0 {
+                return (i - lo + u64::from(word.trailing_zeros())).min(limit);
+            }
+            i = i - lo + 64;
+        }
+        limit
+    }
+
     /// True when every granule in `[first, end)` is mapped.
     fn all_mapped(&self, first: u64, end: u64) -> bool {
         if self.segment {
@@ -835,15 +860,17 @@ impl HbmPolicy {
         if region.all_mapped(first, end) {
             return Ok(Backing::Done);
         }
-        // Maximal unmapped runs under the block.
+        // Maximal unmapped runs under the block, found a word at a time.
         let mut runs: Vec<(u64, u64)> = Vec::new();
-        for i in first..end {
-            if !region.is_mapped(i) {
-                match runs.last_mut() {
-                    Some((start, count)) if *start + *count == i => *count += 1,
-                    _ => runs.push((i, 1)),
-                }
+        let mut i = first;
+        while i < end {
+            let start = region.next_with(i, end, false);
+            if start == end {
+                break;
             }
+            let stop = region.next_with(start, end, true);
+            runs.push((start, stop - start));
+            i = stop;
         }
         let hard_limit = self.limit_bytes.unwrap_or(u64::MAX);
         let soft_limit = if pressed {
@@ -862,11 +889,10 @@ impl HbmPolicy {
         let budget = soft_limit.saturating_sub(self.held_bytes + needed) / granule;
         if let Some(last) = runs.last_mut() {
             let target = chunk_granules.min(last.1 + budget);
-            while last.1 < target
-                && last.0 + last.1 < region.granules
-                && !region.is_mapped(last.0 + last.1)
-            {
-                last.1 += 1;
+            if last.1 < target {
+                // Extend up to the next mapped granule, within the target.
+                let limit = (last.0 + target).min(region.granules);
+                last.1 = region.next_with(last.0 + last.1, limit, true) - last.0;
             }
         }
         for (start, count) in runs {
@@ -1683,5 +1709,12 @@ mod tests {
         assert!(r.all_mapped(130, 135) && !r.all_mapped(129, 135) && !r.is_mapped(199));
         r.set_mapped(131, 3, false);
         assert!(r.is_mapped(130) && !r.is_mapped(131) && !r.is_mapped(133) && r.is_mapped(134));
+        assert_eq!(r.next_with(0, 200, true), 130);
+        assert_eq!(r.next_with(130, 200, false), 131);
+        assert_eq!(r.next_with(131, 200, true), 134);
+        assert_eq!(r.next_with(135, 200, true), 200);
+        assert_eq!(r.next_with(0, 100, true), 100);
+        assert_eq!(r.next_with(150, 140, false), 150);
+        assert_eq!(r.next_with(0, 200, false), 0);
     }
 }
