@@ -71,6 +71,7 @@
 //! most 1 MiB, which count as small as in PyTorch. `inactive_split*` stays 0:
 //! `hbm` has no segments to split.
 
+use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::config::ConfigError;
@@ -506,26 +507,33 @@ impl HbmPolicy {
     /// Adds `[ptr, ptr + size)` of `region` to the free set, merging it with
     /// free neighbours in the same region.
     fn insert_free(&mut self, ptr: DevicePtr, size: u64, region: u32) {
-        let slot = self.region(region).size_index;
+        let (slot, region_end) = {
+            let r = self.region(region);
+            (r.size_index, r.base + r.size)
+        };
         let sizes = &mut self.free_by_size[slot].ranges;
         let end = ptr + size;
         let mut start = ptr;
-        // The previous range ends exactly at `ptr`.
-        if let Some(&prev) = self.free_by_end.get(&ptr) {
-            if prev.region == region {
-                self.free_by_end.remove(&ptr);
+        // The previous range ends exactly at `ptr` (one search: an entry).
+        if let Entry::Occupied(prev) = self.free_by_end.entry(ptr) {
+            if prev.get().region == region {
+                let prev = prev.remove();
                 start = ptr - prev.size;
                 sizes.remove(&size_key(prev.size, start));
             }
         }
         // The next range is the first to end after `end`; it is adjacent if
         // it starts there. Merged, it keeps its key: grow it in place.
-        if let Some((&next_end, next)) = self.free_by_end.range_mut(end + 1..).next() {
-            if next_end - next.size == end && next.region == region {
-                sizes.remove(&size_key(next.size, end));
-                next.size = next_end - start;
-                sizes.insert(size_key(next.size, start), region);
-                return;
+        // Blocks tile the region, so when a live block starts at `end` (a
+        // hash lookup) there is no free neighbour and no ordered search.
+        if end < region_end && !self.live.contains_key(&end) {
+            if let Some((&next_end, next)) = self.free_by_end.range_mut(end + 1..).next() {
+                if next_end - next.size == end && next.region == region {
+                    sizes.remove(&size_key(next.size, end));
+                    next.size = next_end - start;
+                    sizes.insert(size_key(next.size, start), region);
+                    return;
+                }
             }
         }
         self.free_by_end.insert(
