@@ -394,7 +394,7 @@ pub(crate) struct HbmPolicy {
     /// Any piece can be split at granule boundaries and mapped elsewhere.
     spare: Vec<Piece>,
     /// Every physical handle held, with how much of it is mapped.
-    handles: BTreeMap<PhysicalHandle, HandleInfo>,
+    handles: FastMap<PhysicalHandle, HandleInfo>,
     /// Pending end-of-use events, per stream, in record order.
     pending_events: BTreeMap<StreamId, VecDeque<(EventId, DevicePtr)>>,
     /// Events whose synchronization failed: retired at the next full
@@ -446,7 +446,7 @@ impl HbmPolicy {
             free_by_end: BTreeMap::new(),
             free_by_size: Vec::new(),
             spare: Vec::new(),
-            handles: BTreeMap::new(),
+            handles: FastMap::default(),
             pending_events: BTreeMap::new(),
             stray_events: Vec::new(),
             held_bytes: 0,
@@ -1077,20 +1077,23 @@ impl HbmPolicy {
             }
         }
         for &(region_index, start, _, _) in victims {
-            let region = self.region(region_index);
-            let chunk = region.chunks[&start];
+            // Taken out first (one search); put back if the unmap fails.
+            let region = self.region_mut(region_index);
+            let chunk = region.chunks.remove(&start).expect("a mapped chunk");
             let va = region.base + start * granule;
             let stream = region.stream;
             let bytes = chunk.count * granule;
-            dev.unmap(va, bytes)?;
+            if let Err(e) = dev.unmap(va, bytes) {
+                self.region_mut(region_index).chunks.insert(start, chunk);
+                return Err(e.into());
+            }
             self.stats.num_device_free += 1;
             self.history.record(Action::SegmentUnmap, va, bytes, stream);
             if let Some(info) = self.handles.get_mut(&chunk.handle) {
                 info.mapped -= bytes;
             }
-            let region = self.region_mut(region_index);
-            region.chunks.remove(&start);
-            region.set_mapped(start, chunk.count, false);
+            self.region_mut(region_index)
+                .set_mapped(start, chunk.count, false);
             self.spare.push(Piece {
                 handle: chunk.handle,
                 offset: chunk.offset,
@@ -1102,12 +1105,14 @@ impl HbmPolicy {
 
     /// Releases every handle of which nothing is mapped.
     fn release_spares(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
-        let idle: Vec<PhysicalHandle> = self
+        let mut idle: Vec<PhysicalHandle> = self
             .handles
             .iter()
             .filter(|(_, info)| info.mapped == 0)
             .map(|(&h, _)| h)
             .collect();
+        // In handle order, as the calls are recorded.
+        idle.sort_unstable();
         for handle in idle {
             dev.physical_release(handle)?;
             let info = self.handles.remove(&handle).expect("a held handle");
