@@ -59,9 +59,16 @@
 //! Measured figures: `hbmalloc compare ../shared/traces/pytorch-snapshots/*
 //! ../shared/traces/profiler-cpu/* --json` (release build).
 //!
-//! Hot path (a cache hit): one ordered-set lookup for best fit, a few
-//! ordered-map updates to split, one hash insert, and a bitmap test that the
-//! granules are mapped. No device call, `O(log n)`.
+//! Hot path (a cache hit): one ordered-map lookup for best fit in the
+//! stream's size index (`u128` keys: size, then address), a remove and an
+//! insert there to split, an in-place update of the address index (keyed by
+//! a range's end, which a split from the front keeps), one hash insert, and
+//! a bitmap test that the granules are mapped. A free: one entry search for
+//! a free range ending at the block, one hash probe for a live block after
+//! it (skipping the ordered search when there is one), and the size-index
+//! updates. No device call, `O(log n)`. (Measured with callgrind on the
+//! replay of `gpt2_train`: about 1,200 instructions per malloc and 1,000 per
+//! free, mostly B-tree upkeep.)
 //!
 //! Statistics keep PyTorch's meanings where they carry over: `reserved_bytes`
 //! is physical memory held (mapped granules plus spare handles, or segments),
