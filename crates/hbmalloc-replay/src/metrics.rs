@@ -149,7 +149,7 @@ pub fn evaluate(
     Ok(Metrics {
         trace: source.to_string(),
         device: trace.device,
-        settings: settings_of(&options.policy),
+        settings: options.policy.to_settings(),
         ops,
         peak_live_bytes: peak_live,
         peak_reserved_bytes: run.peak_reserved_bytes,
@@ -175,11 +175,6 @@ pub fn evaluate(
         final_stats: run.final_stats,
         reproduced_ooms: run.reproduced_ooms,
     })
-}
-
-/// The settings string of a policy configuration.
-pub fn settings_of(policy: &PolicyConfig) -> String {
-    policy.to_settings()
 }
 
 fn ratio(a: u64, b: u64) -> f64 {
