@@ -53,6 +53,12 @@ pub type CUevent = *mut c_void;
 /// A stream handle (`CUstream`).
 pub type CUstream = *mut c_void;
 
+// The C types below are declared again here, not shared with
+// `hbmalloc-cuda`'s own declarations, on purpose: the double stands in for
+// `cuda.h`, so a layout mistake in the code under test must not be copied
+// into the double that is meant to catch it. Both sides pin their sizes and
+// offsets against `cuda.h` in unit tests.
+
 /// `CUmemLocation`, laid out as in `cuda.h`.
 #[repr(C)]
 #[derive(Copy, Clone, Debug)]
