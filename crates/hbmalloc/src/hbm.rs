@@ -86,7 +86,7 @@ use crate::device::{Device, DevicePtr, EventId, PhysicalHandle, StreamId};
 use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::history::{Action, History};
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
-use crate::stats::{DeviceStats, Stat, StatType};
+use crate::stats::{decrease_pool, increase_pool, DeviceStats, StatArray};
 use crate::{FastMap, SegmentImage};
 
 const MIB: u64 = 1 << 20;
@@ -418,25 +418,13 @@ pub(crate) struct HbmPolicy {
     history: History,
 }
 
-fn stat_types(size: u64) -> [usize; 2] {
-    let pool = if size <= SMALL_SIZE {
-        StatType::SmallPool
-    } else {
-        StatType::LargePool
-    };
-    [StatType::Aggregate as usize, pool as usize]
+/// Statistics count blocks of at most 1 MiB in the small pool, as PyTorch does.
+fn increase(array: &mut StatArray, size: u64, amount: u64) {
+    increase_pool(array, size <= SMALL_SIZE, amount);
 }
 
-fn increase(array: &mut [Stat; 3], size: u64, amount: u64) {
-    for t in stat_types(size) {
-        array[t].increase(amount as i64);
-    }
-}
-
-fn decrease(array: &mut [Stat; 3], size: u64, amount: u64) {
-    for t in stat_types(size) {
-        array[t].decrease(amount as i64);
-    }
+fn decrease(array: &mut StatArray, size: u64, amount: u64) {
+    decrease_pool(array, size <= SMALL_SIZE, amount);
 }
 
 impl HbmPolicy {

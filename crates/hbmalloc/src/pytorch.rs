@@ -29,7 +29,7 @@ use crate::device::{Device, DevicePtr, EventId, PhysicalHandle, StreamId};
 use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::history::{Action, History};
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
-use crate::stats::{DeviceStats, Stat, StatType};
+use crate::stats::{decrease_pool, increase_pool, pool_rows, DeviceStats, Stat};
 use crate::{FastMap, SegmentImage};
 
 /// Deliberately broken behaviour, for proving that the simulation harness
@@ -262,29 +262,6 @@ impl PytorchPolicy {
             .remove(&(b.stream, b.ptr, id))
     }
 
-    // ----- statistics -----
-
-    fn stat_types(small: bool) -> [usize; 2] {
-        let pool = if small {
-            StatType::SmallPool
-        } else {
-            StatType::LargePool
-        };
-        [StatType::Aggregate as usize, pool as usize]
-    }
-
-    fn increase(array: &mut [Stat; 3], small: bool, amount: u64) {
-        for t in Self::stat_types(small) {
-            array[t].increase(amount as i64);
-        }
-    }
-
-    fn decrease(array: &mut [Stat; 3], small: bool, amount: u64) {
-        for t in Self::stat_types(small) {
-            array[t].decrease(amount as i64);
-        }
-    }
-
     // ----- sizes -----
 
     fn allocation_size(&self, size: u64) -> u64 {
@@ -448,8 +425,8 @@ impl PytorchPolicy {
         };
         self.total_allocated_memory += alloc_size;
         let id = self.new_block(Block::new(ptr, alloc_size, stream, small));
-        Self::increase(&mut self.stats.segment, small, 1);
-        Self::increase(&mut self.stats.reserved_bytes, small, alloc_size);
+        increase_pool(&mut self.stats.segment, small, 1);
+        increase_pool(&mut self.stats.reserved_bytes, small, alloc_size);
         if alloc_size >= self.config.max_split_size {
             self.stats.oversize_segments.increase(1);
         }
@@ -492,16 +469,16 @@ impl PytorchPolicy {
             self.pool_insert(remaining);
             if already_split && !expandable {
                 // An already-split inactive block shrinks by `size` bytes.
-                Self::decrease(&mut self.stats.inactive_split_bytes, small, size);
+                decrease_pool(&mut self.stats.inactive_split_bytes, small, size);
             } else if !expandable {
                 // A new inactive split block is created from an unsplit one.
-                Self::increase(&mut self.stats.inactive_split_bytes, small, remaining_size);
-                Self::increase(&mut self.stats.inactive_split, small, 1);
+                increase_pool(&mut self.stats.inactive_split_bytes, small, remaining_size);
+                increase_pool(&mut self.stats.inactive_split, small, 1);
             }
         } else if already_split && !expandable {
             let block_size = self.b(id).size;
-            Self::decrease(&mut self.stats.inactive_split_bytes, small, block_size);
-            Self::decrease(&mut self.stats.inactive_split, small, 1);
+            decrease_pool(&mut self.stats.inactive_split_bytes, small, block_size);
+            decrease_pool(&mut self.stats.inactive_split, small, 1);
         }
         let b = self.bm(block);
         b.allocated = true;
@@ -509,11 +486,11 @@ impl PytorchPolicy {
         let (ptr, block_size, stream) = (b.ptr, b.size, b.stream);
         self.history.record(Action::Alloc, ptr, orig_size, stream);
         self.allocated_blocks.insert(ptr, block);
-        Self::increase(&mut self.stats.allocation, small, 1);
-        Self::increase(&mut self.stats.allocated_bytes, small, block_size);
-        Self::increase(&mut self.stats.active, small, 1);
-        Self::increase(&mut self.stats.active_bytes, small, block_size);
-        Self::increase(&mut self.stats.requested_bytes, small, orig_size);
+        increase_pool(&mut self.stats.allocation, small, 1);
+        increase_pool(&mut self.stats.allocated_bytes, small, block_size);
+        increase_pool(&mut self.stats.active, small, 1);
+        increase_pool(&mut self.stats.active_bytes, small, block_size);
+        increase_pool(&mut self.stats.requested_bytes, small, orig_size);
         if block_size >= self.config.max_split_size {
             self.stats.oversize_allocations.increase(1);
         }
@@ -529,8 +506,8 @@ impl PytorchPolicy {
         let b = self.bm(id);
         b.allocated = false;
         let (small, size, requested, stream) = (b.small, b.size, b.requested_size, b.stream);
-        Self::decrease(&mut self.stats.allocation, small, 1);
-        Self::decrease(&mut self.stats.allocated_bytes, small, size);
+        decrease_pool(&mut self.stats.allocation, small, 1);
+        decrease_pool(&mut self.stats.allocated_bytes, small, size);
         self.history
             .record(Action::FreeRequested, ptr, requested, stream);
         if size >= self.config.max_split_size {
@@ -736,14 +713,14 @@ impl PytorchPolicy {
         // Expandable segments are left out of inactive_split: their fully free
         // pages can always be released.
         if b.expandable.is_none() {
-            for t in Self::stat_types(small) {
+            for t in pool_rows(small) {
                 apply_net(&mut self.stats.inactive_split[t], net_blocks);
                 apply_net(&mut self.stats.inactive_split_bytes[t], net_bytes);
             }
         }
-        Self::decrease(&mut self.stats.active, small, 1);
-        Self::decrease(&mut self.stats.active_bytes, small, original_size);
-        Self::decrease(&mut self.stats.requested_bytes, small, requested);
+        decrease_pool(&mut self.stats.active, small, 1);
+        decrease_pool(&mut self.stats.active_bytes, small, original_size);
+        decrease_pool(&mut self.stats.requested_bytes, small, requested);
         self.bm(id).requested_size = 0;
     }
 
@@ -799,7 +776,7 @@ impl PytorchPolicy {
             let (size, small) = (page.size, page.small);
             self.stray_pages.pop();
             self.total_allocated_memory -= size;
-            Self::decrease(&mut self.stats.reserved_bytes, small, size);
+            decrease_pool(&mut self.stats.reserved_bytes, small, size);
             self.stats.num_device_free += 1;
         }
         Ok(())
@@ -815,8 +792,8 @@ impl PytorchPolicy {
         self.stats.num_device_free += 1;
         self.history.record(Action::SegmentFree, ptr, size, stream);
         self.total_allocated_memory -= size;
-        Self::decrease(&mut self.stats.segment, small, 1);
-        Self::decrease(&mut self.stats.reserved_bytes, small, size);
+        decrease_pool(&mut self.stats.segment, small, 1);
+        decrease_pool(&mut self.stats.reserved_bytes, small, size);
         if size >= self.config.max_split_size {
             self.stats.oversize_segments.decrease(1);
         }
@@ -1102,7 +1079,7 @@ impl PytorchPolicy {
         for mut page in pages {
             page.small = small;
             self.total_allocated_memory += page.size;
-            Self::increase(&mut self.stats.reserved_bytes, small, page.size);
+            increase_pool(&mut self.stats.reserved_bytes, small, page.size);
             self.stray_pages.push(page);
         }
     }
@@ -1152,7 +1129,7 @@ impl PytorchPolicy {
         self.try_merge_blocks(id, next);
         self.pool_insert(id);
         self.total_allocated_memory += mapped_size;
-        Self::increase(&mut self.stats.reserved_bytes, small, mapped_size);
+        increase_pool(&mut self.stats.reserved_bytes, small, mapped_size);
         self.stats.num_device_alloc += 1;
         self.history
             .record(Action::SegmentMap, mapped_ptr, mapped_size, stream);
@@ -1275,7 +1252,7 @@ impl PytorchPolicy {
         self.unmapped_insert(id);
         // Stray pages stay counted as reserved until they are released.
         self.total_allocated_memory -= unmapped_size - stray_bytes;
-        Self::decrease(
+        decrease_pool(
             &mut self.stats.reserved_bytes,
             small,
             unmapped_size - stray_bytes,

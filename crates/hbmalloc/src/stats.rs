@@ -61,6 +61,31 @@ pub enum StatType {
 /// One statistic for the aggregate, small pool and large pool (indexed by [`StatType`]).
 pub type StatArray = [Stat; 3];
 
+/// The rows of a [`StatArray`] that one block touches: the aggregate and
+/// its pool (PyTorch's `get_stat_types_for_pool`).
+pub(crate) fn pool_rows(small: bool) -> [usize; 2] {
+    let pool = if small {
+        StatType::SmallPool
+    } else {
+        StatType::LargePool
+    };
+    [StatType::Aggregate as usize, pool as usize]
+}
+
+/// Adds `amount` to the aggregate row and the block's pool row.
+pub(crate) fn increase_pool(array: &mut StatArray, small: bool, amount: u64) {
+    for row in pool_rows(small) {
+        array[row].increase(amount as i64);
+    }
+}
+
+/// Removes `amount` from the aggregate row and the block's pool row.
+pub(crate) fn decrease_pool(array: &mut StatArray, small: bool, amount: u64) {
+    for row in pool_rows(small) {
+        array[row].decrease(amount as i64);
+    }
+}
+
 /// All statistics of one device's allocator, as PyTorch's `DeviceStats`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DeviceStats {
