@@ -109,6 +109,13 @@ const MAX_CHUNK_GRANULES: u64 = 32;
 /// allowance: memory mapped ahead is pinned by the first small block placed
 /// in it, so larger chunks trade efficiency for fewer calls.
 const MAX_MAP_AHEAD_PERCENT: f64 = 2.0;
+/// Most addresses one physical granule is mapped at: each alias costs a map
+/// call once and a page-table entry for good, so a granule that has moved
+/// this often is moved (unmapped) rather than mapped once more.
+const MAX_VIEWS: usize = 4;
+/// Free ranges a request looks at, in best-fit order, for one whose aliased
+/// granules are not in use elsewhere, before it opens a new region.
+const MAX_CANDIDATES: usize = 32;
 
 /// Configuration of policy `hbm`, in the `key:value,key:value` syntax.
 ///
@@ -252,12 +259,13 @@ struct Region {
     /// `map` call) of a sub-range of one physical handle; a run of granules
     /// may be stitched together from several chunks.
     chunks: BTreeMap<u64, Chunk>,
-    /// One bit per granule: mapped. Lets the hot path test a whole block's
-    /// granules 64 at a time. It grows with the highest granule ever mapped
-    /// (words past its end read as unmapped): a region spans twice the
-    /// device, and zeroing a bitmap for all of it on every new region cost
-    /// more than the rest of the replay on traces with many streams.
-    mapped_bits: Vec<u64>,
+    /// Mapped granules. Lets the hot path test a whole block's granules 64
+    /// at a time.
+    mapped: Bitmap,
+    /// Granules whose physical memory is mapped at another address too (a
+    /// stitched alias, see [`Alias`]): a block placed over them must first
+    /// check that no live block uses that memory elsewhere.
+    aliased: Bitmap,
 }
 
 /// Bits `lo..hi` of a word (`lo < hi <= 64`).
@@ -270,31 +278,39 @@ fn bit_mask(lo: u64, hi: u64) -> u64 {
     }
 }
 
-impl Region {
+/// One bit per granule. It grows with the highest bit ever set (words past
+/// its end read as zero): a region spans twice the device, and zeroing a
+/// bitmap for all of it on every new region cost more than the rest of the
+/// replay on traces with many streams.
+#[derive(Debug, Default)]
+struct Bitmap(Vec<u64>);
+
+impl Bitmap {
     #[inline]
-    fn mapped_word(&self, word: u64) -> u64 {
-        self.mapped_bits.get(word as usize).copied().unwrap_or(0)
+    fn word(&self, word: u64) -> u64 {
+        self.0.get(word as usize).copied().unwrap_or(0)
     }
 
     #[inline]
-    fn is_mapped(&self, index: u64) -> bool {
-        self.segment || self.mapped_word(index / 64) & (1 << (index % 64)) != 0
+    fn get(&self, index: u64) -> bool {
+        self.word(index / 64) & (1 << (index % 64)) != 0
     }
 
-    /// Sets or clears the bits of granules `[first, first + count)`, a word
-    /// at a time.
-    fn set_mapped(&mut self, first: u64, count: u64, mapped: bool) {
+    /// Sets or clears bits `[first, first + count)`, a word at a time.
+    fn set(&mut self, first: u64, count: u64, value: bool) {
         let end = first + count;
-        if mapped && self.mapped_bits.len() < end.div_ceil(64) as usize {
-            self.mapped_bits.resize(end.div_ceil(64) as usize, 0);
+        if value && self.0.len() < end.div_ceil(64) as usize {
+            self.0.resize(end.div_ceil(64) as usize, 0);
         }
         let mut i = first;
         while i < end {
             let lo = i % 64;
             let hi = (end - (i - lo)).min(64);
             let mask = bit_mask(lo, hi);
-            let word = &mut self.mapped_bits[(i / 64) as usize];
-            if mapped {
+            let Some(word) = self.0.get_mut((i / 64) as usize) else {
+                break; // clearing past the end: already zero
+            };
+            if value {
                 *word |= mask;
             } else {
                 *word &= !mask;
@@ -303,20 +319,17 @@ impl Region {
         }
     }
 
-    /// The first granule in `[from, limit)` whose mapped bit is `mapped`, or
-    /// `limit` (`from` when `from >= limit`). A segment is all mapped.
-    fn next_with(&self, from: u64, limit: u64, mapped: bool) -> u64 {
+    /// The first index in `[from, limit)` whose bit is `value`, or `limit`
+    /// (`from` when `from >= limit`).
+    fn next_with(&self, from: u64, limit: u64, value: bool) -> u64 {
         if from >= limit {
             return from;
-        }
-        if self.segment {
-            return if mapped { from } else { limit };
         }
         let mut i = from;
         while i < limit {
             let lo = i % 64;
-            let mut word = self.mapped_word(i / 64);
-            if !mapped {
+            let mut word = self.word(i / 64);
+            if !value {
                 word = !word;
             }
             word &= u64::MAX << lo;
@@ -328,14 +341,11 @@ impl Region {
         limit
     }
 
-    /// True when every granule in `[first, end)` is mapped.
-    fn all_mapped(&self, first: u64, end: u64) -> bool {
-        if self.segment {
-            return true;
-        }
+    /// True when every bit in `[first, end)` is set.
+    fn all(&self, first: u64, end: u64) -> bool {
         let mut i = first;
         while i < end {
-            let word = self.mapped_word(i / 64);
+            let word = self.word(i / 64);
             let lo = i % 64;
             let hi = (end - (i - lo)).min(64);
             let mask = bit_mask(lo, hi);
@@ -346,6 +356,37 @@ impl Region {
         }
         true
     }
+
+    /// True when some bit in `[first, end)` is set.
+    #[inline]
+    fn any(&self, first: u64, end: u64) -> bool {
+        self.next_with(first, end, true) < end
+    }
+
+    fn count_ones(&self) -> u64 {
+        self.0.iter().map(|w| u64::from(w.count_ones())).sum()
+    }
+}
+
+impl Region {
+    #[inline]
+    fn is_mapped(&self, index: u64) -> bool {
+        self.segment || self.mapped.get(index)
+    }
+
+    /// The first granule in `[from, limit)` whose mapped bit is `mapped`, or
+    /// `limit` (`from` when `from >= limit`). A segment is all mapped.
+    fn next_with(&self, from: u64, limit: u64, mapped: bool) -> u64 {
+        if self.segment && from < limit {
+            return if mapped { from } else { limit };
+        }
+        self.mapped.next_with(from, limit, mapped)
+    }
+
+    /// True when every granule in `[first, end)` is mapped.
+    fn all_mapped(&self, first: u64, end: u64) -> bool {
+        self.segment || self.mapped.all(first, end)
+    }
 }
 
 /// One mapping: `count` granules of `handle`, from byte `offset` of it.
@@ -354,6 +395,34 @@ struct Chunk {
     count: u64,
     handle: PhysicalHandle,
     offset: u64,
+}
+
+/// A granule of physical memory: its handle and byte offset in it.
+type PhysicalGranule = (PhysicalHandle, u64);
+
+/// A place a granule is mapped: region index and granule in it.
+type View = (u32, u64);
+
+/// Granules `[.1, .2)` of region `.0`.
+type GranuleSpan = (u32, u64, u64);
+
+/// A physical granule mapped at several addresses (*stitched*, as in GMLake).
+///
+/// When a request needs memory and the allowance is spent, granules lying
+/// free elsewhere are mapped under it a second time rather than moved: the
+/// old mapping stays, so when the program later wants memory at either
+/// address again it is still mapped there, and a repeating step makes no
+/// driver call. Only one view may be in use at a time; the entry says which.
+/// Entries exist only for granules with two or more views.
+#[derive(Clone, Debug)]
+struct Alias {
+    /// Where it is mapped: at least two views, at most [`MAX_VIEWS`].
+    views: Vec<View>,
+    /// The view that uses it now (when `blocks > 0`) or used it last. A
+    /// different stream taking it over first waits for this view's stream.
+    user: View,
+    /// Live or pending-free blocks lying on it through `user`.
+    blocks: u32,
 }
 
 /// Physical memory held but not mapped: `bytes` of `handle` from `offset`.
@@ -400,8 +469,11 @@ pub(crate) struct HbmPolicy {
     /// unmapped chunks (stolen, unpinned, or left over from failed maps).
     /// Any piece can be split at granule boundaries and mapped elsewhere.
     spare: Vec<Piece>,
-    /// Every physical handle held, with how much of it is mapped.
+    /// Every physical handle held, with how much of it is mapped (counting
+    /// each view of an aliased granule).
     handles: FastMap<PhysicalHandle, HandleInfo>,
+    /// Physical granules mapped at more than one address.
+    aliases: FastMap<PhysicalGranule, Alias>,
     /// Pending end-of-use events, per stream, in record order.
     pending_events: BTreeMap<StreamId, VecDeque<(EventId, DevicePtr)>>,
     /// Events whose synchronization failed: retired at the next full
@@ -442,6 +514,7 @@ impl HbmPolicy {
             free_by_size: Vec::new(),
             spare: Vec::new(),
             handles: FastMap::default(),
+            aliases: FastMap::default(),
             pending_events: BTreeMap::new(),
             stray_events: Vec::new(),
             held_bytes: 0,
@@ -585,19 +658,25 @@ impl HbmPolicy {
         self.peak_demand_bytes = self.peak_demand_bytes.max(demand);
         let mut retried = false;
         let (ptr, region) = loop {
-            let best = self
-                .free_by_size
-                .iter()
-                .find(|index| index.stream == stream)
-                .and_then(|index| index.ranges.range(size_key(size, 0)..).next());
-            let found = match best {
-                Some((&key, &region)) => Some((key as u64, (key >> 64) as u64, region)),
-                None => self.new_region(dev, stream, size)?,
+            let found = match self.find_free(stream, size) {
+                Some(found) => Some(found),
+                None => self
+                    .new_region(dev, stream, size)?
+                    .map(|(ptr, range_size, region)| (ptr, range_size, region, ptr)),
             };
-            if let Some((ptr, range_size, region)) = found {
-                self.carve(ptr, range_size, region, size);
+            if let Some((start, range_size, region, ptr)) = found {
+                self.carve(start, range_size, region, ptr - start + size);
+                if ptr > start {
+                    self.insert_free(start, ptr - start, region);
+                }
                 match self.back_range(dev, ptr, size, region, retried) {
-                    Ok(Backing::Done) => break (ptr, region),
+                    Ok(Backing::Done) => match self.claim(dev, region, ptr, size) {
+                        Ok(()) => break (ptr, region),
+                        Err(e) => {
+                            self.insert_free(ptr, size, region);
+                            return Err(e);
+                        }
+                    },
                     Ok(Backing::OutOfMemory) => self.insert_free(ptr, size, region),
                     Err(e) => {
                         self.insert_free(ptr, size, region);
@@ -644,6 +723,39 @@ impl HbmPolicy {
         Ok(ptr)
     }
 
+    /// Where a block of `size` bytes goes: the best-fit free range of
+    /// `stream` (smallest, then lowest address) whose aliased granules no
+    /// live block uses elsewhere; failing that, the first of those ranges
+    /// with room past such granules. As (range start, range size, region,
+    /// block address).
+    #[inline]
+    fn find_free(&self, stream: StreamId, size: u64) -> Option<(DevicePtr, u64, u32, DevicePtr)> {
+        let index = self
+            .free_by_size
+            .iter()
+            .find(|index| index.stream == stream)?;
+        let mut fallback = None;
+        for (&key, &region) in index.ranges.range(size_key(size, 0)..).take(MAX_CANDIDATES) {
+            let (ptr, range_size) = (key as u64, (key >> 64) as u64);
+            let Some(mut busy_end) = self.busy_end(region, ptr, size) else {
+                return Some((ptr, range_size, region, ptr));
+            };
+            if fallback.is_none() {
+                // Slide past the memory in use elsewhere, within the range.
+                while busy_end + size <= ptr + range_size {
+                    match self.busy_end(region, busy_end, size) {
+                        None => {
+                            fallback = Some((ptr, range_size, region, busy_end));
+                            break;
+                        }
+                        Some(end) => busy_end = end,
+                    }
+                }
+            }
+        }
+        fallback
+    }
+
     /// Reserves a new region for `stream` big enough for `size`; returns it as
     /// one free range, or `None` when the device has no memory for a segment.
     fn new_region(
@@ -677,7 +789,8 @@ impl HbmPolicy {
                     segment: false,
                     granules,
                     chunks: BTreeMap::new(),
-                    mapped_bits: Vec::new(),
+                    mapped: Bitmap::default(),
+                    aliased: Bitmap::default(),
                 }
             }
             None => {
@@ -705,7 +818,8 @@ impl HbmPolicy {
                     segment: true,
                     granules: 0,
                     chunks: BTreeMap::new(),
-                    mapped_bits: Vec::new(),
+                    mapped: Bitmap::default(),
+                    aliased: Bitmap::default(),
                 }
             }
         };
@@ -771,6 +885,7 @@ impl HbmPolicy {
                 step,
                 handle,
                 offset,
+                false,
             );
             done += step;
             if let Err(e) = mapped {
@@ -802,6 +917,7 @@ impl HbmPolicy {
         count: u64,
         handle: PhysicalHandle,
         offset: u64,
+        alias: bool,
     ) -> Result<(), AllocError> {
         let (va, stream) = {
             let r = self.region(region_index);
@@ -813,8 +929,11 @@ impl HbmPolicy {
             offset,
             bytes,
         };
+        // A failed alias loses nothing: the memory is still mapped elsewhere.
         if let Err(e) = dev.map(va, bytes, handle, offset) {
-            self.spare.push(piece);
+            if !alias {
+                self.spare.push(piece);
+            }
             return Err(e.into());
         }
         self.stats.num_device_alloc += 1;
@@ -822,7 +941,9 @@ impl HbmPolicy {
             // Never leave memory mapped without access.
             if dev.unmap(va, bytes).is_ok() {
                 self.stats.num_device_free += 1;
-                self.spare.push(piece);
+                if !alias {
+                    self.spare.push(piece);
+                }
                 return Err(e.into());
             }
             // Could not undo: keep it as a chunk, so the books stay right.
@@ -839,7 +960,7 @@ impl HbmPolicy {
                 offset,
             },
         );
-        region.set_mapped(first, count, true);
+        region.mapped.set(first, count, true);
         self.history.record(Action::SegmentMap, va, bytes, stream);
         Ok(())
     }
@@ -898,16 +1019,14 @@ impl HbmPolicy {
                 last.1 = region.next_with(last.0 + last.1, limit, true) - last.0;
             }
         }
+        // Memory already stitched under this range is not taken again.
+        let span = (
+            region_index,
+            first,
+            runs.last().map_or(end, |r| (r.0 + r.1).max(end)),
+        );
         for (start, count) in runs {
-            if !self.back_run(
-                dev,
-                granule,
-                region_index,
-                start,
-                count,
-                soft_limit,
-                hard_limit,
-            )? {
+            if !self.back_run(dev, granule, span, start, count, soft_limit, hard_limit)? {
                 return Ok(Backing::OutOfMemory);
             }
         }
@@ -915,20 +1034,22 @@ impl HbmPolicy {
     }
 
     /// Backs the unmapped granules `[start, start + count)`: spare pieces;
-    /// one new handle within the allowance; chunks lying wholly in free
-    /// ranges, stolen (unmapped, stitched in here); one new handle within
-    /// the hard limit. False: out of memory.
+    /// one new handle within the allowance; idle granules of chunks lying
+    /// wholly in free ranges, mapped here too ([`Alias`]); such chunks
+    /// stolen (unmapped, stitched in here); one new handle within the hard
+    /// limit. False: out of memory.
     #[allow(clippy::too_many_arguments)]
     fn back_run(
         &mut self,
         dev: &dyn Device,
         granule: u64,
-        region_index: u32,
+        span: GranuleSpan,
         start: u64,
         count: u64,
         soft_limit: u64,
         hard_limit: u64,
     ) -> Result<bool, AllocError> {
+        let region_index = span.0;
         let end = start + count;
         let mut cursor = self.stitch_spares(dev, granule, region_index, start, end)?;
         if cursor == end {
@@ -937,6 +1058,10 @@ impl HbmPolicy {
         let remaining = (end - cursor) * granule;
         if let Some(handle) = self.create(dev, remaining, soft_limit)? {
             self.map_new_handle(dev, granule, region_index, cursor, end - cursor, handle)?;
+            return Ok(true);
+        }
+        cursor = self.alias_idle(dev, granule, span, cursor, end)?;
+        if cursor == end {
             return Ok(true);
         }
         let remaining = (end - cursor) * granule;
@@ -999,6 +1124,7 @@ impl HbmPolicy {
                 take / granule,
                 piece.handle,
                 piece.offset,
+                false,
             )?;
             cursor += take / granule;
         }
@@ -1008,8 +1134,7 @@ impl HbmPolicy {
     /// Granules lying wholly inside free ranges, highest address first
     /// (placement favours low addresses, so the top is the least likely to be
     /// wanted again soon), until they add up to `bytes`: as (region, chunk
-    /// start, first granule, granules). `whole_only`: only chunks that lie
-    /// wholly in a free range.
+    /// start, first granule, granules).
     fn free_spans(&self, granule: u64, bytes: u64) -> Vec<(u32, u64, u64, u64)> {
         let mut victims = Vec::new();
         let mut found = 0u64;
@@ -1087,15 +1212,331 @@ impl HbmPolicy {
             if let Some(info) = self.handles.get_mut(&chunk.handle) {
                 info.mapped -= bytes;
             }
-            self.region_mut(region_index)
-                .set_mapped(start, chunk.count, false);
-            self.spare.push(Piece {
-                handle: chunk.handle,
-                offset: chunk.offset,
-                bytes,
-            });
+            let region = self.region_mut(region_index);
+            region.mapped.set(start, chunk.count, false);
+            if !region.aliased.any(start, start + chunk.count) {
+                self.spare.push(Piece {
+                    handle: chunk.handle,
+                    offset: chunk.offset,
+                    bytes,
+                });
+                continue;
+            }
+            // Granules still mapped at another view stay held there; the
+            // others become spare pieces.
+            region.aliased.set(start, chunk.count, false);
+            let mut spare_from: Option<u64> = None;
+            for i in 0..=chunk.count {
+                let still_mapped = i == chunk.count
+                    || self.drop_view(
+                        chunk.handle,
+                        chunk.offset + i * granule,
+                        (region_index, start + i),
+                    );
+                match (still_mapped, spare_from) {
+                    (true, Some(from)) => {
+                        self.spare.push(Piece {
+                            handle: chunk.handle,
+                            offset: chunk.offset + from * granule,
+                            bytes: (i - from) * granule,
+                        });
+                        spare_from = None;
+                    }
+                    (false, None) => spare_from = Some(i),
+                    _ => {}
+                }
+            }
         }
         Ok(())
+    }
+
+    // ----- aliases -----
+
+    /// The physical granule mapped at granule `index` of region `region_index`.
+    fn physical_of(&self, region_index: u32, index: u64, granule: u64) -> PhysicalGranule {
+        let (&start, chunk) = self
+            .region(region_index)
+            .chunks
+            .range(..=index)
+            .next_back()
+            .expect("a mapped granule lies in a chunk");
+        (chunk.handle, chunk.offset + (index - start) * granule)
+    }
+
+    /// The aliased granules of region `region_index` in `[first, end)`
+    /// (all mapped), each with its physical granule.
+    fn aliased_in(&self, region_index: u32, first: u64, end: u64) -> Vec<(u64, PhysicalGranule)> {
+        let granule = self.granule.unwrap_or(1);
+        let region = self.region(region_index);
+        let from = region
+            .chunks
+            .range(..=first)
+            .next_back()
+            .map_or(first, |(&start, _)| start);
+        let mut found = Vec::new();
+        for (&start, chunk) in region.chunks.range(from..end) {
+            let stop = (start + chunk.count).min(end);
+            let mut i = region.aliased.next_with(start.max(first), stop, true);
+            while i < stop {
+                found.push((i, (chunk.handle, chunk.offset + (i - start) * granule)));
+                i = region.aliased.next_with(i + 1, stop, true);
+            }
+        }
+        found
+    }
+
+    /// The granules `[first, end)` a block `[ptr, ptr + size)` of a region
+    /// lies on, or `None` when none of them is aliased (the hot path: one
+    /// bitmap test).
+    #[inline]
+    fn aliased_span(&self, region_index: u32, ptr: DevicePtr, size: u64) -> Option<(u64, u64)> {
+        let granule = self.granule?;
+        let region = self.region(region_index);
+        if region.segment {
+            return None;
+        }
+        let first = (ptr - region.base) / granule;
+        let end = (ptr + size - region.base).div_ceil(granule);
+        region.aliased.any(first, end).then_some((first, end))
+    }
+
+    /// `None` when a block at `[ptr, ptr + size)` of region `region_index`
+    /// may lie there: none of its memory is used by a live block through
+    /// another view, and no memory is under it twice (an alias and its
+    /// donor side by side). Otherwise the end of the last granule in the way.
+    #[inline]
+    fn busy_end(&self, region_index: u32, ptr: DevicePtr, size: u64) -> Option<DevicePtr> {
+        let (first, end) = self.aliased_span(region_index, ptr, size)?;
+        let granule = self.granule.unwrap_or(1);
+        let base = self.region(region_index).base;
+        let mut aliased = self.aliased_in(region_index, first, end);
+        let mut last_busy = aliased
+            .iter()
+            .filter(|(index, phys)| {
+                let alias = &self.aliases[phys];
+                alias.blocks > 0 && alias.user != (region_index, *index)
+            })
+            .map(|&(index, _)| index)
+            .max();
+        if aliased.len() > 1 {
+            aliased.sort_unstable_by_key(|&(index, phys)| (phys, index));
+            for pair in aliased.windows(2) {
+                if pair[0].1 == pair[1].1 {
+                    last_busy = last_busy.max(Some(pair[1].0));
+                }
+            }
+        }
+        last_busy.map(|index| base + (index + 1) * granule)
+    }
+
+    /// A block now lies on `[ptr, ptr + size)`: it takes over the aliased
+    /// granules under it, after waiting for the stream that used them last
+    /// when that is another stream (as a steal does).
+    fn claim(
+        &mut self,
+        dev: &dyn Device,
+        region_index: u32,
+        ptr: DevicePtr,
+        size: u64,
+    ) -> Result<(), AllocError> {
+        let Some((first, end)) = self.aliased_span(region_index, ptr, size) else {
+            return Ok(());
+        };
+        let stream = self.region(region_index).stream;
+        let taken: Vec<(PhysicalGranule, View)> = self
+            .aliased_in(region_index, first, end)
+            .into_iter()
+            .map(|(index, phys)| (phys, (region_index, index)))
+            .collect();
+        let waits: BTreeSet<StreamId> = taken
+            .iter()
+            .map(|(phys, _)| self.aliases[phys].user)
+            .filter(|&(r, _)| self.region(r).stream != stream)
+            .map(|(r, _)| self.region(r).stream)
+            .collect();
+        for other in waits {
+            let event = dev.record_event(other)?;
+            if let Err(e) = dev.synchronize_event(event) {
+                self.stray_events.push(event);
+                return Err(e.into());
+            }
+        }
+        for (phys, view) in taken {
+            let alias = self.aliases.get_mut(&phys).expect("an aliased granule");
+            debug_assert!(alias.blocks == 0 || alias.user == view);
+            alias.user = view;
+            alias.blocks += 1;
+        }
+        Ok(())
+    }
+
+    /// A block on `[ptr, ptr + size)` is gone: its aliased granules are idle
+    /// unless other blocks lie on them.
+    fn unclaim(&mut self, region_index: u32, ptr: DevicePtr, size: u64) {
+        let Some((first, end)) = self.aliased_span(region_index, ptr, size) else {
+            return;
+        };
+        for (index, phys) in self.aliased_in(region_index, first, end) {
+            let alias = self.aliases.get_mut(&phys).expect("an aliased granule");
+            debug_assert!(alias.user == (region_index, index) && alias.blocks > 0);
+            alias.blocks -= 1;
+        }
+    }
+
+    /// Whether the physical granule `phys`, mapped at `view` and lying
+    /// wholly in a free range there, is idle everywhere and may be mapped
+    /// into `span` as well (a range being backed: memory already stitched
+    /// into it must not be mapped there twice).
+    fn idle_granule(&self, view: View, phys: PhysicalGranule, span: GranuleSpan) -> bool {
+        if !self.region(view.0).aliased.get(view.1) {
+            return true;
+        }
+        self.aliases.get(&phys).is_some_and(|a| {
+            a.blocks == 0
+                && a.views.len() < MAX_VIEWS
+                && !a
+                    .views
+                    .iter()
+                    .any(|&(r, i)| r == span.0 && (span.1..span.2).contains(&i))
+        })
+    }
+
+    /// Runs of idle granules lying wholly in free ranges, highest address
+    /// first, until they add up to `bytes`: as (view of the first granule,
+    /// granules, its physical granule). Each run is physically contiguous.
+    fn idle_runs(
+        &self,
+        granule: u64,
+        bytes: u64,
+        span: GranuleSpan,
+    ) -> Vec<(View, u64, PhysicalGranule)> {
+        let mut runs = Vec::new();
+        let mut found = 0u64;
+        for (&range_end, range) in self.free_by_end.iter().rev() {
+            if found >= bytes {
+                break;
+            }
+            let region = self.region(range.region);
+            if region.segment || range.size < granule {
+                continue;
+            }
+            let ptr = range_end - range.size;
+            let first = (ptr - region.base).div_ceil(granule);
+            let end = (range_end - region.base) / granule;
+            if first >= end {
+                continue;
+            }
+            let from = region
+                .chunks
+                .range(..=first)
+                .next_back()
+                .map_or(first, |(&start, _)| start);
+            for (&start, chunk) in region.chunks.range(from..end) {
+                let physical =
+                    |index: u64| (chunk.handle, chunk.offset + (index - start) * granule);
+                let mut run: Option<(u64, u64)> = None; // (first granule, count)
+                for index in start.max(first)..(start + chunk.count).min(end) {
+                    if found >= bytes {
+                        break;
+                    }
+                    if self.idle_granule((range.region, index), physical(index), span) {
+                        match &mut run {
+                            Some((_, count)) => *count += 1,
+                            None => run = Some((index, 1)),
+                        }
+                        found += granule;
+                    } else if let Some((at, count)) = run.take() {
+                        runs.push(((range.region, at), count, physical(at)));
+                    }
+                }
+                if let Some((at, count)) = run {
+                    runs.push(((range.region, at), count, physical(at)));
+                }
+                if found >= bytes {
+                    break;
+                }
+            }
+        }
+        runs
+    }
+
+    /// Maps granules lying idle under free ranges elsewhere into
+    /// `[cursor, end)` of the span's region as well (see [`Alias`]); returns
+    /// the first granule still unmapped.
+    fn alias_idle(
+        &mut self,
+        dev: &dyn Device,
+        granule: u64,
+        span: GranuleSpan,
+        mut cursor: u64,
+        end: u64,
+    ) -> Result<u64, AllocError> {
+        let region_index = span.0;
+        let donors = self.idle_runs(granule, (end - cursor) * granule, span);
+        for ((donor_region, start), count, (handle, offset)) in donors {
+            if cursor == end {
+                break;
+            }
+            // Two runs may be views of the same memory: the first one taken
+            // makes the second one ineligible.
+            let take = (0..count.min(end - cursor))
+                .take_while(|&i| {
+                    let phys = (handle, offset + i * granule);
+                    self.idle_granule((donor_region, start + i), phys, span)
+                })
+                .count() as u64;
+            if take == 0 {
+                continue;
+            }
+            self.map_chunk(
+                dev,
+                granule,
+                region_index,
+                cursor,
+                take,
+                handle,
+                offset,
+                true,
+            )?;
+            for i in 0..take {
+                let donor = (donor_region, start + i);
+                self.aliases
+                    .entry((handle, offset + i * granule))
+                    .or_insert_with(|| Alias {
+                        views: vec![donor],
+                        user: donor,
+                        blocks: 0,
+                    })
+                    .views
+                    .push((region_index, cursor + i));
+            }
+            self.region_mut(donor_region).aliased.set(start, take, true);
+            self.region_mut(region_index)
+                .aliased
+                .set(cursor, take, true);
+            cursor += take;
+        }
+        Ok(cursor)
+    }
+
+    /// Forgets `view` of the physical granule at `offset` of `handle` (just
+    /// unmapped there). True when the granule is still mapped at another
+    /// view; a granule left with one view is no longer aliased.
+    fn drop_view(&mut self, handle: PhysicalHandle, offset: u64, view: View) -> bool {
+        let Some(alias) = self.aliases.get_mut(&(handle, offset)) else {
+            return false;
+        };
+        alias.views.retain(|&v| v != view);
+        if alias.user == view {
+            debug_assert_eq!(alias.blocks, 0, "an unmapped view was in use");
+            alias.user = alias.views[0];
+        }
+        if alias.views.len() == 1 {
+            let last = alias.views[0];
+            self.aliases.remove(&(handle, offset));
+            self.region_mut(last.0).aliased.set(last.1, 1, false);
+        }
+        true
     }
 
     /// Releases every handle of which nothing is mapped.
@@ -1147,6 +1588,7 @@ impl HbmPolicy {
         decrease(&mut self.stats.requested_bytes, block.size, block.requested);
         self.history
             .record(Action::FreeCompleted, ptr, block.requested, block.stream);
+        self.unclaim(block.region, ptr, block.size);
         self.insert_free(ptr, block.size, block.region);
     }
 
@@ -1499,11 +1941,11 @@ impl HbmPolicy {
         if indexed != self.free_by_end.len() {
             return Err("size index and address index disagree".into());
         }
-        let mut mapped_granules = 0u64;
         let mut segment_bytes = 0u64;
         let granule_bytes = self.granule.unwrap_or(0);
         // Per handle: its mapped and spare pieces, which must tile it.
-        let mut pieces: BTreeMap<PhysicalHandle, Vec<(u64, u64)>> = BTreeMap::new();
+        // Every view of every physical granule, from the chunks.
+        let mut views: BTreeMap<PhysicalGranule, Vec<View>> = BTreeMap::new();
         for (i, region) in self.regions.iter().enumerate() {
             let Some(region) = region else { continue };
             let mut blocks = by_region.remove(&(i as u32)).unwrap_or_default();
@@ -1542,10 +1984,12 @@ impl HbmPolicy {
                 let mut counted = 0;
                 for (&start, chunk) in &region.chunks {
                     let count = chunk.count;
-                    pieces
-                        .entry(chunk.handle)
-                        .or_default()
-                        .push((chunk.offset, count * granule_bytes));
+                    for k in 0..count {
+                        views
+                            .entry((chunk.handle, chunk.offset + k * granule_bytes))
+                            .or_default()
+                            .push((i as u32, start + k));
+                    }
                     if start < next_free_granule || start + count > region.granules {
                         return Err(format!("region {:#x}: chunks overlap", region.base));
                     }
@@ -1558,71 +2002,141 @@ impl HbmPolicy {
                     next_free_granule = start + count;
                     counted += count;
                 }
-                let bits: u64 = region
-                    .mapped_bits
-                    .iter()
-                    .map(|w| w.count_ones() as u64)
-                    .sum();
+                let bits = region.mapped.count_ones();
                 if counted != bits {
                     return Err(format!(
                         "region {:#x}: mapped bitmap disagrees",
                         region.base
                     ));
                 }
-                mapped_granules += counted;
             }
         }
         if !by_region.is_empty() {
             return Err("blocks in regions that do not exist".into());
         }
         let granule = self.granule.unwrap_or(0);
-        let spare: u64 = self.spare.iter().map(|p| p.bytes).sum();
+        // Each granule of each handle is mapped (at one or more views) or
+        // spare, never both; granules with several views are exactly the
+        // aliases.
+        let mut spare_granules: BTreeSet<PhysicalGranule> = BTreeSet::new();
         for p in &self.spare {
-            pieces
-                .entry(p.handle)
-                .or_default()
-                .push((p.offset, p.bytes));
-        }
-        if pieces.len() != self.handles.len() {
-            return Err("a held handle is neither mapped nor spare".into());
+            if p.bytes == 0 || p.bytes % granule.max(1) != 0 {
+                return Err(format!(
+                    "spare piece of handle {} is not whole granules",
+                    p.handle.0
+                ));
+            }
+            for k in 0..p.bytes / granule {
+                if !spare_granules.insert((p.handle, p.offset + k * granule)) {
+                    return Err(format!("spare pieces of handle {} overlap", p.handle.0));
+                }
+            }
         }
         let mut handle_bytes = 0u64;
         for (handle, info) in &self.handles {
-            let mut list = pieces.remove(handle).unwrap_or_default();
-            list.sort_unstable();
-            let mut cursor = 0;
             let mut mapped = 0;
-            for &(offset, bytes) in &list {
-                if offset != cursor {
+            let mut offset = 0;
+            while offset < info.bytes {
+                let key = (*handle, offset);
+                let seen = views.get(&key).map_or(0, |v| v.len() as u64);
+                if (seen > 0) == spare_granules.contains(&key) {
                     return Err(format!(
-                        "handle {}: pieces overlap or leave a hole at {offset}",
-                        handle.0
+                        "handle {}: granule at {offset} is {}",
+                        handle.0,
+                        if seen > 0 {
+                            "both mapped and spare"
+                        } else {
+                            "neither mapped nor spare"
+                        }
                     ));
                 }
-                cursor += bytes;
-                mapped += bytes;
+                mapped += seen * granule;
+                offset += granule.max(1);
             }
-            if cursor != info.bytes {
-                return Err(format!("handle {}: pieces do not cover it", handle.0));
-            }
-            let spare_of: u64 = self
-                .spare
-                .iter()
-                .filter(|p| p.handle == *handle)
-                .map(|p| p.bytes)
-                .sum();
-            if mapped - spare_of != info.mapped {
+            if mapped != info.mapped {
                 return Err(format!("handle {}: mapped bytes disagree", handle.0));
             }
             handle_bytes += info.bytes;
         }
-        if !pieces.is_empty() {
+        if views
+            .keys()
+            .chain(&spare_granules)
+            .any(|(h, _)| !self.handles.contains_key(h))
+        {
             return Err("a mapping or spare piece of an unknown handle".into());
         }
-        if handle_bytes != mapped_granules * granule + spare {
+        let mut aliased_views = 0u64;
+        for (key, at) in &views {
+            match self.aliases.get(key) {
+                None if at.len() > 1 => {
+                    return Err(format!(
+                        "granule {key:?} is mapped at {at:?} but not an alias"
+                    ))
+                }
+                None => {}
+                Some(alias) => {
+                    let mut listed = alias.views.clone();
+                    listed.sort_unstable();
+                    if listed != *at || at.len() < 2 || at.len() > MAX_VIEWS {
+                        return Err(format!("alias {key:?} lists {listed:?}, mapped at {at:?}"));
+                    }
+                    if !at.contains(&alias.user) {
+                        return Err(format!("alias {key:?}: user is not one of its views"));
+                    }
+                    aliased_views += at.len() as u64;
+                }
+            }
+            for &(r, index) in at {
+                let region = self.region(r);
+                if region.aliased.get(index) != (at.len() > 1) {
+                    return Err(format!(
+                        "region {:#x}: aliased bit of granule {index} is wrong",
+                        region.base
+                    ));
+                }
+            }
+        }
+        let aliased_bits: u64 = self
+            .regions
+            .iter()
+            .flatten()
+            .map(|r| r.aliased.count_ones())
+            .sum();
+        if aliased_bits != aliased_views || self.aliases.len() > views.len() {
+            return Err("aliased bits disagree with the aliases".into());
+        }
+        // No physical granule is used by live blocks through two views, and
+        // each alias counts the blocks on its user view.
+        let mut users: BTreeMap<PhysicalGranule, (View, u32)> = BTreeMap::new();
+        for (&ptr, block) in &self.live {
+            let Some((first, end)) = self.aliased_span(block.region, ptr, block.size) else {
+                continue;
+            };
+            // Found granule by granule, apart from the hot path's chunk walk.
+            let region = self.region(block.region);
+            for index in (first..end).filter(|&i| region.aliased.get(i)) {
+                let key = self.physical_of(block.region, index, granule);
+                let entry = users.entry(key).or_insert(((block.region, index), 0));
+                if entry.0 != (block.region, index) {
+                    return Err(format!("granule {key:?} is used through two views"));
+                }
+                entry.1 += 1;
+            }
+        }
+        for (key, alias) in &self.aliases {
+            let used = users.get(key).map_or(0, |u| u.1);
+            if used != alias.blocks || (used > 0 && users[key].0 != alias.user) {
+                return Err(format!(
+                    "alias {key:?}: counts {} blocks on its user, found {used}",
+                    alias.blocks
+                ));
+            }
+        }
+        let spare = spare_granules.len() as u64 * granule;
+        if handle_bytes != (views.len() as u64) * granule + spare {
             return Err("handles held disagree with mapped and spare memory".into());
         }
-        let held = mapped_granules * granule + spare + segment_bytes;
+        let held = handle_bytes + segment_bytes;
         if held != self.held_bytes {
             return Err(format!(
                 "reserved {} != mapped granules + spare handles + segments {held}",
@@ -1690,33 +2204,28 @@ mod tests {
 
     #[test]
     fn bitmap_queries() {
-        let mut r = Region {
-            base: 0,
-            size: 200 * 4096,
-            stream: StreamId(0),
-            size_index: 0,
-            segment: false,
-            granules: 200,
-            chunks: BTreeMap::new(),
-            mapped_bits: vec![0; 4],
-        };
-        r.set_mapped(60, 80, true);
-        assert!(r.all_mapped(60, 140));
-        assert!(r.all_mapped(64, 128));
-        assert!(!r.all_mapped(59, 140));
-        assert!(!r.all_mapped(60, 141));
-        assert!(r.all_mapped(70, 70));
-        r.set_mapped(100, 1, false);
-        assert!(!r.all_mapped(64, 128));
-        assert!(r.is_mapped(99) && !r.is_mapped(100));
-        // The bitmap grows on demand; granules past its end are unmapped.
-        r.mapped_bits.clear();
-        assert!(!r.is_mapped(150) && !r.all_mapped(150, 151) && r.all_mapped(150, 150));
-        r.set_mapped(130, 5, true);
-        assert_eq!(r.mapped_bits.len(), 3);
-        assert!(r.all_mapped(130, 135) && !r.all_mapped(129, 135) && !r.is_mapped(199));
-        r.set_mapped(131, 3, false);
-        assert!(r.is_mapped(130) && !r.is_mapped(131) && !r.is_mapped(133) && r.is_mapped(134));
+        let mut r = Bitmap(vec![0; 4]);
+        r.set(60, 80, true);
+        assert!(r.all(60, 140));
+        assert!(r.all(64, 128));
+        assert!(!r.all(59, 140));
+        assert!(!r.all(60, 141));
+        assert!(r.all(70, 70));
+        r.set(100, 1, false);
+        assert!(!r.all(64, 128));
+        assert!(r.get(99) && !r.get(100));
+        assert!(r.any(100, 102) && !r.any(100, 101) && !r.any(0, 60));
+        // The bitmap grows on demand; bits past its end are clear.
+        r.0.clear();
+        assert!(!r.get(150) && !r.all(150, 151) && r.all(150, 150));
+        r.set(300, 5, false);
+        assert!(r.0.is_empty());
+        r.set(130, 5, true);
+        assert_eq!(r.0.len(), 3);
+        assert_eq!(r.count_ones(), 5);
+        assert!(r.all(130, 135) && !r.all(129, 135) && !r.get(199));
+        r.set(131, 3, false);
+        assert!(r.get(130) && !r.get(131) && !r.get(133) && r.get(134));
         assert_eq!(r.next_with(0, 200, true), 130);
         assert_eq!(r.next_with(130, 200, false), 131);
         assert_eq!(r.next_with(131, 200, true), 134);

@@ -174,6 +174,10 @@ struct UseRecord {
     len: u64,
     /// Position of the use in its stream's work queue.
     sequence: u64,
+    /// The physical memory behind `[ptr, ptr + len)` when it was queued,
+    /// as (handle, first byte, end): the same memory may be mapped at
+    /// other addresses too, and a kernel touches the memory, not the address.
+    physical: Vec<(u64, u64, u64)>,
 }
 
 /// Work queued on a stream that reads or writes `[ptr, ptr + len)`: a kernel
@@ -443,6 +447,7 @@ impl SimDevice {
         let sequence = s.enqueued;
         let id = state.next_use;
         state.next_use += 1;
+        let physical = state.physical_ranges(ptr, len);
         state.uses.insert(
             id,
             UseRecord {
@@ -450,6 +455,7 @@ impl SimDevice {
                 ptr,
                 len,
                 sequence,
+                physical,
             },
         );
         UseId(id)
@@ -472,11 +478,12 @@ impl SimDevice {
         state.uses.iter().map(|(&id, u)| u.public(id)).collect()
     }
 
-    /// The pending uses that touch any byte of `[ptr, ptr + len)`, oldest first.
+    /// The pending uses that touch any byte of `[ptr, ptr + len)`, or the
+    /// physical memory mapped there through another address, oldest first.
     pub fn pending_uses_overlapping(&self, ptr: DevicePtr, len: u64) -> Vec<PendingUse> {
         let mut state = self.lock();
         state.prune_uses();
-        state.overlapping_uses(ptr, len)
+        state.overlapping_uses(ptr, len, true)
     }
 
     /// Use-after-free violations seen so far (frees and unmaps of memory that
@@ -554,13 +561,46 @@ impl SimState {
         });
     }
 
-    fn overlapping_uses(&self, ptr: DevicePtr, len: u64) -> Vec<PendingUse> {
+    /// The physical memory mapped under `[ptr, ptr + len)`, as (handle,
+    /// first byte, end) per mapping it crosses.
+    fn physical_ranges(&self, ptr: DevicePtr, len: u64) -> Vec<(u64, u64, u64)> {
         let end = ptr.saturating_add(len);
+        let first = self
+            .mappings
+            .range(..=ptr)
+            .next_back()
+            .map_or(ptr, |(&start, _)| start);
+        self.mappings
+            .range(first..end)
+            .filter_map(|(&start, m)| {
+                let lo = ptr.max(start);
+                let hi = end.min(start + m.size);
+                (lo < hi).then(|| (m.handle.0, m.offset + (lo - start), m.offset + (hi - start)))
+            })
+            .collect()
+    }
+
+    /// Pending uses of `[ptr, ptr + len)`; with `through_aliases`, also
+    /// uses of the same physical memory at other addresses.
+    fn overlapping_uses(&self, ptr: DevicePtr, len: u64, through_aliases: bool) -> Vec<PendingUse> {
+        let end = ptr.saturating_add(len);
+        let physical = if !through_aliases || self.mappings.is_empty() {
+            Vec::new()
+        } else {
+            self.physical_ranges(ptr, len)
+        };
+        let shares_memory = |u: &UseRecord| {
+            (u.ptr < end && ptr < u.ptr.saturating_add(u.len))
+                || u.physical.iter().any(|&(h, lo, hi)| {
+                    physical
+                        .iter()
+                        .any(|&(h2, lo2, hi2)| h == h2 && lo < hi2 && lo2 < hi)
+                })
+        };
         self.uses
             .iter()
             .filter(|(_, u)| {
-                u.ptr < end
-                    && ptr < u.ptr.saturating_add(u.len)
+                shares_memory(u)
                     && self
                         .streams
                         .get(&u.stream)
@@ -575,7 +615,8 @@ impl SimState {
         if self.uses.is_empty() {
             return;
         }
-        let uses = self.overlapping_uses(ptr, len);
+        // Unmapping an address harms only work at that address.
+        let uses = self.overlapping_uses(ptr, len, false);
         if !uses.is_empty() {
             self.violations.push(UseViolation {
                 call,

@@ -233,7 +233,9 @@ fn repeating_training_step_makes_no_driver_calls_once_warm() {
         let calls = a.device().call_counts().since(&before).memory_calls();
         calls_per_step.push(calls);
         check(&a);
-        if step >= 1 {
+        // Step 0 maps; step 1 may stitch (alias) a few granules that step 0
+        // placed apart; from then on the step lands on mapped memory.
+        if step >= 2 {
             assert_eq!(
                 calls, 0,
                 "step {step} made driver calls: {calls_per_step:?}"
