@@ -10,45 +10,44 @@
 //!   with free ranges coalesced. Small requests are therefore packed densely
 //!   next to large ones: there is no segment rounding and no small/large pool
 //!   split to waste memory on.
-//! * **Physical memory comes in chunks of granules** (`Device::granularity()`,
-//!   2 MiB). A miss creates one `physical_create` handle for each unmapped
-//!   run under the block and maps it in chunks of at most 64 MiB
-//!   (`MAX_CHUNK_GRANULES`), so a large tensor costs one create and a few
-//!   map and access calls. When the heap grows at the top, the run is
-//!   extended ahead (at most 1% of peak demand) so that small requests do
-//!   not map granule by granule. Free ranges keep their mappings: that is
-//!   the cache. A repeating step lands on the same addresses, still mapped,
-//!   and calls nothing. (Measured with `hbmalloc compare` on the shared
-//!   traces: one handle per granule gave the tightest memory but ten times
-//!   PyTorch's driver calls; one mapping per run pinned whole freed tensors
-//!   (total waste 7.35 GiB); 64 MiB chunks brought it to 3.14 GiB, against
-//!   4.47 GiB for PyTorch with expandable segments.)
-//! * **A chunk is one mapping of a sub-range of a handle** (`map` with an
-//!   offset). Physical memory held but not mapped is kept as *spare pieces*
-//!   (handle, offset, bytes); any piece can be split at granule boundaries
-//!   and mapped anywhere, so stolen memory is always stitched in whole and
-//!   never released to be created again. A handle is released (by
-//!   `empty_cache`) once nothing of it is mapped.
+//! * **Physical memory comes in granules** (`Device::granularity()`, 2 MiB).
+//!   A miss creates one `physical_create` handle for each unmapped run under
+//!   the block and maps it whole (a *chunk*: create, map, set access). When
+//!   the heap grows at the top, the run is extended ahead (at most 1% of
+//!   peak demand) so that small requests do not map granule by granule. Free
+//!   ranges keep their mappings: that is the cache.
+//! * **Stitching by aliasing** (GMLake's idea, kept online). When the memory
+//!   held would exceed `max_waste_percent` over the peak demand seen so far,
+//!   a run is backed instead by granules lying idle under free ranges
+//!   elsewhere, *mapped a second time* at the new address ([`AliasGroup`]).
+//!   The old mapping stays. Each group of aliased granules may be in use at
+//!   one view at a time: a block is placed only where no group under it is
+//!   in use elsewhere (and no group is under it twice), so no two live
+//!   blocks ever share memory. A training step that needs memory at one
+//!   place early and at another later finds both still mapped the next time
+//!   round and makes no driver call, where moving the memory (unmap, map)
+//!   paid calls every step. Measured on `gpt2_train` (`hbmalloc compare`):
+//!   115 driver calls in the second half of the trace with moving, 0 with
+//!   aliasing; efficiency (peak live / peak reserved) 0.980 and 0.988.
 //! * **On a miss** a run gets physical memory from, in order: spare pieces
-//!   (the smallest that covers the run, else the largest, split as needed);
-//!   one new handle while the memory held stays within `max_waste_percent`
-//!   of the peak demand seen so far; chunks *stolen* from wholly free
-//!   ranges, highest address first (unmapped there and stitched in here,
-//!   GMLake-style); and only then one new handle beyond the allowance.
-//!   Before a steal, the owning stream is synchronized through an event.
-//!   A chunk partly under a live block never moves. (We measured
-//!   *unpinning* such chunks — unmap, map the live part back, stitch the
-//!   free granules elsewhere — under memory pressure: capacity came within
-//!   1-2% of peak live on every shared trace, but it unmaps live memory for
-//!   a moment, which on a real GPU faults any kernel another host thread
-//!   launches meanwhile, and a failed re-map loses the tensor. The
-//!   simulation harness found the second; a production allocator must not
-//!   take either risk.)
+//!   (held, unmapped; the smallest that covers the run, else the largest,
+//!   split as needed); one new handle within the allowance; idle memory,
+//!   aliased; wholly free chunks *stolen* (unmapped, highest address first,
+//!   their unaliased granules stitched in here); and only then one new
+//!   handle beyond the allowance. A stream taking over memory another stream
+//!   used last first waits for that stream through an event. A chunk partly
+//!   under a live block is never unmapped. (We measured *unpinning* such
+//!   chunks — unmap, map the live part back — under memory pressure: it
+//!   unmaps live memory for a moment, which on a real GPU faults any kernel
+//!   another host thread launches meanwhile, and a failed re-map loses the
+//!   tensor. A production allocator must not take either risk.)
 //! * **Streams.** A stream only ever reuses free ranges of its own regions.
 //!   Blocks used on other streams (`record_stream`) stay out of the free set
 //!   until events recorded on those streams complete, as in PyTorch.
 //! * **Out of memory:** synchronize pending events (their blocks become
-//!   free), steal ignoring the allowance, search again, and only then raise
+//!   free), unmap every wholly free chunk (its memory becomes spare unless
+//!   it is still mapped at another view), search again with no allowance,
+//!   and only then raise
 //!   `AllocError::OutOfMemory` with a judged `OomReport`.
 //! * **No virtual-memory API** (`granularity() == None`): regions become plain
 //!   segments (`segment_alloc`, 2 MiB for requests up to 1 MiB, otherwise the
@@ -63,7 +62,9 @@
 //! stream's size index (`u128` keys: size, then address), a remove and an
 //! insert there to split, an in-place update of the address index (keyed by
 //! a range's end, which a split from the front keeps), one hash insert, and
-//! a bitmap test that the granules are mapped. A free: one entry search for
+//! a bitmap test that the granules are mapped and one that none is aliased
+//! (if some are, one ordered search for the alias groups under the block,
+//! and a counter per group). A free: one entry search for
 //! a free range ending at the block, one hash probe for a live block after
 //! it (skipping the ordered search when there is one), and the size-index
 //! updates. No device call, `O(log n)`. (Measured with callgrind on the
@@ -71,7 +72,9 @@
 //! free, mostly B-tree upkeep.)
 //!
 //! Statistics keep PyTorch's meanings where they carry over: `reserved_bytes`
-//! is physical memory held (mapped granules plus spare handles, or segments),
+//! is physical memory held (every handle, mapped once or more, or spare; or
+//! segments). A snapshot shows each mapped address range as a segment, so
+//! with aliases its segments add up to more than `reserved_bytes`;
 //! `segment` counts regions (virtual reservations or fallback segments),
 //! `num_device_alloc`/`num_device_free` count creates and maps / releases and
 //! unmaps. Everything is reported in the large pool except allocations of at
@@ -101,10 +104,6 @@ const SEGMENT_ROUND: u64 = 2 * MIB;
 const REGION_CAPACITY_FACTOR: u64 = 2;
 
 const DEFAULT_MAX_WASTE_PERCENT: f64 = 2.0;
-/// Largest mapping of new memory, in granules. A mapping moves only whole,
-/// so a big tensor's memory is mapped in pieces of this size: when it is
-/// freed and partly reused, the other pieces can be stitched elsewhere.
-const MAX_CHUNK_GRANULES: u64 = 32;
 /// Mapping ahead is bounded by this share of peak demand whatever the
 /// allowance: memory mapped ahead is pinned by the first small block placed
 /// in it, so larger chunks trade efficiency for fewer calls.
@@ -266,6 +265,8 @@ struct Region {
     /// stitched alias, see [`Alias`]): a block placed over them must first
     /// check that no live block uses that memory elsewhere.
     aliased: Bitmap,
+    /// The alias-group views in this region, by first granule.
+    group_views: BTreeMap<u64, u32>,
 }
 
 /// Bits `lo..hi` of a word (`lo < hi <= 64`).
@@ -325,8 +326,14 @@ impl Bitmap {
         if from >= limit {
             return from;
         }
+        // Past the last word every bit is clear: no set bit to find there.
+        let limit_set = if value {
+            limit.min(self.0.len() as u64 * 64)
+        } else {
+            limit
+        };
         let mut i = from;
-        while i < limit {
+        while i < limit_set {
             let lo = i % 64;
             let mut word = self.word(i / 64);
             if !value {
@@ -406,23 +413,44 @@ type View = (u32, u64);
 /// Granules `[.1, .2)` of region `.0`.
 type GranuleSpan = (u32, u64, u64);
 
-/// A physical granule mapped at several addresses (*stitched*, as in GMLake).
+/// Physical memory mapped at several addresses (*stitched*, as in GMLake).
 ///
 /// When a request needs memory and the allowance is spent, granules lying
-/// free elsewhere are mapped under it a second time rather than moved: the
-/// old mapping stays, so when the program later wants memory at either
-/// address again it is still mapped there, and a repeating step makes no
-/// driver call. Only one view may be in use at a time; the entry says which.
-/// Entries exist only for granules with two or more views.
+/// idle under free ranges elsewhere are mapped under it a second time rather
+/// than moved: the old mapping stays, so when the program later wants memory
+/// at either address again it is still mapped there, and a repeating step
+/// makes no driver call. A group is `count` granules of one handle and every
+/// place (*view*) they are mapped whole; each view lies inside one chunk.
+/// Only one view may be in use at a time, and the group says which. Groups
+/// never overlap, and never split: a donor that is part of a group gives the
+/// whole group or nothing. Bookkeeping is per group, not per granule, so a
+/// block costs the same however large it is.
 #[derive(Clone, Debug)]
-struct Alias {
-    /// Where it is mapped: at least two views, at most [`MAX_VIEWS`].
+struct AliasGroup {
+    handle: PhysicalHandle,
+    offset: u64,
+    count: u64,
+    /// Where it is mapped (region, first granule): two to [`MAX_VIEWS`].
     views: Vec<View>,
     /// The view that uses it now (when `blocks > 0`) or used it last. A
     /// different stream taking it over first waits for this view's stream.
     user: View,
     /// Live or pending-free blocks lying on it through `user`.
     blocks: u32,
+}
+
+/// Memory that may be mapped under a range as well (see [`AliasGroup`]).
+enum Donor {
+    /// Granules mapped only at `view`, idle there: `count` granules of
+    /// `handle` from `offset`.
+    Granules {
+        view: View,
+        count: u64,
+        handle: PhysicalHandle,
+        offset: u64,
+    },
+    /// A whole alias group, idle at every view.
+    Group(u32),
 }
 
 /// Physical memory held but not mapped: `bytes` of `handle` from `offset`.
@@ -472,8 +500,10 @@ pub(crate) struct HbmPolicy {
     /// Every physical handle held, with how much of it is mapped (counting
     /// each view of an aliased granule).
     handles: FastMap<PhysicalHandle, HandleInfo>,
-    /// Physical granules mapped at more than one address.
-    aliases: FastMap<PhysicalGranule, Alias>,
+    /// Memory mapped at more than one address, by group id (`None`: a
+    /// retired id, reused from `free_group_ids`).
+    groups: Vec<Option<AliasGroup>>,
+    free_group_ids: Vec<u32>,
     /// Pending end-of-use events, per stream, in record order.
     pending_events: BTreeMap<StreamId, VecDeque<(EventId, DevicePtr)>>,
     /// Events whose synchronization failed: retired at the next full
@@ -514,7 +544,8 @@ impl HbmPolicy {
             free_by_size: Vec::new(),
             spare: Vec::new(),
             handles: FastMap::default(),
-            aliases: FastMap::default(),
+            groups: Vec::new(),
+            free_group_ids: Vec::new(),
             pending_events: BTreeMap::new(),
             stray_events: Vec::new(),
             held_bytes: 0,
@@ -791,6 +822,7 @@ impl HbmPolicy {
                     chunks: BTreeMap::new(),
                     mapped: Bitmap::default(),
                     aliased: Bitmap::default(),
+                    group_views: BTreeMap::new(),
                 }
             }
             None => {
@@ -820,6 +852,7 @@ impl HbmPolicy {
                     chunks: BTreeMap::new(),
                     mapped: Bitmap::default(),
                     aliased: Bitmap::default(),
+                    group_views: BTreeMap::new(),
                 }
             }
         };
@@ -858,49 +891,6 @@ impl HbmPolicy {
             Err(e) if e.is_out_of_memory() => Ok(None),
             Err(e) => Err(e.into()),
         }
-    }
-
-    /// Maps a new handle of `count` granules at granule `first`, in chunks of
-    /// at most [`MAX_CHUNK_GRANULES`]: one handle (one create, like one
-    /// `cudaMalloc`), but mappings small enough that when a big block is
-    /// freed and partly reused, the rest can move elsewhere.
-    fn map_new_handle(
-        &mut self,
-        dev: &dyn Device,
-        granule: u64,
-        region_index: u32,
-        first: u64,
-        count: u64,
-        handle: PhysicalHandle,
-    ) -> Result<(), AllocError> {
-        let mut done = 0;
-        while done < count {
-            let step = (count - done).min(MAX_CHUNK_GRANULES);
-            let offset = done * granule;
-            let mapped = self.map_chunk(
-                dev,
-                granule,
-                region_index,
-                first + done,
-                step,
-                handle,
-                offset,
-                false,
-            );
-            done += step;
-            if let Err(e) = mapped {
-                // `map_chunk` kept the failed piece; the rest is spare too.
-                if done < count {
-                    self.spare.push(Piece {
-                        handle,
-                        offset: done * granule,
-                        bytes: (count - done) * granule,
-                    });
-                }
-                return Err(e);
-            }
-        }
-        Ok(())
     }
 
     /// Maps `count` granules of `handle`, from byte `offset` of it, at granule
@@ -1057,7 +1047,16 @@ impl HbmPolicy {
         }
         let remaining = (end - cursor) * granule;
         if let Some(handle) = self.create(dev, remaining, soft_limit)? {
-            self.map_new_handle(dev, granule, region_index, cursor, end - cursor, handle)?;
+            self.map_chunk(
+                dev,
+                granule,
+                region_index,
+                cursor,
+                end - cursor,
+                handle,
+                0,
+                false,
+            )?;
             return Ok(true);
         }
         cursor = self.alias_idle(dev, granule, span, cursor, end)?;
@@ -1068,13 +1067,24 @@ impl HbmPolicy {
         let victims = self.free_spans(granule, remaining);
         self.unmap_spans(dev, granule, &victims)?;
         cursor = self.stitch_spares(dev, granule, region_index, cursor, end)?;
+        // Unmapping a view of a group frees a place for another view.
+        cursor = self.alias_idle(dev, granule, span, cursor, end)?;
         if cursor == end {
             return Ok(true);
         }
         let remaining = (end - cursor) * granule;
         match self.create(dev, remaining, hard_limit)? {
             Some(handle) => {
-                self.map_new_handle(dev, granule, region_index, cursor, end - cursor, handle)?;
+                self.map_chunk(
+                    dev,
+                    granule,
+                    region_index,
+                    cursor,
+                    end - cursor,
+                    handle,
+                    0,
+                    false,
+                )?;
                 Ok(true)
             }
             None => Ok(false),
@@ -1222,29 +1232,32 @@ impl HbmPolicy {
                 });
                 continue;
             }
-            // Granules still mapped at another view stay held there; the
-            // others become spare pieces.
-            region.aliased.set(start, chunk.count, false);
-            let mut spare_from: Option<u64> = None;
-            for i in 0..=chunk.count {
-                let still_mapped = i == chunk.count
-                    || self.drop_view(
-                        chunk.handle,
-                        chunk.offset + i * granule,
-                        (region_index, start + i),
-                    );
-                match (still_mapped, spare_from) {
-                    (true, Some(from)) => {
-                        self.spare.push(Piece {
-                            handle: chunk.handle,
-                            offset: chunk.offset + from * granule,
-                            bytes: (i - from) * granule,
-                        });
-                        spare_from = None;
-                    }
-                    (false, None) => spare_from = Some(i),
-                    _ => {}
+            // Views of alias groups stay held at their other views; the rest
+            // of the chunk becomes spare pieces.
+            let end = start + chunk.count;
+            let views: Vec<(u64, u32)> = region
+                .group_views
+                .range(start..end)
+                .map(|(&s, &id)| (s, id))
+                .collect();
+            let mut cursor = start;
+            for (view_start, id) in views {
+                if view_start > cursor {
+                    self.spare.push(Piece {
+                        handle: chunk.handle,
+                        offset: chunk.offset + (cursor - start) * granule,
+                        bytes: (view_start - cursor) * granule,
+                    });
                 }
+                cursor = view_start + self.group(id).count;
+                self.drop_view(id, (region_index, view_start));
+            }
+            if cursor < end {
+                self.spare.push(Piece {
+                    handle: chunk.handle,
+                    offset: chunk.offset + (cursor - start) * granule,
+                    bytes: (end - cursor) * granule,
+                });
             }
         }
         Ok(())
@@ -1252,37 +1265,16 @@ impl HbmPolicy {
 
     // ----- aliases -----
 
-    /// The physical granule mapped at granule `index` of region `region_index`.
-    fn physical_of(&self, region_index: u32, index: u64, granule: u64) -> PhysicalGranule {
-        let (&start, chunk) = self
-            .region(region_index)
-            .chunks
-            .range(..=index)
-            .next_back()
-            .expect("a mapped granule lies in a chunk");
-        (chunk.handle, chunk.offset + (index - start) * granule)
+    fn group(&self, id: u32) -> &AliasGroup {
+        self.groups[id as usize]
+            .as_ref()
+            .expect("a live alias group")
     }
 
-    /// The aliased granules of region `region_index` in `[first, end)`
-    /// (all mapped), each with its physical granule.
-    fn aliased_in(&self, region_index: u32, first: u64, end: u64) -> Vec<(u64, PhysicalGranule)> {
-        let granule = self.granule.unwrap_or(1);
-        let region = self.region(region_index);
-        let from = region
-            .chunks
-            .range(..=first)
-            .next_back()
-            .map_or(first, |(&start, _)| start);
-        let mut found = Vec::new();
-        for (&start, chunk) in region.chunks.range(from..end) {
-            let stop = (start + chunk.count).min(end);
-            let mut i = region.aliased.next_with(start.max(first), stop, true);
-            while i < stop {
-                found.push((i, (chunk.handle, chunk.offset + (i - start) * granule)));
-                i = region.aliased.next_with(i + 1, stop, true);
-            }
-        }
-        found
+    fn group_mut(&mut self, id: u32) -> &mut AliasGroup {
+        self.groups[id as usize]
+            .as_mut()
+            .expect("a live alias group")
     }
 
     /// The granules `[first, end)` a block `[ptr, ptr + size)` of a region
@@ -1300,38 +1292,51 @@ impl HbmPolicy {
         region.aliased.any(first, end).then_some((first, end))
     }
 
+    /// The alias-group views of region `region_index` overlapping granules
+    /// `[first, end)`, as (first granule of the view, group).
+    fn views_in(&self, region_index: u32, first: u64, end: u64) -> Vec<(u64, u32)> {
+        let region = self.region(region_index);
+        let mut found = Vec::new();
+        if let Some((&start, &id)) = region.group_views.range(..first).next_back() {
+            if start + self.group(id).count > first {
+                found.push((start, id));
+            }
+        }
+        found.extend(
+            region
+                .group_views
+                .range(first..end)
+                .map(|(&s, &id)| (s, id)),
+        );
+        found
+    }
+
     /// `None` when a block at `[ptr, ptr + size)` of region `region_index`
-    /// may lie there: none of its memory is used by a live block through
-    /// another view, and no memory is under it twice (an alias and its
-    /// donor side by side). Otherwise the end of the last granule in the way.
+    /// may lie there: no group under it is in use at another view, and no
+    /// group is under it twice (an alias beside its donor). Otherwise the
+    /// end of the last view in the way.
     #[inline]
     fn busy_end(&self, region_index: u32, ptr: DevicePtr, size: u64) -> Option<DevicePtr> {
         let (first, end) = self.aliased_span(region_index, ptr, size)?;
         let granule = self.granule.unwrap_or(1);
         let base = self.region(region_index).base;
-        let mut aliased = self.aliased_in(region_index, first, end);
-        let mut last_busy = aliased
-            .iter()
-            .filter(|(index, phys)| {
-                let alias = &self.aliases[phys];
-                alias.blocks > 0 && alias.user != (region_index, *index)
+        self.views_in(region_index, first, end)
+            .into_iter()
+            .filter(|&(start, id)| {
+                let group = self.group(id);
+                let view = (region_index, start);
+                (group.blocks > 0 && group.user != view)
+                    || group.views.iter().any(|&(r, s)| {
+                        (r, s) != view && r == region_index && s < end && s + group.count > first
+                    })
             })
-            .map(|&(index, _)| index)
-            .max();
-        if aliased.len() > 1 {
-            aliased.sort_unstable_by_key(|&(index, phys)| (phys, index));
-            for pair in aliased.windows(2) {
-                if pair[0].1 == pair[1].1 {
-                    last_busy = last_busy.max(Some(pair[1].0));
-                }
-            }
-        }
-        last_busy.map(|index| base + (index + 1) * granule)
+            .map(|(start, id)| base + (start + self.group(id).count) * granule)
+            .max()
     }
 
-    /// A block now lies on `[ptr, ptr + size)`: it takes over the aliased
-    /// granules under it, after waiting for the stream that used them last
-    /// when that is another stream (as a steal does).
+    /// A block now lies on `[ptr, ptr + size)`: it takes over the groups
+    /// under it, after waiting for the stream that used them last when that
+    /// is another stream (as a steal does).
     fn claim(
         &mut self,
         dev: &dyn Device,
@@ -1343,16 +1348,11 @@ impl HbmPolicy {
             return Ok(());
         };
         let stream = self.region(region_index).stream;
-        let taken: Vec<(PhysicalGranule, View)> = self
-            .aliased_in(region_index, first, end)
-            .into_iter()
-            .map(|(index, phys)| (phys, (region_index, index)))
-            .collect();
-        let waits: BTreeSet<StreamId> = taken
+        let views = self.views_in(region_index, first, end);
+        let waits: BTreeSet<StreamId> = views
             .iter()
-            .map(|(phys, _)| self.aliases[phys].user)
-            .filter(|&(r, _)| self.region(r).stream != stream)
-            .map(|(r, _)| self.region(r).stream)
+            .map(|&(_, id)| self.region(self.group(id).user.0).stream)
+            .filter(|&other| other != stream)
             .collect();
         for other in waits {
             let event = dev.record_event(other)?;
@@ -1361,56 +1361,92 @@ impl HbmPolicy {
                 return Err(e.into());
             }
         }
-        for (phys, view) in taken {
-            let alias = self.aliases.get_mut(&phys).expect("an aliased granule");
-            debug_assert!(alias.blocks == 0 || alias.user == view);
-            alias.user = view;
-            alias.blocks += 1;
+        for (mut start, mut id) in views {
+            // An idle group is cut to the granules the block covers, so the
+            // rest stays free to use at the other views.
+            if self.group(id).blocks == 0 {
+                if start < first {
+                    id = self.split_group(id, first - start);
+                    start = first;
+                }
+                if start + self.group(id).count > end {
+                    self.split_group(id, end - start);
+                }
+            }
+            let group = self.group_mut(id);
+            debug_assert!(group.blocks == 0 || group.user == (region_index, start));
+            group.user = (region_index, start);
+            group.blocks += 1;
         }
         Ok(())
     }
 
-    /// A block on `[ptr, ptr + size)` is gone: its aliased granules are idle
+    /// Cuts idle group `id` after its first `at` granules; returns the
+    /// group of the rest.
+    fn split_group(&mut self, id: u32, at: u64) -> u32 {
+        let granule = self.granule.unwrap_or(0);
+        let group = self.group_mut(id);
+        debug_assert!(group.blocks == 0 && at > 0 && at < group.count);
+        let rest = AliasGroup {
+            handle: group.handle,
+            offset: group.offset + at * granule,
+            count: group.count - at,
+            views: group.views.iter().map(|&(r, s)| (r, s + at)).collect(),
+            user: (group.user.0, group.user.1 + at),
+            blocks: 0,
+        };
+        group.count = at;
+        let views = rest.views.clone();
+        let rest_id = self.new_group(rest);
+        for (r, s) in views {
+            self.region_mut(r).group_views.insert(s, rest_id);
+        }
+        rest_id
+    }
+
+    fn new_group(&mut self, group: AliasGroup) -> u32 {
+        match self.free_group_ids.pop() {
+            Some(id) => {
+                self.groups[id as usize] = Some(group);
+                id
+            }
+            None => {
+                self.groups.push(Some(group));
+                (self.groups.len() - 1) as u32
+            }
+        }
+    }
+
+    /// A block on `[ptr, ptr + size)` is gone: the groups under it are idle
     /// unless other blocks lie on them.
     fn unclaim(&mut self, region_index: u32, ptr: DevicePtr, size: u64) {
         let Some((first, end)) = self.aliased_span(region_index, ptr, size) else {
             return;
         };
-        for (index, phys) in self.aliased_in(region_index, first, end) {
-            let alias = self.aliases.get_mut(&phys).expect("an aliased granule");
-            debug_assert!(alias.user == (region_index, index) && alias.blocks > 0);
-            alias.blocks -= 1;
+        for (start, id) in self.views_in(region_index, first, end) {
+            let group = self.group_mut(id);
+            debug_assert!(group.user == (region_index, start) && group.blocks > 0);
+            group.blocks -= 1;
         }
     }
 
-    /// Whether the physical granule `phys`, mapped at `view` and lying
-    /// wholly in a free range there, is idle everywhere and may be mapped
-    /// into `span` as well (a range being backed: memory already stitched
-    /// into it must not be mapped there twice).
-    fn idle_granule(&self, view: View, phys: PhysicalGranule, span: GranuleSpan) -> bool {
-        if !self.region(view.0).aliased.get(view.1) {
-            return true;
-        }
-        self.aliases.get(&phys).is_some_and(|a| {
-            a.blocks == 0
-                && a.views.len() < MAX_VIEWS
-                && !a
-                    .views
-                    .iter()
-                    .any(|&(r, i)| r == span.0 && (span.1..span.2).contains(&i))
-        })
+    /// Whether `group` is idle at every view and may be mapped into `span`
+    /// as well (a range being backed: memory already stitched into it must
+    /// not be mapped there twice).
+    fn group_idle(group: &AliasGroup, span: GranuleSpan) -> bool {
+        group.blocks == 0
+            && group.views.len() < MAX_VIEWS
+            && !group
+                .views
+                .iter()
+                .any(|&(r, s)| r == span.0 && s < span.2 && s + group.count > span.1)
     }
 
-    /// Runs of idle granules lying wholly in free ranges, highest address
-    /// first, until they add up to `bytes`: as (view of the first granule,
-    /// granules, its physical granule). Each run is physically contiguous.
-    fn idle_runs(
-        &self,
-        granule: u64,
-        bytes: u64,
-        span: GranuleSpan,
-    ) -> Vec<(View, u64, PhysicalGranule)> {
-        let mut runs = Vec::new();
+    /// Memory lying idle under free ranges, highest address first, until it
+    /// adds up to `bytes`: runs of unaliased granules (each inside one
+    /// chunk, so physically contiguous) and whole idle groups.
+    fn idle_donors(&self, granule: u64, bytes: u64, span: GranuleSpan) -> Vec<Donor> {
+        let mut donors = Vec::new();
         let mut found = 0u64;
         for (&range_end, range) in self.free_by_end.iter().rev() {
             if found >= bytes {
@@ -1423,46 +1459,48 @@ impl HbmPolicy {
             let ptr = range_end - range.size;
             let first = (ptr - region.base).div_ceil(granule);
             let end = (range_end - region.base) / granule;
-            if first >= end {
-                continue;
-            }
-            let from = region
-                .chunks
-                .range(..=first)
-                .next_back()
-                .map_or(first, |(&start, _)| start);
-            for (&start, chunk) in region.chunks.range(from..end) {
-                let physical =
-                    |index: u64| (chunk.handle, chunk.offset + (index - start) * granule);
-                let mut run: Option<(u64, u64)> = None; // (first granule, count)
-                for index in start.max(first)..(start + chunk.count).min(end) {
-                    if found >= bytes {
-                        break;
+            let mut i = region.next_with(first, end, true);
+            while i < end && found < bytes {
+                if region.aliased.get(i) {
+                    let (&start, &id) = region
+                        .group_views
+                        .range(..=i)
+                        .next_back()
+                        .expect("an aliased granule lies in a group view");
+                    let group = self.group(id);
+                    if start >= first && start + group.count <= end && Self::group_idle(group, span)
+                    {
+                        donors.push(Donor::Group(id));
+                        found += group.count * granule;
                     }
-                    if self.idle_granule((range.region, index), physical(index), span) {
-                        match &mut run {
-                            Some((_, count)) => *count += 1,
-                            None => run = Some((index, 1)),
-                        }
-                        found += granule;
-                    } else if let Some((at, count)) = run.take() {
-                        runs.push(((range.region, at), count, physical(at)));
-                    }
+                    i = region.next_with(start + group.count, end, true);
+                    continue;
                 }
-                if let Some((at, count)) = run {
-                    runs.push(((range.region, at), count, physical(at)));
-                }
-                if found >= bytes {
-                    break;
-                }
+                let (&start, chunk) = region
+                    .chunks
+                    .range(..=i)
+                    .next_back()
+                    .expect("a mapped granule lies in a chunk");
+                let stop = region
+                    .aliased
+                    .next_with(i, end.min(start + chunk.count), true);
+                let count = (stop - i).min((bytes - found).div_ceil(granule));
+                donors.push(Donor::Granules {
+                    view: (range.region, i),
+                    count,
+                    handle: chunk.handle,
+                    offset: chunk.offset + (i - start) * granule,
+                });
+                found += count * granule;
+                i = region.next_with(stop, end, true);
             }
         }
-        runs
+        donors
     }
 
-    /// Maps granules lying idle under free ranges elsewhere into
-    /// `[cursor, end)` of the span's region as well (see [`Alias`]); returns
-    /// the first granule still unmapped.
+    /// Maps memory lying idle under free ranges elsewhere into
+    /// `[cursor, end)` of the span's region as well (see [`AliasGroup`]);
+    /// returns the first granule still unmapped.
     fn alias_idle(
         &mut self,
         dev: &dyn Device,
@@ -1472,71 +1510,102 @@ impl HbmPolicy {
         end: u64,
     ) -> Result<u64, AllocError> {
         let region_index = span.0;
-        let donors = self.idle_runs(granule, (end - cursor) * granule, span);
-        for ((donor_region, start), count, (handle, offset)) in donors {
+        for donor in self.idle_donors(granule, (end - cursor) * granule, span) {
             if cursor == end {
                 break;
             }
-            // Two runs may be views of the same memory: the first one taken
-            // makes the second one ineligible.
-            let take = (0..count.min(end - cursor))
-                .take_while(|&i| {
-                    let phys = (handle, offset + i * granule);
-                    self.idle_granule((donor_region, start + i), phys, span)
-                })
-                .count() as u64;
-            if take == 0 {
-                continue;
-            }
-            self.map_chunk(
-                dev,
-                granule,
-                region_index,
-                cursor,
-                take,
-                handle,
-                offset,
-                true,
-            )?;
-            for i in 0..take {
-                let donor = (donor_region, start + i);
-                self.aliases
-                    .entry((handle, offset + i * granule))
-                    .or_insert_with(|| Alias {
-                        views: vec![donor],
-                        user: donor,
+            let target = (region_index, cursor);
+            match donor {
+                Donor::Granules {
+                    view,
+                    count,
+                    handle,
+                    offset,
+                } => {
+                    let take = count.min(end - cursor);
+                    self.map_chunk(
+                        dev,
+                        granule,
+                        region_index,
+                        cursor,
+                        take,
+                        handle,
+                        offset,
+                        true,
+                    )?;
+                    let group = AliasGroup {
+                        handle,
+                        offset,
+                        count: take,
+                        views: vec![view, target],
+                        user: view,
                         blocks: 0,
-                    })
-                    .views
-                    .push((region_index, cursor + i));
+                    };
+                    let id = self.new_group(group);
+                    self.add_view(id, view);
+                    self.add_view(id, target);
+                    cursor += take;
+                }
+                Donor::Group(id) => {
+                    // A group is listed once per free view; the first use
+                    // puts a view in the span and makes it ineligible.
+                    let group = self.group(id);
+                    if !Self::group_idle(group, span) {
+                        continue;
+                    }
+                    if group.count > end - cursor {
+                        self.split_group(id, end - cursor);
+                    }
+                    let group = self.group(id);
+                    let (handle, offset, count) = (group.handle, group.offset, group.count);
+                    self.map_chunk(
+                        dev,
+                        granule,
+                        region_index,
+                        cursor,
+                        count,
+                        handle,
+                        offset,
+                        true,
+                    )?;
+                    self.group_mut(id).views.push(target);
+                    self.add_view(id, target);
+                    cursor += count;
+                }
             }
-            self.region_mut(donor_region).aliased.set(start, take, true);
-            self.region_mut(region_index)
-                .aliased
-                .set(cursor, take, true);
-            cursor += take;
         }
         Ok(cursor)
     }
 
-    /// Forgets `view` of the physical granule at `offset` of `handle` (just
-    /// unmapped there). True when the granule is still mapped at another
-    /// view; a granule left with one view is no longer aliased.
-    fn drop_view(&mut self, handle: PhysicalHandle, offset: u64, view: View) -> bool {
-        let Some(alias) = self.aliases.get_mut(&(handle, offset)) else {
-            return false;
-        };
-        alias.views.retain(|&v| v != view);
-        if alias.user == view {
-            debug_assert_eq!(alias.blocks, 0, "an unmapped view was in use");
-            alias.user = alias.views[0];
+    /// Records `view` of group `id` in its region.
+    fn add_view(&mut self, id: u32, view: View) {
+        let count = self.group(id).count;
+        let region = self.region_mut(view.0);
+        region.group_views.insert(view.1, id);
+        region.aliased.set(view.1, count, true);
+    }
+
+    /// Forgets `view` of group `id` (just unmapped there). A group left with
+    /// one view is dissolved: that memory is plainly mapped again.
+    fn drop_view(&mut self, id: u32, view: View) {
+        let count = self.group(id).count;
+        let region = self.region_mut(view.0);
+        region.group_views.remove(&view.1);
+        region.aliased.set(view.1, count, false);
+        let group = self.group_mut(id);
+        group.views.retain(|&v| v != view);
+        if group.user == view {
+            debug_assert_eq!(group.blocks, 0, "an unmapped view was in use");
+            group.user = group.views[0];
         }
-        if alias.views.len() == 1 {
-            let last = alias.views[0];
-            self.aliases.remove(&(handle, offset));
-            self.region_mut(last.0).aliased.set(last.1, 1, false);
+        if group.views.len() == 1 {
+            let last = group.views[0];
+            let region = self.region_mut(last.0);
+            region.group_views.remove(&last.1);
+            region.aliased.set(last.1, count, false);
+            self.groups[id as usize] = None;
+            self.free_group_ids.push(id);
         }
-        true
     }
 
     /// Releases every handle of which nothing is mapped.
@@ -2065,70 +2134,104 @@ impl HbmPolicy {
         {
             return Err("a mapping or spare piece of an unknown handle".into());
         }
-        let mut aliased_views = 0u64;
-        for (key, at) in &views {
-            match self.aliases.get(key) {
-                None if at.len() > 1 => {
-                    return Err(format!(
-                        "granule {key:?} is mapped at {at:?} but not an alias"
-                    ))
-                }
-                None => {}
-                Some(alias) => {
-                    let mut listed = alias.views.clone();
-                    listed.sort_unstable();
-                    if listed != *at || at.len() < 2 || at.len() > MAX_VIEWS {
-                        return Err(format!("alias {key:?} lists {listed:?}, mapped at {at:?}"));
-                    }
-                    if !at.contains(&alias.user) {
-                        return Err(format!("alias {key:?}: user is not one of its views"));
-                    }
-                    aliased_views += at.len() as u64;
-                }
+        // Groups: each physical granule mapped more than once lies in exactly
+        // one group, mapped at exactly its views.
+        let mut grouped: BTreeSet<PhysicalGranule> = BTreeSet::new();
+        let mut aliased_bits = 0u64;
+        for (id, group) in self.groups.iter().enumerate() {
+            let Some(group) = group else { continue };
+            if group.views.len() < 2 || group.views.len() > MAX_VIEWS {
+                return Err(format!("alias group {id} has {} views", group.views.len()));
             }
-            for &(r, index) in at {
-                let region = self.region(r);
-                if region.aliased.get(index) != (at.len() > 1) {
+            if !group.views.contains(&group.user) {
+                return Err(format!(
+                    "alias group {id}: its user is not one of its views"
+                ));
+            }
+            for k in 0..group.count {
+                let key = (group.handle, group.offset + k * granule);
+                if !grouped.insert(key) {
+                    return Err(format!("granule {key:?} lies in two alias groups"));
+                }
+                let mut expected: Vec<View> =
+                    group.views.iter().map(|&(r, s)| (r, s + k)).collect();
+                expected.sort_unstable();
+                if views.get(&key) != Some(&expected) {
                     return Err(format!(
-                        "region {:#x}: aliased bit of granule {index} is wrong",
-                        region.base
+                        "alias group {id}: granule {key:?} is mapped at {:?}, not {expected:?}",
+                        views.get(&key)
                     ));
                 }
             }
+            for &(r, s) in &group.views {
+                let region = self.region(r);
+                if region.group_views.get(&s) != Some(&(id as u32))
+                    || !region.aliased.all(s, s + group.count)
+                {
+                    return Err(format!(
+                        "alias group {id}: view {s} of region {r} not indexed"
+                    ));
+                }
+                aliased_bits += group.count;
+            }
         }
-        let aliased_bits: u64 = self
+        if let Some((key, at)) = views
+            .iter()
+            .find(|(k, at)| at.len() > 1 && !grouped.contains(k))
+        {
+            return Err(format!(
+                "granule {key:?} is mapped at {at:?} outside any alias group"
+            ));
+        }
+        let indexed_views: usize = self
+            .regions
+            .iter()
+            .flatten()
+            .map(|r| r.group_views.len())
+            .sum();
+        let group_views: usize = self.groups.iter().flatten().map(|g| g.views.len()).sum();
+        let bits: u64 = self
             .regions
             .iter()
             .flatten()
             .map(|r| r.aliased.count_ones())
             .sum();
-        if aliased_bits != aliased_views || self.aliases.len() > views.len() {
-            return Err("aliased bits disagree with the aliases".into());
+        if bits != aliased_bits || indexed_views != group_views {
+            return Err("aliased bits or view index disagree with the alias groups".into());
         }
-        // No physical granule is used by live blocks through two views, and
-        // each alias counts the blocks on its user view.
-        let mut users: BTreeMap<PhysicalGranule, (View, u32)> = BTreeMap::new();
+        // Each group counts the live blocks on its user view, and no group is
+        // used through two views. Blocks are matched to views granule by
+        // granule here, apart from the hot path's view index.
+        let mut users: BTreeMap<u32, (View, u32)> = BTreeMap::new();
         for (&ptr, block) in &self.live {
-            let Some((first, end)) = self.aliased_span(block.region, ptr, block.size) else {
-                continue;
-            };
-            // Found granule by granule, apart from the hot path's chunk walk.
             let region = self.region(block.region);
-            for index in (first..end).filter(|&i| region.aliased.get(i)) {
-                let key = self.physical_of(block.region, index, granule);
-                let entry = users.entry(key).or_insert(((block.region, index), 0));
-                if entry.0 != (block.region, index) {
-                    return Err(format!("granule {key:?} is used through two views"));
+            if region.segment {
+                continue;
+            }
+            let first = (ptr - region.base) / granule;
+            let end = (ptr + block.size - region.base).div_ceil(granule);
+            let mut seen: BTreeSet<u32> = BTreeSet::new();
+            for (&s, &id) in &region.group_views {
+                let count = self.group(id).count;
+                if s < end && s + count > first && seen.insert(id) {
+                    let entry = users.entry(id).or_insert(((block.region, s), 0));
+                    if entry.0 != (block.region, s) {
+                        return Err(format!("alias group {id} is used through two views"));
+                    }
+                    entry.1 += 1;
+                } else if s < end && s + count > first {
+                    return Err(format!("block {ptr:#x} lies on two views of group {id}"));
                 }
-                entry.1 += 1;
             }
         }
-        for (key, alias) in &self.aliases {
-            let used = users.get(key).map_or(0, |u| u.1);
-            if used != alias.blocks || (used > 0 && users[key].0 != alias.user) {
+        for (id, group) in self.groups.iter().enumerate() {
+            let Some(group) = group else { continue };
+            let used = users.get(&(id as u32));
+            let count = used.map_or(0, |u| u.1);
+            if count != group.blocks || used.is_some_and(|u| u.0 != group.user) {
                 return Err(format!(
-                    "alias {key:?}: counts {} blocks on its user, found {used}",
-                    alias.blocks
+                    "alias group {id}: counts {} blocks on its user, found {count}",
+                    group.blocks
                 ));
             }
         }
