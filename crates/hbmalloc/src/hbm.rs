@@ -92,6 +92,19 @@ use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 use crate::stats::{decrease_pool, increase_pool, DeviceStats, StatArray};
 use crate::{FastMap, SegmentImage};
 
+/// Deliberately broken behaviour, for proving that the simulation harness
+/// catches it (test builds only).
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::cell::Cell;
+
+    thread_local! {
+        /// When set, a block placed on aliased memory that another stream
+        /// used last does not wait for that stream.
+        pub(crate) static SKIP_ALIAS_WAIT: Cell<bool> = const { Cell::new(false) };
+    }
+}
+
 const MIB: u64 = 1 << 20;
 /// Every request rounds up to a multiple of this (as PyTorch's `kMinBlockSize`).
 const MIN_BLOCK_SIZE: u64 = 512;
@@ -1064,7 +1077,26 @@ impl HbmPolicy {
             return Ok(true);
         }
         let remaining = (end - cursor) * granule;
-        let victims = self.free_spans(granule, remaining);
+        // Only chunks that give something: unaliased granules (spare once
+        // unmapped) or an idle group's view (a place for another view).
+        // Unmapping a view of memory in use elsewhere gives nothing.
+        let victims: Vec<_> = self
+            .free_spans(granule, u64::MAX)
+            .into_iter()
+            .filter(|&(r, start, _, count)| {
+                !self.region(r).aliased.all(start, start + count)
+                    || self
+                        .views_in(r, start, start + count)
+                        .iter()
+                        .any(|&(_, id)| self.group(id).blocks == 0)
+            })
+            .scan(0, |found, victim| {
+                (*found < remaining).then(|| {
+                    *found += victim.3 * granule;
+                    victim
+                })
+            })
+            .collect();
         self.unmap_spans(dev, granule, &victims)?;
         cursor = self.stitch_spares(dev, granule, region_index, cursor, end)?;
         // Unmapping a view of a group frees a place for another view.
@@ -1354,6 +1386,12 @@ impl HbmPolicy {
             .map(|&(_, id)| self.region(self.group(id).user.0).stream)
             .filter(|&other| other != stream)
             .collect();
+        #[cfg(test)]
+        let waits = if testing::SKIP_ALIAS_WAIT.with(|skip| skip.get()) {
+            BTreeSet::new()
+        } else {
+            waits
+        };
         for other in waits {
             let event = dev.record_event(other)?;
             if let Err(e) = dev.synchronize_event(event) {

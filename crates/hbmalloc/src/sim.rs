@@ -415,6 +415,17 @@ impl SimDevice {
         (va < start + m.size).then(|| (m.handle, m.offset + (va - start)))
     }
 
+    /// The physical memory mapped under `[ptr, ptr + len)`: (handle, first
+    /// byte, end byte) for each mapping the range crosses. Unmapped parts
+    /// are left out.
+    pub fn physical_ranges(&self, ptr: DevicePtr, len: u64) -> Vec<(PhysicalHandle, u64, u64)> {
+        self.lock()
+            .physical_ranges(ptr, len)
+            .into_iter()
+            .map(|(h, lo, hi)| (PhysicalHandle(h), lo, hi))
+            .collect()
+    }
+
     /// The events recorded and not yet retired, in the order they were
     /// recorded (so a caller can complete them in an order of its choosing
     /// with [`SimDevice::complete_event`]).

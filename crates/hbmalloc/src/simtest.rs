@@ -518,6 +518,25 @@ impl<D: SimBacked> Run<D> {
                         ));
                     }
                 }
+                // Memory may be mapped at several addresses: no byte of it
+                // may be under two live allocations.
+                let physical = self.sim().physical_ranges(ptr, size);
+                if !physical.is_empty() {
+                    for (&p, l) in &self.live {
+                        let theirs = self.sim().physical_ranges(p, l.requested);
+                        let shared = physical.iter().any(|&(h, lo, hi)| {
+                            theirs
+                                .iter()
+                                .any(|&(h2, lo2, hi2)| h == h2 && lo < hi2 && lo2 < hi)
+                        });
+                        if shared {
+                            return Err(format!(
+                                "malloc({size}) returned {ptr:#x}, whose physical memory is also under live [{p:#x}, +{})",
+                                l.requested
+                            ));
+                        }
+                    }
+                }
                 let foreign: Vec<_> = self
                     .sim()
                     .pending_uses_overlapping(ptr, size)
@@ -831,6 +850,28 @@ mod tests {
             assert!((1..=1 << 20).contains(&v));
             assert!(rng.below(3) < 3);
         }
+    }
+
+    /// Broken variant: an `hbm` that hands memory aliased from another
+    /// stream's free range to a new block without waiting for that stream.
+    /// The pending kernel there still touches the memory (through the other
+    /// address): a use-after-free the harness must report.
+    #[test]
+    fn catches_hbm_reusing_aliased_memory_without_waiting() {
+        crate::hbm::testing::SKIP_ALIAS_WAIT.with(|s| s.set(true));
+        let opts = SimOptions {
+            faults: false,
+            ..SimOptions::default()
+        };
+        let found = (0..300).find_map(|seed| run_seed("policy:hbm", seed, &opts).err());
+        crate::hbm::testing::SKIP_ALIAS_WAIT.with(|s| s.set(false));
+        let failure = found.expect("reuse without waiting went unnoticed for 300 seeds");
+        println!("{failure}");
+        assert!(
+            failure.message.contains("use-after-free"),
+            "{}",
+            failure.message
+        );
     }
 
     /// Broken variant (b): an allocator that never coalesces free neighbours

@@ -307,13 +307,13 @@ fn reserved_tracks_live_where_pytorch_wastes() {
     let theirs_peak = theirs.device().peak_used_bytes();
     let ours_efficiency = peak_live as f64 / ours_peak as f64;
     let theirs_efficiency = peak_live as f64 / theirs_peak as f64;
-    // The brief's goal is 2%; chunks mapped in one call each stay pinned by
-    // the long-lived tensors kept from every phase, which costs about 4% here
-    // (per-granule chunks reach 2%, at ten times the driver calls).
+    // The brief's goal is 2%: stitching idle granules under the next phase's
+    // tensors keeps it at about 1.4% here; the bound leaves a little room.
     assert!(
-        ours_peak as f64 <= peak_live as f64 * 1.05,
+        ours_peak as f64 <= peak_live as f64 * 1.03,
         "hbm peak {ours_peak} vs live {peak_live} ({ours_efficiency:.4})"
     );
+    println!("phased workload: hbm efficiency {ours_efficiency:.4}, pytorch {theirs_efficiency:.4}");
     assert!(ours_peak < theirs_peak);
     assert!(
         theirs_efficiency < 0.9,
