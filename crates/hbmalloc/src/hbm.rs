@@ -517,6 +517,8 @@ pub(crate) struct HbmPolicy {
     /// retired id, reused from `free_group_ids`).
     groups: Vec<Option<AliasGroup>>,
     free_group_ids: Vec<u32>,
+    /// Reused by `claim` so that the hot path does not allocate.
+    scratch_views: Vec<(u64, u32)>,
     /// Pending end-of-use events, per stream, in record order.
     pending_events: BTreeMap<StreamId, VecDeque<(EventId, DevicePtr)>>,
     /// Events whose synchronization failed: retired at the next full
@@ -559,6 +561,7 @@ impl HbmPolicy {
             handles: FastMap::default(),
             groups: Vec::new(),
             free_group_ids: Vec::new(),
+            scratch_views: Vec::new(),
             pending_events: BTreeMap::new(),
             stray_events: Vec::new(),
             held_bytes: 0,
@@ -778,26 +781,27 @@ impl HbmPolicy {
             .free_by_size
             .iter()
             .find(|index| index.stream == stream)?;
-        let mut fallback = None;
+        let mut blocked = Vec::new();
         for (&key, &region) in index.ranges.range(size_key(size, 0)..).take(MAX_CANDIDATES) {
             let (ptr, range_size) = (key as u64, (key >> 64) as u64);
-            let Some(mut busy_end) = self.busy_end(region, ptr, size) else {
-                return Some((ptr, range_size, region, ptr));
-            };
-            if fallback.is_none() {
-                // Slide past the memory in use elsewhere, within the range.
+            match self.busy_end(region, ptr, size) {
+                None => return Some((ptr, range_size, region, ptr)),
+                Some(busy_end) => blocked.push((ptr, range_size, region, busy_end)),
+            }
+        }
+        // Every candidate is blocked at its start: slide past the memory in
+        // use elsewhere, within the range.
+        blocked
+            .into_iter()
+            .find_map(|(ptr, range_size, region, mut busy_end)| {
                 while busy_end + size <= ptr + range_size {
                     match self.busy_end(region, busy_end, size) {
-                        None => {
-                            fallback = Some((ptr, range_size, region, busy_end));
-                            break;
-                        }
+                        None => return Some((ptr, range_size, region, busy_end)),
                         Some(end) => busy_end = end,
                     }
                 }
-            }
-        }
-        fallback
+                None
+            })
     }
 
     /// Reserves a new region for `stream` big enough for `size`; returns it as
@@ -1087,8 +1091,7 @@ impl HbmPolicy {
                 !self.region(r).aliased.all(start, start + count)
                     || self
                         .views_in(r, start, start + count)
-                        .iter()
-                        .any(|&(_, id)| self.group(id).blocks == 0)
+                        .any(|(_, id)| self.group(id).blocks == 0)
             })
             .scan(0, |found, victim| {
                 (*found < remaining).then(|| {
@@ -1326,21 +1329,21 @@ impl HbmPolicy {
 
     /// The alias-group views of region `region_index` overlapping granules
     /// `[first, end)`, as (first granule of the view, group).
-    fn views_in(&self, region_index: u32, first: u64, end: u64) -> Vec<(u64, u32)> {
-        let region = self.region(region_index);
-        let mut found = Vec::new();
-        if let Some((&start, &id)) = region.group_views.range(..first).next_back() {
-            if start + self.group(id).count > first {
-                found.push((start, id));
-            }
-        }
-        found.extend(
-            region
-                .group_views
-                .range(first..end)
-                .map(|(&s, &id)| (s, id)),
-        );
-        found
+    fn views_in(
+        &self,
+        region_index: u32,
+        first: u64,
+        end: u64,
+    ) -> impl Iterator<Item = (u64, u32)> + '_ {
+        let views = &self.region(region_index).group_views;
+        let straddling = views
+            .range(..first)
+            .next_back()
+            .filter(|&(&start, &id)| start + self.group(id).count > first);
+        straddling
+            .into_iter()
+            .chain(views.range(first..end))
+            .map(|(&start, &id)| (start, id))
     }
 
     /// `None` when a block at `[ptr, ptr + size)` of region `region_index`
@@ -1353,7 +1356,6 @@ impl HbmPolicy {
         let granule = self.granule.unwrap_or(1);
         let base = self.region(region_index).base;
         self.views_in(region_index, first, end)
-            .into_iter()
             .filter(|&(start, id)| {
                 let group = self.group(id);
                 let view = (region_index, start);
@@ -1380,26 +1382,34 @@ impl HbmPolicy {
             return Ok(());
         };
         let stream = self.region(region_index).stream;
-        let views = self.views_in(region_index, first, end);
-        let waits: BTreeSet<StreamId> = views
-            .iter()
-            .map(|&(_, id)| self.region(self.group(id).user.0).stream)
-            .filter(|&other| other != stream)
-            .collect();
-        #[cfg(test)]
-        let waits = if testing::SKIP_ALIAS_WAIT.with(|skip| skip.get()) {
-            BTreeSet::new()
-        } else {
-            waits
+        let mut views = std::mem::take(&mut self.scratch_views);
+        views.clear();
+        views.extend(self.views_in(region_index, first, end));
+        let other_stream = |this: &Self, id: u32| {
+            let user_stream = this.region(this.group(id).user.0).stream;
+            (user_stream != stream).then_some(user_stream)
         };
-        for other in waits {
-            let event = dev.record_event(other)?;
-            if let Err(e) = dev.synchronize_event(event) {
-                self.stray_events.push(event);
-                return Err(e.into());
+        // Usually the memory was last used on this stream: nothing to wait for.
+        if views.iter().any(|&(_, id)| other_stream(self, id).is_some()) {
+            let waits: BTreeSet<StreamId> = views
+                .iter()
+                .filter_map(|&(_, id)| other_stream(self, id))
+                .collect();
+            #[cfg(test)]
+            let waits = if testing::SKIP_ALIAS_WAIT.with(|skip| skip.get()) {
+                BTreeSet::new()
+            } else {
+                waits
+            };
+            for other in waits {
+                let event = dev.record_event(other)?;
+                if let Err(e) = dev.synchronize_event(event) {
+                    self.stray_events.push(event);
+                    return Err(e.into());
+                }
             }
         }
-        for (mut start, mut id) in views {
+        for &(mut start, mut id) in &views {
             // An idle group is cut to the granules the block covers, so the
             // rest stays free to use at the other views.
             if self.group(id).blocks == 0 {
@@ -1416,6 +1426,7 @@ impl HbmPolicy {
             group.user = (region_index, start);
             group.blocks += 1;
         }
+        self.scratch_views = views;
         Ok(())
     }
 
@@ -1442,6 +1453,69 @@ impl HbmPolicy {
         rest_id
     }
 
+    /// Merges idle group `id` with the idle groups just before and after it
+    /// that continue it at every view (what [`HbmPolicy::split_group`] cut),
+    /// so that groups do not stay small.
+    fn merge_idle(&mut self, id: u32) {
+        if self.groups[id as usize].is_none() {
+            return; // merged into its neighbour already
+        }
+        let (region, start, count) = {
+            let group = self.group(id);
+            (group.user.0, group.user.1, group.count)
+        };
+        let views = &self.region(region).group_views;
+        let next = views.get(&(start + count)).copied();
+        let previous = views
+            .range(..start)
+            .next_back()
+            .map(|(_, &before)| before);
+        let mut id = id;
+        if let Some(before) = previous.filter(|&before| self.continues(before, id)) {
+            self.absorb(before, id);
+            id = before;
+        }
+        if let Some(after) = next.filter(|&after| self.continues(id, after)) {
+            self.absorb(id, after);
+        }
+    }
+
+    /// Whether idle group `after` continues idle group `first` at every view.
+    fn continues(&self, first: u32, after: u32) -> bool {
+        let granule = self.granule.unwrap_or(0);
+        let (a, b) = (self.group(first), self.group(after));
+        first != after
+            && a.blocks == 0
+            && b.blocks == 0
+            && a.handle == b.handle
+            && b.offset == a.offset + a.count * granule
+            && a.views.len() == b.views.len()
+            && b.user == (a.user.0, a.user.1 + a.count)
+            && a.views.iter().all(|&(r, s)| {
+                // A view lies inside one chunk: one unmap removes it whole.
+                let end = s + a.count + b.count;
+                b.views.contains(&(r, s + a.count))
+                    && self
+                        .region(r)
+                        .chunks
+                        .range(..=s)
+                        .next_back()
+                        .is_some_and(|(&start, chunk)| start + chunk.count >= end)
+            })
+    }
+
+    /// Appends group `after` to group `first` (see [`HbmPolicy::continues`]).
+    fn absorb(&mut self, first: u32, after: u32) {
+        let gone = self.groups[after as usize]
+            .take()
+            .expect("a live alias group");
+        self.free_group_ids.push(after);
+        for (r, s) in gone.views {
+            self.region_mut(r).group_views.remove(&s);
+        }
+        self.group_mut(first).count += gone.count;
+    }
+
     fn new_group(&mut self, group: AliasGroup) -> u32 {
         match self.free_group_ids.pop() {
             Some(id) => {
@@ -1461,10 +1535,34 @@ impl HbmPolicy {
         let Some((first, end)) = self.aliased_span(region_index, ptr, size) else {
             return;
         };
-        for (start, id) in self.views_in(region_index, first, end) {
-            let group = self.group_mut(id);
+        // Fields borrowed apart: the view index is read while the groups change.
+        let views = &self
+            .regions
+            .get(region_index as usize)
+            .and_then(|r| r.as_ref())
+            .expect("a live region")
+            .group_views;
+        let groups = &mut self.groups;
+        let straddling = views
+            .range(..first)
+            .next_back()
+            .filter(|&(&start, &id)| {
+                groups[id as usize].as_ref().is_some_and(|g| start + g.count > first)
+            })
+            .map(|(&start, &id)| (start, id));
+        let inside = views.range(first..end).map(|(&start, &id)| (start, id));
+        let mut idle = Vec::new();
+        for (start, id) in straddling.into_iter().chain(inside) {
+            let group = groups[id as usize].as_mut().expect("a live alias group");
             debug_assert!(group.user == (region_index, start) && group.blocks > 0);
             group.blocks -= 1;
+            if group.blocks == 0 {
+                idle.push(id);
+            }
+        }
+        // Groups cut apart when blocks claimed them grow back together.
+        for id in idle {
+            self.merge_idle(id);
         }
     }
 
