@@ -280,6 +280,9 @@ struct Region {
     aliased: Bitmap,
     /// The alias-group views in this region, by first granule.
     group_views: BTreeMap<u64, u32>,
+    /// Aliased granules whose group is in use at another view: no block may
+    /// be placed on them (one bitmap test instead of a walk of the groups).
+    lent: Bitmap,
 }
 
 /// Bits `lo..hi` of a word (`lo < hi <= 64`).
@@ -375,6 +378,22 @@ impl Bitmap {
             i = i - lo + 64;
         }
         true
+    }
+
+    /// The last set bit in `[first, end)`, if any.
+    fn last_set(&self, first: u64, end: u64) -> Option<u64> {
+        let end = end.min(self.0.len() as u64 * 64);
+        let mut i = end;
+        while i > first {
+            let word_start = (i - 1) / 64 * 64;
+            let lo = first.max(word_start) - word_start;
+            let word = self.word(word_start / 64) & bit_mask(lo, i - word_start);
+            if word != 0 {
+                return Some(word_start + 63 - u64::from(word.leading_zeros()));
+            }
+            i = word_start;
+        }
+        None
     }
 
     /// True when some bit in `[first, end)` is set.
@@ -840,6 +859,7 @@ impl HbmPolicy {
                     mapped: Bitmap::default(),
                     aliased: Bitmap::default(),
                     group_views: BTreeMap::new(),
+                    lent: Bitmap::default(),
                 }
             }
             None => {
@@ -870,6 +890,7 @@ impl HbmPolicy {
                     mapped: Bitmap::default(),
                     aliased: Bitmap::default(),
                     group_views: BTreeMap::new(),
+                    lent: Bitmap::default(),
                 }
             }
         };
@@ -1354,18 +1375,21 @@ impl HbmPolicy {
     fn busy_end(&self, region_index: u32, ptr: DevicePtr, size: u64) -> Option<DevicePtr> {
         let (first, end) = self.aliased_span(region_index, ptr, size)?;
         let granule = self.granule.unwrap_or(1);
-        let base = self.region(region_index).base;
-        self.views_in(region_index, first, end)
+        let region = self.region(region_index);
+        let lent_end = region.lent.last_set(first, end).map(|index| index + 1);
+        let twice_end = self
+            .views_in(region_index, first, end)
             .filter(|&(start, id)| {
                 let group = self.group(id);
-                let view = (region_index, start);
-                (group.blocks > 0 && group.user != view)
-                    || group.views.iter().any(|&(r, s)| {
-                        (r, s) != view && r == region_index && s < end && s + group.count > first
-                    })
+                group.views.iter().any(|&(r, s)| {
+                    r == region_index && s != start && s < end && s + group.count > first
+                })
             })
-            .map(|(start, id)| base + (start + self.group(id).count) * granule)
-            .max()
+            .map(|(start, id)| start + self.group(id).count)
+            .max();
+        lent_end
+            .max(twice_end)
+            .map(|index| region.base + index * granule)
     }
 
     /// A block now lies on `[ptr, ptr + size)`: it takes over the groups
@@ -1390,7 +1414,10 @@ impl HbmPolicy {
             (user_stream != stream).then_some(user_stream)
         };
         // Usually the memory was last used on this stream: nothing to wait for.
-        if views.iter().any(|&(_, id)| other_stream(self, id).is_some()) {
+        if views
+            .iter()
+            .any(|&(_, id)| other_stream(self, id).is_some())
+        {
             let waits: BTreeSet<StreamId> = views
                 .iter()
                 .filter_map(|&(_, id)| other_stream(self, id))
@@ -1425,9 +1452,24 @@ impl HbmPolicy {
             debug_assert!(group.blocks == 0 || group.user == (region_index, start));
             group.user = (region_index, start);
             group.blocks += 1;
+            if group.blocks == 1 {
+                self.set_lent(id, true);
+            }
         }
         self.scratch_views = views;
         Ok(())
+    }
+
+    /// Marks (or clears) group `id` as lent at every view but its user's.
+    fn set_lent(&mut self, id: u32, lent: bool) {
+        let group = self.group(id);
+        let (count, user) = (group.count, group.user);
+        for index in 0..group.views.len() {
+            let view = self.group(id).views[index];
+            if view != user {
+                self.region_mut(view.0).lent.set(view.1, count, lent);
+            }
+        }
     }
 
     /// Cuts idle group `id` after its first `at` granules; returns the
@@ -1466,10 +1508,7 @@ impl HbmPolicy {
         };
         let views = &self.region(region).group_views;
         let next = views.get(&(start + count)).copied();
-        let previous = views
-            .range(..start)
-            .next_back()
-            .map(|(_, &before)| before);
+        let previous = views.range(..start).next_back().map(|(_, &before)| before);
         let mut id = id;
         if let Some(before) = previous.filter(|&before| self.continues(before, id)) {
             self.absorb(before, id);
@@ -1547,7 +1586,9 @@ impl HbmPolicy {
             .range(..first)
             .next_back()
             .filter(|&(&start, &id)| {
-                groups[id as usize].as_ref().is_some_and(|g| start + g.count > first)
+                groups[id as usize]
+                    .as_ref()
+                    .is_some_and(|g| start + g.count > first)
             })
             .map(|(&start, &id)| (start, id));
         let inside = views.range(first..end).map(|(&start, &id)| (start, id));
@@ -1561,6 +1602,9 @@ impl HbmPolicy {
             }
         }
         // Groups cut apart when blocks claimed them grow back together.
+        for &id in &idle {
+            self.set_lent(id, false);
+        }
         for id in idle {
             self.merge_idle(id);
         }
@@ -1728,6 +1772,7 @@ impl HbmPolicy {
         let region = self.region_mut(view.0);
         region.group_views.remove(&view.1);
         region.aliased.set(view.1, count, false);
+        region.lent.set(view.1, count, false);
         let group = self.group_mut(id);
         group.views.retain(|&v| v != view);
         if group.user == view {
@@ -2319,6 +2364,30 @@ impl HbmPolicy {
                 "granule {key:?} is mapped at {at:?} outside any alias group"
             ));
         }
+        let mut lent_bits = 0u64;
+        for group in self.groups.iter().flatten() {
+            for &(r, s) in &group.views {
+                let lent = group.blocks > 0 && (r, s) != group.user;
+                let bits = &self.region(r).lent;
+                if (lent && !bits.all(s, s + group.count))
+                    || (!lent && bits.any(s, s + group.count))
+                {
+                    return Err(format!("region {r}: lent bits of view {s} are wrong"));
+                }
+                if lent {
+                    lent_bits += group.count;
+                }
+            }
+        }
+        let lent_total: u64 = self
+            .regions
+            .iter()
+            .flatten()
+            .map(|r| r.lent.count_ones())
+            .sum();
+        if lent_total != lent_bits {
+            return Err("lent bits outside busy alias groups".into());
+        }
         let indexed_views: usize = self
             .regions
             .iter()
@@ -2472,5 +2541,14 @@ mod tests {
         assert_eq!(r.next_with(0, 100, true), 100);
         assert_eq!(r.next_with(150, 140, false), 150);
         assert_eq!(r.next_with(0, 200, false), 0);
+        assert_eq!(r.last_set(0, 200), Some(134));
+        assert_eq!(r.last_set(0, 134), Some(130));
+        assert_eq!(r.last_set(131, 134), None);
+        assert_eq!(r.last_set(0, 130), None);
+        assert_eq!(r.last_set(130, 131), Some(130));
+        r.set(63, 2, true);
+        assert_eq!(r.last_set(0, 64), Some(63));
+        assert_eq!(r.last_set(64, 65), Some(64));
+        assert_eq!(r.last_set(0, 1 << 20), Some(134));
     }
 }

@@ -313,7 +313,9 @@ fn reserved_tracks_live_where_pytorch_wastes() {
         ours_peak as f64 <= peak_live as f64 * 1.03,
         "hbm peak {ours_peak} vs live {peak_live} ({ours_efficiency:.4})"
     );
-    println!("phased workload: hbm efficiency {ours_efficiency:.4}, pytorch {theirs_efficiency:.4}");
+    println!(
+        "phased workload: hbm efficiency {ours_efficiency:.4}, pytorch {theirs_efficiency:.4}"
+    );
     assert!(ours_peak < theirs_peak);
     assert!(
         theirs_efficiency < 0.9,
