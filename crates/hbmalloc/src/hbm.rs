@@ -116,7 +116,7 @@ const SEGMENT_ROUND: u64 = 2 * MIB;
 /// room to place a full device's worth of blocks with fragmentation to spare.
 const REGION_CAPACITY_FACTOR: u64 = 2;
 
-const DEFAULT_MAX_WASTE_PERCENT: f64 = 2.0;
+const DEFAULT_MAX_WASTE_PERCENT: f64 = 1.0;
 /// Mapping ahead is bounded by this share of peak demand whatever the
 /// allowance: memory mapped ahead is pinned by the first small block placed
 /// in it, so larger chunks trade efficiency for fewer calls.
@@ -133,7 +133,7 @@ const MAX_CANDIDATES: usize = 32;
 ///
 /// | key | default | meaning |
 /// |---|---|---|
-/// | `max_waste_percent` | 2 | physical memory held may exceed the peak demand (live plus pending-free bytes) by this percentage before free granules are remapped instead of new memory created. Lower: tighter memory, more remapping when the workload shifts; higher: fewer driver calls. |
+/// | `max_waste_percent` | 1 | physical memory held may exceed the peak demand (live plus pending-free bytes) by this percentage before idle memory is stitched (mapped a second time) instead of new memory created. Lower: tighter memory, more map calls when the workload shifts; higher: fewer driver calls. |
 /// | `per_process_memory_fraction` | 1 | hard limit on memory held, as a fraction of device memory (as in PyTorch). |
 #[derive(Clone, Debug, PartialEq)]
 pub struct HbmConfig {
