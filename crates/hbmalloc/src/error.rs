@@ -66,6 +66,8 @@ pub struct OomReport {
     pub pending_free_bytes: u64,
     /// The configured limit (memory fraction), if any.
     pub limit_bytes: Option<u64>,
+    /// The policy that ran out: `"pytorch"` or `"hbm"` (advice differs).
+    pub policy: &'static str,
     /// The verdict.
     pub verdict: OomVerdict,
 }
@@ -161,7 +163,8 @@ impl OomReport {
             OomVerdict::RealDemand => "less live memory (smaller batch, activation checkpointing) or a larger device",
             OomVerdict::ConfiguredLimit => "a larger per_process_memory_fraction",
             OomVerdict::PendingStreams => "synchronize the streams named in record_stream before allocating, or avoid record_stream",
-            OomVerdict::Fragmentation => "policy hbm (remaps free granules), or expandable_segments:True under policy pytorch",
+            OomVerdict::Fragmentation if self.policy == "hbm" => "empty_cache() between phases whose tensors differ (idle mappings are released, so their memory can be stitched anew), or a larger device",
+            OomVerdict::Fragmentation => "policy hbm (stitches free granules), or expandable_segments:True under policy pytorch",
         };
         out
     }
@@ -252,6 +255,7 @@ mod tests {
             largest_free_block_bytes: 1 << 30,
             pending_free_bytes: 0,
             limit_bytes: None,
+            policy: "pytorch",
             verdict: OomVerdict::RealDemand,
         }
     }
@@ -280,6 +284,19 @@ mod tests {
         r.limit_bytes = Some(72 << 30);
         r.judge();
         assert_eq!(r.verdict, OomVerdict::ConfiguredLimit);
+    }
+
+    #[test]
+    fn fragmentation_advice_fits_the_policy() {
+        let mut r = report();
+        r.judge();
+        assert!(r.render().contains("policy hbm"));
+        r.policy = "hbm";
+        let text = r.render();
+        assert!(
+            !text.contains("policy hbm") && text.contains("empty_cache()"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -2050,6 +2050,7 @@ impl HbmPolicy {
             largest_free_block_bytes: largest_free,
             pending_free_bytes: pending,
             limit_bytes: self.limit_bytes,
+            policy: "hbm",
             verdict: OomVerdict::RealDemand,
         };
         report.judge();

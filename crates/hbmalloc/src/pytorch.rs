@@ -1323,6 +1323,7 @@ impl PytorchPolicy {
             largest_free_block_bytes: largest_free,
             pending_free_bytes: pending,
             limit_bytes: self.allowed_memory_maximum,
+            policy: "pytorch",
             verdict: OomVerdict::RealDemand,
         };
         report.judge();

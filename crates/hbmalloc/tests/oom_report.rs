@@ -188,6 +188,7 @@ fn pending_streams() {
         largest_free_block_bytes: 0,
         pending_free_bytes: 40 * MIB,
         limit_bytes: None,
+        policy: "pytorch",
         verdict: OomVerdict::RealDemand,
     };
     report.judge();
