@@ -763,7 +763,7 @@ impl HbmPolicy {
             // under the block nor wholly in the free range beyond it) can be
             // stitched in too.
             if let Some(granule) = self.granule {
-                let victims = self.free_spans(granule, u64::MAX);
+                let victims = self.free_spans(granule, u64::MAX, false);
                 self.unmap_spans(dev, granule, &victims)?;
             }
             self.release_free_segments(dev)?;
@@ -803,24 +803,23 @@ impl HbmPolicy {
         let mut blocked = Vec::new();
         for (&key, &region) in index.ranges.range(size_key(size, 0)..).take(MAX_CANDIDATES) {
             let (ptr, range_size) = (key as u64, (key >> 64) as u64);
-            match self.busy_end(region, ptr, size) {
-                None => return Some((ptr, range_size, region, ptr)),
-                Some(busy_end) => blocked.push((ptr, range_size, region, busy_end)),
+            if !self.blocked(region, ptr, size) {
+                return Some((ptr, range_size, region, ptr));
             }
+            blocked.push((ptr, range_size, region));
         }
         // Every candidate is blocked at its start: slide past the memory in
         // use elsewhere, within the range.
-        blocked
-            .into_iter()
-            .find_map(|(ptr, range_size, region, mut busy_end)| {
-                while busy_end + size <= ptr + range_size {
-                    match self.busy_end(region, busy_end, size) {
-                        None => return Some((ptr, range_size, region, busy_end)),
-                        Some(end) => busy_end = end,
-                    }
+        blocked.into_iter().find_map(|(ptr, range_size, region)| {
+            let mut busy_end = self.busy_end(region, ptr, size)?;
+            while busy_end + size <= ptr + range_size {
+                match self.busy_end(region, busy_end, size) {
+                    None => return Some((ptr, range_size, region, busy_end)),
+                    Some(end) => busy_end = end,
                 }
-                None
-            })
+            }
+            None
+        })
     }
 
     /// Reserves a new region for `stream` big enough for `size`; returns it as
@@ -1102,25 +1101,7 @@ impl HbmPolicy {
             return Ok(true);
         }
         let remaining = (end - cursor) * granule;
-        // Only chunks that give something: unaliased granules (spare once
-        // unmapped) or an idle group's view (a place for another view).
-        // Unmapping a view of memory in use elsewhere gives nothing.
-        let victims: Vec<_> = self
-            .free_spans(granule, u64::MAX)
-            .into_iter()
-            .filter(|&(r, start, _, count)| {
-                !self.region(r).aliased.all(start, start + count)
-                    || self
-                        .views_in(r, start, start + count)
-                        .any(|(_, id)| self.group(id).blocks == 0)
-            })
-            .scan(0, |found, victim| {
-                (*found < remaining).then(|| {
-                    *found += victim.3 * granule;
-                    victim
-                })
-            })
-            .collect();
+        let victims = self.free_spans(granule, remaining, true);
         self.unmap_spans(dev, granule, &victims)?;
         cursor = self.stitch_spares(dev, granule, region_index, cursor, end)?;
         // Unmapping a view of a group frees a place for another view.
@@ -1200,8 +1181,11 @@ impl HbmPolicy {
     /// Granules lying wholly inside free ranges, highest address first
     /// (placement favours low addresses, so the top is the least likely to be
     /// wanted again soon), until they add up to `bytes`: as (region, chunk
-    /// start, first granule, granules).
-    fn free_spans(&self, granule: u64, bytes: u64) -> Vec<(u32, u64, u64, u64)> {
+    /// start, first granule, granules). `giving_only`: only chunks whose
+    /// unmapping gives something — unaliased granules (spare once unmapped)
+    /// or an idle group's view (a place for another view); unmapping a view
+    /// of memory in use elsewhere gives nothing.
+    fn free_spans(&self, granule: u64, bytes: u64, giving_only: bool) -> Vec<(u32, u64, u64, u64)> {
         let mut victims = Vec::new();
         let mut found = 0u64;
         for (&range_end, range) in self.free_by_end.iter().rev() {
@@ -1229,6 +1213,14 @@ impl HbmPolicy {
                 // Only chunks wholly inside the free range move: a chunk
                 // partly under a live block stays mapped (see the header).
                 if start < first || chunk_end > end {
+                    continue;
+                }
+                if giving_only
+                    && region.aliased.all(start, chunk_end)
+                    && self
+                        .views_in(range.region, start, chunk_end)
+                        .all(|(_, id)| self.group(id).blocks > 0)
+                {
                     continue;
                 }
                 victims.push((range.region, start, start, chunk.count));
@@ -1365,6 +1357,18 @@ impl HbmPolicy {
             .into_iter()
             .chain(views.range(first..end))
             .map(|(&start, &id)| (start, id))
+    }
+
+    /// Whether a block may not lie at `[ptr, ptr + size)` of region
+    /// `region_index` (see [`HbmPolicy::busy_end`]); the lent bitmap answers
+    /// most cases without a walk of the groups.
+    #[inline]
+    fn blocked(&self, region_index: u32, ptr: DevicePtr, size: u64) -> bool {
+        let Some((first, end)) = self.aliased_span(region_index, ptr, size) else {
+            return false;
+        };
+        self.region(region_index).lent.any(first, end)
+            || self.busy_end(region_index, ptr, size).is_some()
     }
 
     /// `None` when a block at `[ptr, ptr + size)` of region `region_index`
@@ -2003,7 +2007,7 @@ impl HbmPolicy {
     pub(crate) fn empty_cache(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
         self.synchronize_and_free_events(dev)?;
         if let Some(granule) = self.granule {
-            let victims = self.free_spans(granule, u64::MAX);
+            let victims = self.free_spans(granule, u64::MAX, false);
             self.unmap_spans(dev, granule, &victims)?;
             self.release_spares(dev)?;
         }
@@ -2027,7 +2031,11 @@ impl HbmPolicy {
         // With remapping, every wholly free mapped granule is usable by any
         // request: that is the largest piece the allocator could offer.
         let largest_free = match self.granule {
-            Some(g) => self.free_spans(g, u64::MAX).iter().map(|v| v.3 * g).sum(),
+            Some(g) => self
+                .free_spans(g, u64::MAX, false)
+                .iter()
+                .map(|v| v.3 * g)
+                .sum(),
             None => self.free_by_end.values().map(|f| f.size).max().unwrap_or(0),
         };
         let pending: u64 = self
