@@ -73,8 +73,9 @@
 //!
 //! Statistics keep PyTorch's meanings where they carry over: `reserved_bytes`
 //! is physical memory held (every handle, mapped once or more, or spare; or
-//! segments). A snapshot shows each mapped address range as a segment, so
-//! with aliases its segments add up to more than `reserved_bytes`;
+//! segments). A snapshot shows each mapped address range as a segment,
+//! with each aliased granule only where it is in use (or was last used), so
+//! segments add up to the memory mapped, never more than `reserved_bytes`;
 //! `segment` counts regions (virtual reservations or fallback segments),
 //! `num_device_alloc`/`num_device_free` count creates and maps / releases and
 //! unmaps. Everything is reported in the large pool except allocations of at
@@ -2102,12 +2103,27 @@ impl HbmPolicy {
             self.live.iter().map(|(&p, b)| (p, b)).collect();
         live.sort_unstable_by_key(|&(p, _)| p);
         let mut segments = Vec::new();
-        for region in self.regions.iter().flatten() {
+        for (region_index, region) in self.regions.iter().enumerate() {
+            let Some(region) = region else { continue };
             let runs: Vec<(DevicePtr, u64)> = match self.granule {
                 Some(g) if !region.segment => {
                     let mut runs: Vec<(DevicePtr, u64)> = Vec::new();
-                    for index in 0..region.granules {
-                        if !region.is_mapped(index) {
+                    // Mapped granules, each physical granule once: of an
+                    // alias group, only the view in use (or used last), so
+                    // that segments add up to memory held, as tools expect.
+                    let shown = |index: u64| {
+                        region.is_mapped(index)
+                            && (!region.aliased.get(index)
+                                || region.group_views.range(..=index).next_back().is_some_and(
+                                    |(&start, &id)| {
+                                        self.group(id).user == (region_index as u32, start)
+                                    },
+                                ))
+                    };
+                    let mut index = region.next_with(0, region.granules, true);
+                    while index < region.granules {
+                        if !shown(index) {
+                            index = region.next_with(index + 1, region.granules, true);
                             continue;
                         }
                         let va = region.base + index * g;
@@ -2115,6 +2131,7 @@ impl HbmPolicy {
                             Some((start, len)) if *start + *len == va => *len += g,
                             _ => runs.push((va, g)),
                         }
+                        index += 1;
                     }
                     runs
                 }

@@ -734,9 +734,15 @@ impl<D: SimBacked> Run<D> {
                 self.live.len()
             ));
         }
-        let mut in_snapshot: Vec<(DevicePtr, u64)> = self
-            .alloc
-            .snapshot()
+        let snapshot = self.alloc.snapshot();
+        let shown: u64 = snapshot.segments.iter().map(|s| s.total_size).sum();
+        if shown as i64 > stats.reserved_bytes[0].current {
+            return Err(format!(
+                "snapshot segments add up to {shown}, more than reserved_bytes {}",
+                stats.reserved_bytes[0].current
+            ));
+        }
+        let mut in_snapshot: Vec<(DevicePtr, u64)> = snapshot
             .segments
             .iter()
             .flat_map(|s| s.blocks.iter())
