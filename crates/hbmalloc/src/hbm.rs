@@ -932,9 +932,10 @@ impl HbmPolicy {
     }
 
     /// Maps `count` granules of `handle`, from byte `offset` of it, at granule
-    /// `first` of the region. On failure the piece is kept as a spare (or as
-    /// a chunk, if it could not be unmapped again), so nothing is ever lost
-    /// track of.
+    /// `first` of the region. Access is granted afterwards, once for a whole
+    /// run ([`HbmPolicy::grant_access`]). On failure the piece is kept as a
+    /// spare (an alias's memory stays mapped elsewhere), so nothing is ever
+    /// lost track of.
     #[allow(clippy::too_many_arguments)]
     fn map_chunk(
         &mut self,
@@ -965,17 +966,6 @@ impl HbmPolicy {
             return Err(e.into());
         }
         self.stats.num_device_alloc += 1;
-        if let Err(e) = dev.set_access(va, bytes) {
-            // Never leave memory mapped without access.
-            if dev.unmap(va, bytes).is_ok() {
-                self.stats.num_device_free += 1;
-                if !alias {
-                    self.spare.push(piece);
-                }
-                return Err(e.into());
-            }
-            // Could not undo: keep it as a chunk, so the books stay right.
-        }
         if let Some(info) = self.handles.get_mut(&handle) {
             info.mapped += bytes;
         }
@@ -1054,11 +1044,45 @@ impl HbmPolicy {
             runs.last().map_or(end, |r| (r.0 + r.1).max(end)),
         );
         for (start, count) in runs {
-            if !self.back_run(dev, granule, span, start, count, soft_limit, hard_limit)? {
+            let backed = self.back_run(dev, granule, span, start, count, soft_limit, hard_limit);
+            // Whatever got mapped, even on failure, gets access now.
+            self.grant_access(dev, granule, region_index, start, start + count)?;
+            if !backed? {
                 return Ok(Backing::OutOfMemory);
             }
         }
         Ok(Backing::Done)
+    }
+
+    /// Grants access to the granules mapped in `[start, end)` of a run that
+    /// was wholly unmapped before: one `set_access` per contiguous mapped
+    /// stretch, however many chunks were stitched into it (as PyTorch's
+    /// expandable segments do). If access fails the stretch's chunks are
+    /// unmapped again: memory is never left mapped without access.
+    fn grant_access(
+        &mut self,
+        dev: &dyn Device,
+        granule: u64,
+        region_index: u32,
+        start: u64,
+        end: u64,
+    ) -> Result<(), AllocError> {
+        let mut from = self.region(region_index).next_with(start, end, true);
+        while from < end {
+            let region = self.region(region_index);
+            let to = region.next_with(from, end, false);
+            if let Err(e) = dev.set_access(region.base + from * granule, (to - from) * granule) {
+                let victims: Vec<(u32, u64, u64, u64)> = region
+                    .chunks
+                    .range(from..to)
+                    .map(|(&s, c)| (region_index, s, s, c.count))
+                    .collect();
+                self.unmap_spans(dev, granule, &victims)?;
+                return Err(e.into());
+            }
+            from = self.region(region_index).next_with(to, end, true);
+        }
+        Ok(())
     }
 
     /// Backs the unmapped granules `[start, start + count)`: spare pieces;
