@@ -26,9 +26,10 @@
 //!   blocks ever share memory. A training step that needs memory at one
 //!   place early and at another later finds both still mapped the next time
 //!   round and makes no driver call, where moving the memory (unmap, map)
-//!   paid calls every step. Measured on `gpt2_train` (`hbmalloc compare`):
-//!   115 driver calls in the second half of the trace with moving, 0 with
-//!   aliasing; efficiency (peak live / peak reserved) 0.980 and 0.988.
+//!   paid calls every step. Measured on `gpt2_train` with `hbmalloc compare
+//!   --json` (`steady_state_device_calls`, `efficiency`): 115 driver calls in
+//!   the second half of the trace and 0.980 with moving (commit 62ca423), 0
+//!   and 0.990 with aliasing.
 //! * **On a miss** a run gets physical memory from, in order: spare pieces
 //!   (held, unmapped; the smallest that covers the run, else the largest,
 //!   split as needed); one new handle within the allowance; idle memory,
@@ -127,7 +128,8 @@ const MAX_MAP_AHEAD_PERCENT: f64 = 2.0;
 /// this often is moved (unmapped) rather than mapped once more.
 const MAX_VIEWS: usize = 4;
 /// Free ranges a request looks at, in best-fit order, for one whose aliased
-/// granules are not in use elsewhere, before it opens a new region.
+/// granules are not in use elsewhere; if all are blocked, the block slides
+/// past the memory in use within them, and only then opens a new region.
 const MAX_CANDIDATES: usize = 32;
 
 /// Configuration of policy `hbm`, in the `key:value,key:value` syntax.
@@ -255,6 +257,29 @@ fn size_key(size: u64, ptr: DevicePtr) -> u128 {
     (u128::from(size) << 64) | u128::from(ptr)
 }
 
+/// The views in `views` (a region's view index) overlapping granules
+/// `[first, end)`, as (first granule, group). Borrows only the index, so the
+/// caller may change `groups` while it walks.
+fn views_overlapping<'a>(
+    views: &'a BTreeMap<u64, u32>,
+    groups: &[Option<AliasGroup>],
+    first: u64,
+    end: u64,
+) -> impl Iterator<Item = (u64, u32)> + 'a {
+    let straddling = views
+        .range(..first)
+        .next_back()
+        .filter(|&(&start, &id)| {
+            groups[id as usize]
+                .as_ref()
+                .is_some_and(|group| start + group.count > first)
+        })
+        .map(|(&start, &id)| (start, id));
+    straddling
+        .into_iter()
+        .chain(views.range(first..end).map(|(&start, &id)| (start, id)))
+}
+
 /// A virtual reservation owned by one stream, or (without a virtual-memory
 /// API) a plain segment.
 #[derive(Debug)]
@@ -276,8 +301,8 @@ struct Region {
     /// at a time.
     mapped: Bitmap,
     /// Granules whose physical memory is mapped at another address too (a
-    /// stitched alias, see [`Alias`]): a block placed over them must first
-    /// check that no live block uses that memory elsewhere.
+    /// stitched alias, see [`AliasGroup`]): a block placed over them must
+    /// first check that no live block uses that memory elsewhere.
     aliased: Bitmap,
     /// The alias-group views in this region, by first granule.
     group_views: BTreeMap<u64, u32>,
@@ -409,6 +434,24 @@ impl Bitmap {
 }
 
 impl Region {
+    /// A region of `granules` granules, nothing mapped; `granules == 0`
+    /// makes it a plain segment.
+    fn new(base: DevicePtr, size: u64, stream: StreamId, size_index: usize, granules: u64) -> Self {
+        Region {
+            base,
+            size,
+            stream,
+            size_index,
+            segment: granules == 0,
+            granules,
+            chunks: BTreeMap::new(),
+            mapped: Bitmap::default(),
+            aliased: Bitmap::default(),
+            group_views: BTreeMap::new(),
+            lent: Bitmap::default(),
+        }
+    }
+
     #[inline]
     fn is_mapped(&self, index: u64) -> bool {
         self.segment || self.mapped.get(index)
@@ -455,8 +498,9 @@ type GranuleSpan = (u32, u64, u64);
 /// makes no driver call. A group is `count` granules of one handle and every
 /// place (*view*) they are mapped whole; each view lies inside one chunk.
 /// Only one view may be in use at a time, and the group says which. Groups
-/// never overlap, and never split: a donor that is part of a group gives the
-/// whole group or nothing. Bookkeeping is per group, not per granule, so a
+/// never overlap. An idle group is cut where a block or a donation needs
+/// only part of it, and idle neighbours that continue each other at every
+/// view are merged back. Bookkeeping is per group, not per granule, so a
 /// block costs the same however large it is.
 #[derive(Clone, Debug)]
 struct AliasGroup {
@@ -847,20 +891,7 @@ impl HbmPolicy {
                 let wanted = (self.device_total.saturating_mul(REGION_CAPACITY_FACTOR)).max(size);
                 let region_size = wanted.div_ceil(granule) * granule;
                 let base = dev.address_reserve(region_size)?;
-                let granules = region_size / granule;
-                Region {
-                    base,
-                    size: region_size,
-                    stream,
-                    size_index,
-                    segment: false,
-                    granules,
-                    chunks: BTreeMap::new(),
-                    mapped: Bitmap::default(),
-                    aliased: Bitmap::default(),
-                    group_views: BTreeMap::new(),
-                    lent: Bitmap::default(),
-                }
+                Region::new(base, region_size, stream, size_index, region_size / granule)
             }
             None => {
                 let segment_size = size.div_ceil(SEGMENT_ROUND) * SEGMENT_ROUND;
@@ -879,19 +910,8 @@ impl HbmPolicy {
                 self.stats.num_device_alloc += 1;
                 self.history
                     .record(Action::SegmentAlloc, base, segment_size, stream);
-                Region {
-                    base,
-                    size: segment_size,
-                    stream,
-                    size_index,
-                    segment: true,
-                    granules: 0,
-                    chunks: BTreeMap::new(),
-                    mapped: Bitmap::default(),
-                    aliased: Bitmap::default(),
-                    group_views: BTreeMap::new(),
-                    lent: Bitmap::default(),
-                }
+                // No granules: a plain segment, always fully backed.
+                Region::new(base, segment_size, stream, size_index, 0)
             }
         };
         let (base, region_size) = (region.base, region.size);
@@ -1086,10 +1106,10 @@ impl HbmPolicy {
     }
 
     /// Backs the unmapped granules `[start, start + count)`: spare pieces;
-    /// one new handle within the allowance; idle granules of chunks lying
-    /// wholly in free ranges, mapped here too ([`Alias`]); such chunks
-    /// stolen (unmapped, stitched in here); one new handle within the hard
-    /// limit. False: out of memory.
+    /// one new handle within the allowance; idle memory under free ranges,
+    /// mapped here too ([`AliasGroup`]); wholly free chunks stolen
+    /// (unmapped, stitched in here), then aliasing again; one new handle
+    /// within the hard limit. False: out of memory.
     #[allow(clippy::too_many_arguments)]
     fn back_run(
         &mut self,
@@ -1107,26 +1127,14 @@ impl HbmPolicy {
         if cursor == end {
             return Ok(true);
         }
-        let remaining = (end - cursor) * granule;
-        if let Some(handle) = self.create(dev, remaining, soft_limit)? {
-            self.map_chunk(
-                dev,
-                granule,
-                region_index,
-                cursor,
-                end - cursor,
-                handle,
-                0,
-                false,
-            )?;
+        if self.map_new_handle(dev, granule, region_index, cursor, end, soft_limit)? {
             return Ok(true);
         }
         cursor = self.alias_idle(dev, granule, span, cursor, end)?;
         if cursor == end {
             return Ok(true);
         }
-        let remaining = (end - cursor) * granule;
-        let victims = self.free_spans(granule, remaining, true);
+        let victims = self.free_spans(granule, (end - cursor) * granule, true);
         self.unmap_spans(dev, granule, &victims)?;
         cursor = self.stitch_spares(dev, granule, region_index, cursor, end)?;
         // Unmapping a view of a group frees a place for another view.
@@ -1134,23 +1142,26 @@ impl HbmPolicy {
         if cursor == end {
             return Ok(true);
         }
-        let remaining = (end - cursor) * granule;
-        match self.create(dev, remaining, hard_limit)? {
-            Some(handle) => {
-                self.map_chunk(
-                    dev,
-                    granule,
-                    region_index,
-                    cursor,
-                    end - cursor,
-                    handle,
-                    0,
-                    false,
-                )?;
-                Ok(true)
-            }
-            None => Ok(false),
-        }
+        self.map_new_handle(dev, granule, region_index, cursor, end, hard_limit)
+    }
+
+    /// Creates one handle for granules `[cursor, end)` (unless that would
+    /// hold more than `limit`) and maps it there. False: no memory.
+    fn map_new_handle(
+        &mut self,
+        dev: &dyn Device,
+        granule: u64,
+        region_index: u32,
+        cursor: u64,
+        end: u64,
+        limit: u64,
+    ) -> Result<bool, AllocError> {
+        let count = end - cursor;
+        let Some(handle) = self.create(dev, count * granule, limit)? else {
+            return Ok(false);
+        };
+        self.map_chunk(dev, granule, region_index, cursor, count, handle, 0, false)?;
+        Ok(true)
     }
 
     /// Maps spare pieces into `[cursor, end)`: the smallest piece that covers
@@ -1373,15 +1384,12 @@ impl HbmPolicy {
         first: u64,
         end: u64,
     ) -> impl Iterator<Item = (u64, u32)> + '_ {
-        let views = &self.region(region_index).group_views;
-        let straddling = views
-            .range(..first)
-            .next_back()
-            .filter(|&(&start, &id)| start + self.group(id).count > first);
-        straddling
-            .into_iter()
-            .chain(views.range(first..end))
-            .map(|(&start, &id)| (start, id))
+        views_overlapping(
+            &self.region(region_index).group_views,
+            &self.groups,
+            first,
+            end,
+        )
     }
 
     /// Whether a block may not lie at `[ptr, ptr + size)` of region
@@ -1610,20 +1618,11 @@ impl HbmPolicy {
             .and_then(|r| r.as_ref())
             .expect("a live region")
             .group_views;
-        let groups = &mut self.groups;
-        let straddling = views
-            .range(..first)
-            .next_back()
-            .filter(|&(&start, &id)| {
-                groups[id as usize]
-                    .as_ref()
-                    .is_some_and(|g| start + g.count > first)
-            })
-            .map(|(&start, &id)| (start, id));
-        let inside = views.range(first..end).map(|(&start, &id)| (start, id));
         let mut idle = Vec::new();
-        for (start, id) in straddling.into_iter().chain(inside) {
-            let group = groups[id as usize].as_mut().expect("a live alias group");
+        for (start, id) in views_overlapping(views, &self.groups, first, end) {
+            let group = self.groups[id as usize]
+                .as_mut()
+                .expect("a live alias group");
             debug_assert!(group.user == (region_index, start) && group.blocks > 0);
             group.blocks -= 1;
             if group.blocks == 0 {

@@ -858,21 +858,33 @@ mod tests {
         }
     }
 
+    /// Runs `settings` with a sabotage `flag` set until a seed fails (within
+    /// `seeds`), with faults off so that the failure is the sabotage's.
+    fn failure_with(
+        flag: &'static std::thread::LocalKey<std::cell::Cell<bool>>,
+        settings: &str,
+        seeds: u64,
+    ) -> SimFailure {
+        flag.with(|f| f.set(true));
+        let opts = SimOptions {
+            faults: false,
+            ..SimOptions::default()
+        };
+        let found = (0..seeds).find_map(|seed| run_seed(settings, seed, &opts).err());
+        flag.with(|f| f.set(false));
+        let failure =
+            found.unwrap_or_else(|| panic!("broken {settings} went unnoticed for {seeds} seeds"));
+        println!("{failure}");
+        failure
+    }
+
     /// Broken variant: an `hbm` that hands memory aliased from another
     /// stream's free range to a new block without waiting for that stream.
     /// The pending kernel there still touches the memory (through the other
     /// address): a use-after-free the harness must report.
     #[test]
     fn catches_hbm_reusing_aliased_memory_without_waiting() {
-        crate::hbm::testing::SKIP_ALIAS_WAIT.with(|s| s.set(true));
-        let opts = SimOptions {
-            faults: false,
-            ..SimOptions::default()
-        };
-        let found = (0..300).find_map(|seed| run_seed("policy:hbm", seed, &opts).err());
-        crate::hbm::testing::SKIP_ALIAS_WAIT.with(|s| s.set(false));
-        let failure = found.expect("reuse without waiting went unnoticed for 300 seeds");
-        println!("{failure}");
+        let failure = failure_with(&crate::hbm::testing::SKIP_ALIAS_WAIT, "policy:hbm", 300);
         assert!(
             failure.message.contains("use-after-free"),
             "{}",
@@ -884,15 +896,11 @@ mod tests {
     /// must be caught within a bounded number of seeds.
     #[test]
     fn catches_an_allocator_that_skips_coalescing() {
-        crate::pytorch::testing::SKIP_COALESCING.with(|s| s.set(true));
-        let opts = SimOptions {
-            faults: false,
-            ..SimOptions::default()
-        };
-        let found = (0..20).find_map(|seed| run_seed("policy:pytorch", seed, &opts).err());
-        crate::pytorch::testing::SKIP_COALESCING.with(|s| s.set(false));
-        let failure = found.expect("skipped coalescing went unnoticed for 20 seeds");
-        println!("{failure}");
+        let failure = failure_with(
+            &crate::pytorch::testing::SKIP_COALESCING,
+            "policy:pytorch",
+            20,
+        );
         assert!(
             failure.message.contains("not coalesced"),
             "{}",

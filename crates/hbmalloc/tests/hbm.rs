@@ -233,9 +233,7 @@ fn repeating_training_step_makes_no_driver_calls_once_warm() {
         let calls = a.device().call_counts().since(&before).memory_calls();
         calls_per_step.push(calls);
         check(&a);
-        // Step 0 maps; step 1 may stitch (alias) a few granules that step 0
-        // placed apart; from then on the step lands on mapped memory.
-        if step >= 2 {
+        if step >= 1 {
             assert_eq!(
                 calls, 0,
                 "step {step} made driver calls: {calls_per_step:?}"
@@ -308,7 +306,8 @@ fn reserved_tracks_live_where_pytorch_wastes() {
     let ours_efficiency = peak_live as f64 / ours_peak as f64;
     let theirs_efficiency = peak_live as f64 / theirs_peak as f64;
     // The brief's goal is 2%: stitching idle granules under the next phase's
-    // tensors keeps it at about 1.4% here; the bound leaves a little room.
+    // tensors keeps it under 2% here (efficiency 0.982, printed below); the
+    // bound leaves a little room.
     assert!(
         ours_peak as f64 <= peak_live as f64 * 1.03,
         "hbm peak {ours_peak} vs live {peak_live} ({ours_efficiency:.4})"
