@@ -466,6 +466,17 @@ impl Region {
         self.mapped.next_with(from, limit, mapped)
     }
 
+    /// The first granule in `[from, limit)` that is mapped here and not in
+    /// use at another view (not lent), or `limit`: where idle memory may lie.
+    fn next_unlent(&self, from: u64, limit: u64) -> u64 {
+        let mut i = self.next_with(from, limit, true);
+        while i < limit && self.lent.get(i) {
+            i = self.lent.next_with(i, limit, false);
+            i = self.next_with(i, limit, true);
+        }
+        i
+    }
+
     /// True when every granule in `[first, end)` is mapped.
     fn all_mapped(&self, first: u64, end: u64) -> bool {
         self.segment || self.mapped.all(first, end)
@@ -1251,12 +1262,9 @@ impl HbmPolicy {
                 if start < first || chunk_end > end {
                     continue;
                 }
-                if giving_only
-                    && region.aliased.all(start, chunk_end)
-                    && self
-                        .views_in(range.region, start, chunk_end)
-                        .all(|(_, id)| self.group(id).blocks > 0)
-                {
+                // Wholly free here, so a group in use is in use elsewhere:
+                // lent.
+                if giving_only && region.lent.all(start, chunk_end) {
                     continue;
                 }
                 victims.push((range.region, start, start, chunk.count));
@@ -1667,7 +1675,8 @@ impl HbmPolicy {
             let ptr = range_end - range.size;
             let first = (ptr - region.base).div_ceil(granule);
             let end = (range_end - region.base) / granule;
-            let mut i = region.next_with(first, end, true);
+            // Lent memory is in use elsewhere: skipped a word at a time.
+            let mut i = region.next_unlent(first, end);
             while i < end && found < bytes {
                 if region.aliased.get(i) {
                     let (&start, &id) = region
@@ -1681,7 +1690,7 @@ impl HbmPolicy {
                         donors.push(Donor::Group(id));
                         found += group.count * granule;
                     }
-                    i = region.next_with(start + group.count, end, true);
+                    i = region.next_unlent(start + group.count, end);
                     continue;
                 }
                 let (&start, chunk) = region
@@ -1700,7 +1709,7 @@ impl HbmPolicy {
                     offset: chunk.offset + (i - start) * granule,
                 });
                 found += count * granule;
-                i = region.next_with(stop, end, true);
+                i = region.next_unlent(stop, end);
             }
         }
         donors
