@@ -47,9 +47,10 @@ enum Command {
         /// repeat for several. Default: pytorch, pytorch with expandable segments, and hbm.
         #[arg(long = "run", value_name = "SETTINGS")]
         runs: Vec<String>,
-        /// Device capacity for the replays (e.g. 80GiB); default unbounded.
+        /// Device capacity for the replays: a size (80GiB) or a multiple of
+        /// each trace's peak live memory (1.03x); default unbounded.
         #[arg(long, value_parser = parse_capacity)]
-        capacity: Option<u64>,
+        capacity: Option<Capacity>,
         /// Skip the minimum-capacity bisection (faster).
         #[arg(long)]
         no_min_capacity: bool,
@@ -68,9 +69,10 @@ enum Command {
         /// The policy's configuration (`key:value,...`; PYTORCH_CUDA_ALLOC_CONF syntax for pytorch).
         #[arg(long, default_value = "")]
         config: String,
-        /// Device capacity (e.g. 80GiB, 81920MiB, or bytes); default unbounded.
+        /// Device capacity: a size (80GiB, 81920MiB, or bytes) or a multiple
+        /// of the trace's peak live memory (1.03x); default unbounded.
         #[arg(long, value_parser = parse_capacity)]
-        capacity: Option<u64>,
+        capacity: Option<Capacity>,
         /// Also bisect for the smallest capacity the trace fits.
         #[arg(long)]
         min_capacity: bool,
@@ -179,7 +181,7 @@ fn run(command: Command) -> Result<(), String> {
                     for policy in &runs {
                         let options = EvalOptions {
                             policy: policy.clone(),
-                            capacity_bytes: capacity,
+                            capacity_bytes: capacity.map(|c| c.bytes(device)),
                             find_min_capacity: !no_min_capacity,
                             reproduce_recorded_ooms: false,
                         };
@@ -214,7 +216,7 @@ fn run(command: Command) -> Result<(), String> {
                 for device in &trace.devices {
                     let options = EvalOptions {
                         policy: policy.clone(),
-                        capacity_bytes: capacity,
+                        capacity_bytes: capacity.map(|c| c.bytes(device)),
                         find_min_capacity: min_capacity,
                         reproduce_recorded_ooms: !ignore_recorded_ooms,
                     };
@@ -355,10 +357,44 @@ fn load_or_bundled(paths: &[PathBuf]) -> Result<Vec<Trace>, String> {
     }
 }
 
-/// Parses `80GiB`, `80G`, `81920MiB`, `1.5TiB` or plain bytes. Units are
-/// binary whether written `G`, `GB` or `GiB`: device memory is sold that way.
-fn parse_capacity(text: &str) -> Result<u64, String> {
+/// A device capacity for replays.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Capacity {
+    /// This many bytes.
+    Bytes(u64),
+    /// This multiple of each trace's peak live memory ("does it run with 3%
+    /// headroom?"), so one setting fits traces of any size.
+    TimesPeakLive(f64),
+}
+
+impl Capacity {
+    /// The capacity in bytes for one device's trace.
+    fn bytes(self, trace: &hbmalloc_trace::DeviceTrace) -> u64 {
+        match self {
+            Capacity::Bytes(bytes) => bytes,
+            Capacity::TimesPeakLive(factor) => {
+                ((hbmalloc_replay::peak_live_bytes(trace) as f64 * factor) as u64).max(1)
+            }
+        }
+    }
+}
+
+/// Parses `1.03x` (a multiple of peak live memory), or `80GiB`, `80G`,
+/// `81920MiB`, `1.5TiB` or plain bytes. Units are binary whether written
+/// `G`, `GB` or `GiB`: device memory is sold that way.
+fn parse_capacity(text: &str) -> Result<Capacity, String> {
     let t = text.trim();
+    if let Some(factor) = t.strip_suffix(['x', 'X']) {
+        let factor: f64 = factor.trim().parse().map_err(|_| {
+            format!("capacity '{text}': expected a multiple of peak live memory, e.g. 1.03x")
+        })?;
+        if !(0.01..=1000.0).contains(&factor) {
+            return Err(format!(
+                "capacity '{text}': the multiple of peak live memory must be between 0.01x and 1000x"
+            ));
+        }
+        return Ok(Capacity::TimesPeakLive(factor));
+    }
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
@@ -384,7 +420,7 @@ fn parse_capacity(text: &str) -> Result<u64, String> {
             "capacity '{text}' must be between 1 byte and 1 PiB"
         ));
     }
-    Ok(bytes as u64)
+    Ok(Capacity::Bytes(bytes as u64))
 }
 
 /// Formats a byte count for tables.
@@ -394,14 +430,20 @@ fn human(bytes: u64) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_capacity;
+    use super::{parse_capacity, Capacity};
 
     #[test]
     fn capacities() {
-        assert_eq!(parse_capacity("80GiB"), Ok(80 << 30));
-        assert_eq!(parse_capacity("80G"), Ok(80 << 30));
-        assert_eq!(parse_capacity("512"), Ok(512));
-        assert_eq!(parse_capacity("1.5 MiB"), Ok(3 << 19));
+        assert_eq!(parse_capacity("80GiB"), Ok(Capacity::Bytes(80 << 30)));
+        assert_eq!(parse_capacity("80G"), Ok(Capacity::Bytes(80 << 30)));
+        assert_eq!(parse_capacity("512"), Ok(Capacity::Bytes(512)));
+        assert_eq!(parse_capacity("1.5 MiB"), Ok(Capacity::Bytes(3 << 19)));
+        assert_eq!(parse_capacity("1.03x"), Ok(Capacity::TimesPeakLive(1.03)));
+        assert_eq!(parse_capacity(" 2X"), Ok(Capacity::TimesPeakLive(2.0)));
+        assert!(parse_capacity("x").is_err());
+        assert!(parse_capacity("0x").is_err());
+        assert!(parse_capacity("nanx").is_err());
+        assert!(parse_capacity("-1x").is_err());
         assert!(parse_capacity("-1").is_err());
         assert!(parse_capacity("12 parsecs").is_err());
         assert!(parse_capacity("0").is_err());
