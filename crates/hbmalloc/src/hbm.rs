@@ -889,15 +889,37 @@ impl HbmPolicy {
         // Every candidate is blocked at its start: slide past the memory in
         // use elsewhere, within the range.
         blocked.into_iter().find_map(|(ptr, range_size, region)| {
-            let mut busy_end = self.busy_end(region, ptr, size)?;
-            while busy_end + size <= ptr + range_size {
-                match self.busy_end(region, busy_end, size) {
-                    None => return Some((ptr, range_size, region, busy_end)),
-                    Some(end) => busy_end = end,
-                }
-            }
-            None
+            self.slide(region, ptr, range_size, size)
+                .map(|at| (ptr, range_size, region, at))
         })
+    }
+
+    /// The lowest place for a block of `size` bytes in the free range
+    /// `[ptr, ptr + range_size)` of region `region_index` that
+    /// [`HbmPolicy::busy_end`] allows. Memory lent elsewhere is skipped with
+    /// the bitmap alone; the alias groups are walked only where none is.
+    fn slide(
+        &self,
+        region_index: u32,
+        ptr: DevicePtr,
+        range_size: u64,
+        size: u64,
+    ) -> Option<DevicePtr> {
+        let granule = self.granule?;
+        let region = self.region(region_index);
+        let mut at = ptr;
+        while at + size <= ptr + range_size {
+            let (first, end) = granules_under(granule, region.base, at, size);
+            if let Some(last) = region.lent.last_set(first, end) {
+                at = region.base + (last + 1) * granule;
+                continue;
+            }
+            match self.busy_end(region_index, at, size) {
+                None => return Some(at),
+                Some(busy_end) => at = busy_end,
+            }
+        }
+        None
     }
 
     /// Reserves a new region for `stream` big enough for `size`; returns it as
