@@ -432,7 +432,10 @@ impl PreparedTrace {
         Ok(ops)
     }
 
-    #[inline]
+    /// One operation of the timed loop. Not inlined, so that profilers (and
+    /// `scripts/bench-instructions`) can count the replayed operations
+    /// apart from setup, such as restoring a snapshot's initial segments.
+    #[inline(never)]
     fn step(
         &self,
         allocator: &mut Allocator<SimDevice>,

@@ -878,20 +878,25 @@ impl HbmPolicy {
             .free_by_size
             .iter()
             .find(|index| index.stream == stream)?;
-        let mut blocked = Vec::new();
+        // On the stack: the hot path does not allocate.
+        let mut blocked = [(0, 0, 0); MAX_CANDIDATES];
+        let mut count = 0;
         for (&key, &region) in index.ranges.range(size_key(size, 0)..).take(MAX_CANDIDATES) {
             let (ptr, range_size) = (key as u64, (key >> 64) as u64);
             if !self.blocked(region, ptr, size) {
                 return Some((ptr, range_size, region, ptr));
             }
-            blocked.push((ptr, range_size, region));
+            blocked[count] = (ptr, range_size, region);
+            count += 1;
         }
         // Every candidate is blocked at its start: slide past the memory in
         // use elsewhere, within the range.
-        blocked.into_iter().find_map(|(ptr, range_size, region)| {
-            self.slide(region, ptr, range_size, size)
-                .map(|at| (ptr, range_size, region, at))
-        })
+        blocked[..count]
+            .iter()
+            .find_map(|&(ptr, range_size, region)| {
+                self.slide(region, ptr, range_size, size)
+                    .map(|at| (ptr, range_size, region, at))
+            })
     }
 
     /// The lowest place for a block of `size` bytes in the free range
@@ -1447,11 +1452,18 @@ impl HbmPolicy {
     /// most cases without a walk of the groups.
     #[inline]
     fn blocked(&self, region_index: u32, ptr: DevicePtr, size: u64) -> bool {
-        let Some((first, end)) = self.aliased_span(region_index, ptr, size) else {
+        let Some(granule) = self.granule else {
             return false;
         };
-        self.region(region_index).lent.any(first, end)
-            || self.busy_end(region_index, ptr, size).is_some()
+        let region = self.region(region_index);
+        if region.segment {
+            return false;
+        }
+        // Lent granules are aliased: the lent test comes first, as it
+        // settles most blocked candidates alone.
+        let (first, end) = granules_under(granule, region.base, ptr, size);
+        region.lent.any(first, end)
+            || (region.aliased.any(first, end) && self.busy_end(region_index, ptr, size).is_some())
     }
 
     /// `None` when a block at `[ptr, ptr + size)` of region `region_index`
