@@ -613,6 +613,8 @@ pub(crate) struct HbmPolicy {
     free_group_ids: Vec<u32>,
     /// Reused by `claim` so that the hot path does not allocate.
     scratch_views: Vec<(u64, u32)>,
+    /// Reused by `unclaim`, for the same reason.
+    scratch_idle: Vec<u32>,
     /// Pending end-of-use events, per stream, in record order.
     pending_events: BTreeMap<StreamId, VecDeque<(EventId, DevicePtr)>>,
     /// Events whose synchronization failed: retired at the next full
@@ -658,6 +660,7 @@ impl HbmPolicy {
             groups: Vec::new(),
             free_group_ids: Vec::new(),
             scratch_views: Vec::new(),
+            scratch_idle: Vec::new(),
             pending_events: BTreeMap::new(),
             stray_events: Vec::new(),
             held_bytes: 0,
@@ -1680,7 +1683,8 @@ impl HbmPolicy {
             .and_then(|r| r.as_ref())
             .expect("a live region")
             .group_views;
-        let mut idle = Vec::new();
+        let mut idle = std::mem::take(&mut self.scratch_idle);
+        idle.clear();
         for (start, id) in views_overlapping(views, &self.groups, first, end) {
             let group = self.groups[id as usize]
                 .as_mut()
@@ -1695,9 +1699,10 @@ impl HbmPolicy {
         for &id in &idle {
             self.set_lent(id, false);
         }
-        for id in idle {
+        for &id in &idle {
             self.merge_idle(id);
         }
+        self.scratch_idle = idle;
     }
 
     /// Whether `group` is idle at every view and may be mapped into `span`
