@@ -46,6 +46,11 @@ pub struct ReplayOptions {
     /// asks for the same sizes, so best-fit ties between equal blocks break
     /// as they did for real (needed for fidelity).
     pub use_recorded_addresses: bool,
+    /// Check the engine's invariants (`Allocator::check_invariants`) after
+    /// every this many operations and after the last (0: never), and stop
+    /// with an error naming the operation after which one failed. Each check
+    /// walks the whole state: for tests.
+    pub check_invariants_every: usize,
 }
 
 impl ReplayOptions {
@@ -58,6 +63,7 @@ impl ReplayOptions {
             emulate_recorded_ooms: false,
             record_history: false,
             use_recorded_addresses: false,
+            check_invariants_every: 0,
         }
     }
 }
@@ -350,6 +356,15 @@ impl PreparedTrace {
                 calls_at_half = allocator.device().call_counts();
             }
             let step = self.step(&mut allocator, &mut ptrs, (i, *op), options, &mut result);
+            let every = options.check_invariants_every;
+            if every > 0 && ((i + 1) % every == 0 || i + 1 == self.ops.len()) {
+                if let Err(broken) = allocator.check_invariants() {
+                    return Err(ReplayError {
+                        op_index: Some(i),
+                        message: format!("invariant broken: {broken}"),
+                    });
+                }
+            }
             if let Err(e) = step {
                 return match e {
                     AllocError::OutOfMemory(report) => {
