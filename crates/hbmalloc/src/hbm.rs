@@ -2180,7 +2180,19 @@ impl HbmPolicy {
         let mut ptrs = Vec::with_capacity(image.blocks.len());
         for block in &image.blocks {
             let requested = block.requested_size.clamp(1, block.size);
-            ptrs.push(self.allocate(dev, block.size, requested, image.stream)?);
+            // A block the program holds gets what the program asked for, as
+            // every allocation replayed after it does (trace entries carry
+            // requested sizes). Its recorded size is PyTorch's: rounded, and
+            // with the remainder PyTorch did not split off (up to 1 MiB),
+            // which is PyTorch's waste, not the program's. The rest of the
+            // image (cached free blocks) keeps the recorded layout and sizes:
+            // hbm starts from the recorded allocator's fragmentation.
+            let size = if block.allocated && block.requested_size > 0 {
+                requested.div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
+            } else {
+                block.size
+            };
+            ptrs.push(self.allocate(dev, size, requested, image.stream)?);
         }
         for (block, &ptr) in image.blocks.iter().zip(&ptrs) {
             if !block.allocated {

@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use hbmalloc::{
-    AllocError, Allocator, AllocatorConfig, CallKind, DeviceErrorKind, DevicePtr, Fault,
-    OomVerdict, PolicyConfig, SimConfig, SimDevice, StreamId,
+    AllocError, Allocator, AllocatorConfig, BlockImage, CallKind, DeviceErrorKind, DevicePtr,
+    Fault, OomVerdict, PolicyConfig, SegmentImage, SimConfig, SimDevice, StreamId,
 };
 
 const MIB: u64 = 1 << 20;
@@ -483,6 +483,46 @@ fn without_virtual_memory_falls_back_to_segments() {
     check(&a);
     assert_eq!(a.device().used_bytes(), 0);
     assert_eq!(a.device().call_counts().get(CallKind::Map), 0);
+}
+
+/// A snapshot's live block is restored at the size the program asked for
+/// (hbm's rounding), not at PyTorch's block size, which includes the
+/// remainder PyTorch left unsplit; cached free blocks keep their sizes.
+#[test]
+fn restored_blocks_take_what_the_program_requested() {
+    let image = SegmentImage {
+        stream: StreamId(0),
+        small_pool: false,
+        expandable: false,
+        blocks: vec![
+            BlockImage {
+                size: 3 * MIB,
+                requested_size: 2 * MIB + 1000,
+                allocated: true,
+            },
+            BlockImage {
+                size: 4 * MIB,
+                requested_size: 0,
+                allocated: false,
+            },
+        ],
+    };
+    let mut a = hbm(GIB, "");
+    let ptrs = a.restore_segment(&image).unwrap();
+    check(&a);
+    let stats = a.stats();
+    assert_eq!(stats.allocated_bytes[0].current as u64, 2 * MIB + 1024);
+    assert_eq!(stats.requested_bytes[0].current as u64, 2 * MIB + 1000);
+    // The free block was restored (then freed): its memory stays cached.
+    assert!(stats.reserved_bytes[0].current as u64 >= 2 * MIB + 1024 + 4 * MIB);
+    a.free(ptrs[0]).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.device().used_bytes(), 0);
+
+    // Policy pytorch reproduces PyTorch's state: the recorded block size.
+    let mut p = allocator(SimDevice::with_capacity(GIB), "pytorch", "");
+    p.restore_segment(&image).unwrap();
+    assert_eq!(p.stats().allocated_bytes[0].current as u64, 3 * MIB);
 }
 
 #[test]
