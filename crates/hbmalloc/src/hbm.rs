@@ -71,8 +71,8 @@
 //! the ordered search when there is one), and the size-index updates; a
 //! block placed on plain memory skips the alias groups. No device call,
 //! `O(log n)`. Measured with `scripts/bench-instructions` (callgrind, replay
-//! loop only): on `gpt2_train` 1,496 instructions per malloc or free against
-//! 1,009 for policy `pytorch`, misses included; the rest of the gap is the
+//! loop only): on `gpt2_train` 1,520 instructions per malloc or free against
+//! 1,015 for policy `pytorch`, misses included; the rest of the gap is the
 //! address index (PyTorch links neighbouring blocks instead) and the alias
 //! checks.
 //!
@@ -902,10 +902,10 @@ impl HbmPolicy {
             })
     }
 
-    /// The lowest place for a block of `size` bytes in the free range
-    /// `[ptr, ptr + range_size)` of region `region_index` that
-    /// [`HbmPolicy::busy_end`] allows. Memory lent elsewhere is skipped with
-    /// the bitmap alone; the alias groups are walked only where none is.
+    /// Slides a block of `size` bytes through the free range
+    /// `[ptr, ptr + range_size)` of region `region_index` to the first place
+    /// [`HbmPolicy::busy_end`] allows: past lent memory with the bitmap alone,
+    /// walking the alias groups only where nothing is lent.
     fn slide(
         &self,
         region_index: u32,
