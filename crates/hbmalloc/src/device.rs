@@ -23,7 +23,7 @@ pub struct StreamId(pub u64);
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct EventId(pub u64);
 
-/// Physical memory created by [`Device::create_physical`] (a
+/// Physical memory created by [`Device::physical_create`] (a
 /// `CUmemGenericAllocationHandle`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PhysicalHandle(pub u64);

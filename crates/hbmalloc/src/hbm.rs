@@ -7,7 +7,8 @@
 //!   large virtual reservation (a *region*, twice the device's capacity; more
 //!   are reserved if one fills up). Inside its regions, a stream's requests are
 //!   placed by address-ordered best fit over byte ranges rounded to 512 bytes,
-//!   with free ranges coalesced. Small requests are therefore packed densely
+//!   with free ranges coalesced (blocks and free ranges are linked to their
+//!   neighbours, as PyTorch's blocks are). Small requests are therefore packed densely
 //!   next to large ones: there is no segment rounding and no small/large pool
 //!   split to waste memory on.
 //! * **Physical memory comes in granules** (`Device::granularity()`, 2 MiB).
@@ -61,20 +62,18 @@
 //!
 //! Hot path (a cache hit): one ordered-map lookup for best fit in the
 //! stream's size index (`u128` keys: size, then address), a remove and an
-//! insert there to split, an in-place update of the address index (keyed by
-//! a range's end, which a split from the front keeps), one hash insert, and
-//! a bitmap test that the granules are mapped and one that none is aliased
-//! (granules found by shifting: the granularity is a power of two; if some
-//! are aliased, one ordered search for the alias groups under the block,
-//! and a counter per group). A free: one entry search for a free range
-//! ending at the block, one hash probe for a live block after it (skipping
-//! the ordered search when there is one), and the size-index updates; a
-//! block placed on plain memory skips the alias groups. No device call,
-//! `O(log n)`. Measured with `scripts/bench-instructions` (callgrind, replay
-//! loop only): on `gpt2_train` 1,520 instructions per malloc or free against
-//! 1,015 for policy `pytorch`, misses included; the rest of the gap is the
-//! address index (PyTorch links neighbouring blocks instead) and the alias
-//! checks.
+//! insert there to split, one hash insert, and a bitmap test that the
+//! granules are mapped and one that none is aliased (granules found by
+//! shifting: the granularity is a power of two; if some are aliased, one
+//! ordered search for the alias groups under the block, and a counter per
+//! group). Blocks and free ranges are [`Span`]s linked to their neighbours,
+//! so a free finds what to merge with through the links (no search) and
+//! makes the size-index updates; a block placed on plain memory skips the
+//! alias groups. No device call, `O(log n)`. Measured with
+//! `scripts/bench-instructions` (callgrind, replayed operations only): on
+//! `gpt2_train` 1,401 instructions per malloc or free against 1,015 for
+//! policy `pytorch`, misses included; most of the rest is the alias checks
+//! and misses that stitch memory.
 //!
 //! Statistics keep PyTorch's meanings where they carry over: `reserved_bytes`
 //! is physical memory held (every handle, mapped once or more, or spare; or
@@ -87,7 +86,6 @@
 //! most 1 MiB, which count as small as in PyTorch. `inactive_split*` stays 0:
 //! `hbm` has no segments to split.
 
-use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::config::ConfigError;
@@ -238,6 +236,8 @@ struct LiveBlock {
     pending_events: u32,
     /// Other streams that use it (`record_stream`), not yet covered by events.
     stream_uses: Vec<StreamId>,
+    /// Its span.
+    span: u32,
     /// It was placed on aliased memory. Memory under a live block never
     /// becomes aliased (aliases are made of whole free granules, mapped at
     /// unmapped ones), so a block placed on plain memory frees without
@@ -245,16 +245,32 @@ struct LiveBlock {
     on_aliased: bool,
 }
 
-/// A free range (maximal: its neighbours in the region are live).
+/// No span: the end of a region's list.
+const NO_SPAN: u32 = u32::MAX;
+
+/// A stretch of a region, a live block or a free range, linked to its
+/// neighbours in address order (PyTorch's `Block` links, for the same
+/// reason): freeing finds the ranges to merge with in O(1), with no search.
+/// Free ranges are maximal: a free span's neighbours are live.
 #[derive(Copy, Clone, Debug)]
-struct FreeRange {
+struct Span {
+    start: DevicePtr,
     size: u64,
     region: u32,
+    prev: u32,
+    next: u32,
+    free: bool,
+}
+
+impl Span {
+    fn end(&self) -> DevicePtr {
+        self.start + self.size
+    }
 }
 
 /// One stream's free ranges by (size, address), packed into one `u128` key
 /// (size high, address low) so the best-fit search compares plain integers:
-/// the smallest range that fits, lowest address on ties. Values: the region.
+/// the smallest range that fits, lowest address on ties. Values: the span.
 #[derive(Debug)]
 struct SizeIndex {
     stream: StreamId,
@@ -589,14 +605,22 @@ pub(crate) struct HbmPolicy {
     config: HbmConfig,
     /// `None`: no virtual-memory API, regions are segments.
     granule: Option<u64>,
+    /// Free ranges at least this large are in `large_free`: the granule
+    /// (never, without one).
+    large_range_bytes: u64,
     regions: Vec<Option<Region>>,
     /// Allocated and pending-free blocks by address.
     live: FastMap<DevicePtr, LiveBlock>,
-    /// Free ranges by end address, for coalescing and stealing. Keyed by
-    /// the end, not the start: a carve takes the front of a range and a
-    /// merge with the next range keeps that range's end, so both update the
-    /// entry in place instead of removing and reinserting it.
-    free_by_end: BTreeMap<DevicePtr, FreeRange>,
+    /// Every region's live blocks and free ranges (`NO_SPAN`-terminated
+    /// lists), by id; see [`Span`].
+    spans: Vec<Span>,
+    /// Retired span ids, reused first.
+    free_span_ids: Vec<u32>,
+    /// Free spans of at least a granule (the only ones that can hold a whole
+    /// one) by end address, for the walks that look for idle memory and
+    /// stealable chunks. A carve from the front or a merge with the next
+    /// range keeps a range's end, so the hot path rarely touches it.
+    large_free: BTreeMap<DevicePtr, u32>,
     /// Free ranges per stream by (size, address), one entry per stream that
     /// ever had a region (few: a linear search finds a stream's entry).
     free_by_size: Vec<SizeIndex>,
@@ -647,13 +671,17 @@ impl HbmPolicy {
         granule: Option<u64>,
         history: History,
     ) -> Self {
+        // CUDA's granularity is a power of two (2 MiB): the hot path finds a
+        // block's granules by shifting, not dividing.
+        let granule = granule.filter(|&g| g.is_power_of_two() && g >= MIN_BLOCK_SIZE);
         let mut policy = HbmPolicy {
-            // CUDA's granularity is a power of two (2 MiB): the hot path
-            // finds a block's granules by shifting, not dividing.
-            granule: granule.filter(|&g| g.is_power_of_two() && g >= MIN_BLOCK_SIZE),
+            granule,
+            large_range_bytes: granule.unwrap_or(u64::MAX),
             regions: Vec::new(),
             live: FastMap::default(),
-            free_by_end: BTreeMap::new(),
+            spans: Vec::new(),
+            free_span_ids: Vec::new(),
+            large_free: BTreeMap::new(),
             free_by_size: Vec::new(),
             spare: Vec::new(),
             handles: FastMap::default(),
@@ -718,66 +746,169 @@ impl HbmPolicy {
 
     // ----- free ranges -----
 
-    /// Adds `[ptr, ptr + size)` of `region` to the free set, merging it with
-    /// free neighbours in the same region.
-    fn insert_free(&mut self, ptr: DevicePtr, size: u64, region: u32) {
-        let (slot, region_end) = {
-            let r = self.region(region);
-            (r.size_index, r.base + r.size)
-        };
-        let sizes = &mut self.free_by_size[slot].ranges;
-        let end = ptr + size;
-        let mut start = ptr;
-        // The previous range ends exactly at `ptr` (one search: an entry).
-        if let Entry::Occupied(prev) = self.free_by_end.entry(ptr) {
-            if prev.get().region == region {
-                let prev = prev.remove();
-                start = ptr - prev.size;
-                sizes.remove(&size_key(prev.size, start));
-            }
-        }
-        // The next range is the first to end after `end`; it is adjacent if
-        // it starts there. Merged, it keeps its key: grow it in place.
-        // Blocks tile the region, so when a live block starts at `end` (a
-        // hash lookup) there is no free neighbour and no ordered search.
-        if end < region_end && !self.live.contains_key(&end) {
-            if let Some((&next_end, next)) = self.free_by_end.range_mut(end + 1..).next() {
-                if next_end - next.size == end && next.region == region {
-                    sizes.remove(&size_key(next.size, end));
-                    next.size = next_end - start;
-                    sizes.insert(size_key(next.size, start), region);
-                    return;
-                }
-            }
-        }
-        self.free_by_end.insert(
-            end,
-            FreeRange {
-                size: end - start,
-                region,
-            },
-        );
-        sizes.insert(size_key(end - start, start), region);
+    fn span(&self, id: u32) -> &Span {
+        &self.spans[id as usize]
     }
 
-    /// Takes the first `size` bytes of the free range at `ptr` (of
-    /// `range_size` bytes); the rest stays free.
-    fn carve(&mut self, ptr: DevicePtr, range_size: u64, region: u32, size: u64) {
-        let slot = self.region(region).size_index;
-        let sizes = &mut self.free_by_size[slot].ranges;
-        sizes.remove(&size_key(range_size, ptr));
-        let end = ptr + range_size;
-        if range_size > size {
-            // The rest keeps the range's end, hence its address-index entry.
-            let rest_size = range_size - size;
-            self.free_by_end
-                .get_mut(&end)
-                .expect("an indexed free range")
-                .size = rest_size;
-            sizes.insert(size_key(rest_size, ptr + size), region);
-        } else {
-            self.free_by_end.remove(&end);
+    fn span_mut(&mut self, id: u32) -> &mut Span {
+        &mut self.spans[id as usize]
+    }
+
+    fn new_span(&mut self, span: Span) -> u32 {
+        match self.free_span_ids.pop() {
+            Some(id) => {
+                self.spans[id as usize] = span;
+                id
+            }
+            None => {
+                self.spans.push(span);
+                (self.spans.len() - 1) as u32
+            }
         }
+    }
+
+    /// Unlinks span `id` (merged into a neighbour) and retires its id.
+    fn drop_span(&mut self, id: u32) {
+        let Span { prev, next, .. } = *self.span(id);
+        if prev != NO_SPAN {
+            self.span_mut(prev).next = next;
+        }
+        if next != NO_SPAN {
+            self.span_mut(next).prev = prev;
+        }
+        self.free_span_ids.push(id);
+    }
+
+    /// Files free span `id` in the size index (and the large-range index).
+    fn index_free(&mut self, id: u32) {
+        let span = *self.span(id);
+        let slot = self.region(span.region).size_index;
+        self.free_by_size[slot]
+            .ranges
+            .insert(size_key(span.size, span.start), id);
+        if span.size >= self.large_range_bytes {
+            self.large_free.insert(span.end(), id);
+        }
+    }
+
+    /// Takes free span `id` out of the indexes.
+    fn unindex_free(&mut self, id: u32) {
+        let span = *self.span(id);
+        let slot = self.region(span.region).size_index;
+        self.free_by_size[slot]
+            .ranges
+            .remove(&size_key(span.size, span.start));
+        if span.size >= self.large_range_bytes {
+            self.large_free.remove(&span.end());
+        }
+    }
+
+    /// Span `id` (a block just given back) becomes free, merged with free
+    /// neighbours: found through its links, no search. Merged into a free
+    /// next span, it takes that span's id and end, so the large-range entry
+    /// stays as it is.
+    fn release_span(&mut self, id: u32) {
+        let Span {
+            start,
+            size,
+            prev,
+            next,
+            region,
+            ..
+        } = *self.span(id);
+        let slot = self.region(region).size_index;
+        let large = self.large_range_bytes;
+        let mut keep = id;
+        let mut indexed_large = false;
+        if next != NO_SPAN && self.span(next).free {
+            let old = *self.span(next);
+            self.free_by_size[slot]
+                .ranges
+                .remove(&size_key(old.size, old.start));
+            indexed_large = old.size >= large;
+            let span = self.span_mut(next);
+            span.start = start;
+            span.size += size;
+            self.drop_span(id);
+            keep = next;
+        }
+        if prev != NO_SPAN && self.span(prev).free {
+            self.unindex_free(prev);
+            let Span { start, size, .. } = *self.span(prev);
+            let span = self.span_mut(keep);
+            span.start = start;
+            span.size += size;
+            self.drop_span(prev);
+        }
+        let span = self.span_mut(keep);
+        span.free = true;
+        let (start, size, end) = (span.start, span.size, span.end());
+        self.free_by_size[slot]
+            .ranges
+            .insert(size_key(size, start), keep);
+        if size >= large && !indexed_large {
+            self.large_free.insert(end, keep);
+        }
+    }
+
+    /// Cuts a live span of `size` bytes at `ptr` out of free span `id`; the
+    /// parts before and after it stay free. Returns the new span.
+    fn take_span(&mut self, id: u32, ptr: DevicePtr, size: u64) -> u32 {
+        let range = *self.span(id);
+        let slot = self.region(range.region).size_index;
+        let large = self.large_range_bytes;
+        let sizes = &mut self.free_by_size[slot].ranges;
+        sizes.remove(&size_key(range.size, range.start));
+        let rest = range.end() - (ptr + size);
+        if rest > 0 {
+            // The range keeps what follows the block, hence its end (and its
+            // large-range entry while it stays large).
+            sizes.insert(size_key(rest, ptr + size), id);
+            if range.size >= large && rest < large {
+                self.large_free.remove(&range.end());
+            }
+        } else if range.size >= large {
+            self.large_free.remove(&range.end());
+        }
+        let block = self.new_span(Span {
+            start: ptr,
+            size,
+            region: range.region,
+            prev: range.prev,
+            next: if rest > 0 { id } else { range.next },
+            free: false,
+        });
+        if rest > 0 {
+            let span = self.span_mut(id);
+            span.start = ptr + size;
+            span.size = rest;
+            span.prev = block;
+        } else {
+            if range.next != NO_SPAN {
+                self.span_mut(range.next).prev = block;
+            }
+            self.free_span_ids.push(id);
+        }
+        if range.prev != NO_SPAN {
+            self.span_mut(range.prev).next = block;
+        }
+        if ptr > range.start {
+            // Slid past memory in use elsewhere: the front stays free.
+            let front = self.new_span(Span {
+                start: range.start,
+                size: ptr - range.start,
+                region: range.region,
+                prev: range.prev,
+                next: block,
+                free: true,
+            });
+            if range.prev != NO_SPAN {
+                self.span_mut(range.prev).next = front;
+            }
+            self.span_mut(block).prev = front;
+            self.index_free(front);
+        }
+        block
     }
 
     // ----- malloc -----
@@ -803,29 +934,27 @@ impl HbmPolicy {
         let demand = self.stats.active_bytes[0].current as u64 + size;
         self.peak_demand_bytes = self.peak_demand_bytes.max(demand);
         let mut retried = false;
-        let (ptr, region, on_aliased) = loop {
+        let (ptr, region, span, on_aliased) = loop {
             let found = match self.find_free(stream, size) {
                 Some(found) => Some(found),
                 None => self
                     .new_region(dev, stream, size)?
-                    .map(|(ptr, range_size, region)| (ptr, range_size, region, ptr)),
+                    .map(|range| (range, self.span(range).start)),
             };
-            if let Some((start, range_size, region, ptr)) = found {
-                self.carve(start, range_size, region, ptr - start + size);
-                if ptr > start {
-                    self.insert_free(start, ptr - start, region);
-                }
+            if let Some((range, ptr)) = found {
+                let region = self.span(range).region;
+                let block = self.take_span(range, ptr, size);
                 match self.back_range(dev, ptr, size, region, retried) {
                     Ok(Backing::Done) => match self.claim(dev, region, ptr, size) {
-                        Ok(on_aliased) => break (ptr, region, on_aliased),
+                        Ok(on_aliased) => break (ptr, region, block, on_aliased),
                         Err(e) => {
-                            self.insert_free(ptr, size, region);
+                            self.release_span(block);
                             return Err(e);
                         }
                     },
-                    Ok(Backing::OutOfMemory) => self.insert_free(ptr, size, region),
+                    Ok(Backing::OutOfMemory) => self.release_span(block),
                     Err(e) => {
-                        self.insert_free(ptr, size, region);
+                        self.release_span(block);
                         return Err(e);
                     }
                 }
@@ -858,6 +987,7 @@ impl HbmPolicy {
                 allocated: true,
                 pending_events: 0,
                 stream_uses: Vec::new(),
+                span,
                 on_aliased,
             },
         );
@@ -873,32 +1003,31 @@ impl HbmPolicy {
     /// Where a block of `size` bytes goes: the best-fit free range of
     /// `stream` (smallest, then lowest address) whose aliased granules no
     /// live block uses elsewhere; failing that, the first of those ranges
-    /// with room past such granules. As (range start, range size, region,
-    /// block address).
+    /// with room past such granules. As (free span, block address).
     #[inline]
-    fn find_free(&self, stream: StreamId, size: u64) -> Option<(DevicePtr, u64, u32, DevicePtr)> {
+    fn find_free(&self, stream: StreamId, size: u64) -> Option<(u32, DevicePtr)> {
         let index = self
             .free_by_size
             .iter()
             .find(|index| index.stream == stream)?;
         // On the stack: the hot path does not allocate.
-        let mut blocked = [(0, 0, 0); MAX_CANDIDATES];
+        let mut blocked = [(0, 0, 0, 0); MAX_CANDIDATES];
         let mut count = 0;
-        for (&key, &region) in index.ranges.range(size_key(size, 0)..).take(MAX_CANDIDATES) {
+        for (&key, &id) in index.ranges.range(size_key(size, 0)..).take(MAX_CANDIDATES) {
             let (ptr, range_size) = (key as u64, (key >> 64) as u64);
+            let region = self.span(id).region;
             if !self.blocked(region, ptr, size) {
-                return Some((ptr, range_size, region, ptr));
+                return Some((id, ptr));
             }
-            blocked[count] = (ptr, range_size, region);
+            blocked[count] = (ptr, range_size, region, id);
             count += 1;
         }
         // Every candidate is blocked at its start: slide past the memory in
         // use elsewhere, within the range.
         blocked[..count]
             .iter()
-            .find_map(|&(ptr, range_size, region)| {
-                self.slide(region, ptr, range_size, size)
-                    .map(|at| (ptr, range_size, region, at))
+            .find_map(|&(ptr, range_size, region, id)| {
+                self.slide(region, ptr, range_size, size).map(|at| (id, at))
             })
     }
 
@@ -931,13 +1060,13 @@ impl HbmPolicy {
     }
 
     /// Reserves a new region for `stream` big enough for `size`; returns it as
-    /// one free range, or `None` when the device has no memory for a segment.
+    /// one free span, or `None` when the device has no memory for a segment.
     fn new_region(
         &mut self,
         dev: &dyn Device,
         stream: StreamId,
         size: u64,
-    ) -> Result<Option<(DevicePtr, u64, u32)>, AllocError> {
+    ) -> Result<Option<u32>, AllocError> {
         let index = self.regions.len() as u32;
         let size_index = match self.free_by_size.iter().position(|s| s.stream == stream) {
             Some(slot) => slot,
@@ -980,8 +1109,16 @@ impl HbmPolicy {
         let (base, region_size) = (region.base, region.size);
         self.regions.push(Some(region));
         increase(&mut self.stats.segment, u64::MAX, 1);
-        self.insert_free(base, region_size, index);
-        Ok(Some((base, region_size, index)))
+        let span = self.new_span(Span {
+            start: base,
+            size: region_size,
+            region: index,
+            prev: NO_SPAN,
+            next: NO_SPAN,
+            free: true,
+        });
+        self.index_free(span);
+        Ok(Some(span))
     }
 
     /// The memory this policy lets itself hold before it steals chunks
@@ -1286,14 +1423,12 @@ impl HbmPolicy {
     fn free_spans(&self, granule: u64, bytes: u64, giving_only: bool) -> Vec<(u32, u64, u64, u64)> {
         let mut victims = Vec::new();
         let mut found = 0u64;
-        for (&range_end, range) in self.free_by_end.iter().rev() {
-            let ptr = range_end - range.size;
+        for &id in self.large_free.values().rev() {
             if found >= bytes {
                 break;
             }
-            if range.size < granule {
-                continue;
-            }
+            let range = self.span(id);
+            let ptr = range.start;
             let region = self.region(range.region);
             if region.segment {
                 continue;
@@ -1723,15 +1858,17 @@ impl HbmPolicy {
     fn idle_donors(&self, granule: u64, bytes: u64, span: GranuleSpan) -> Vec<Donor> {
         let mut donors = Vec::new();
         let mut found = 0u64;
-        for (&range_end, range) in self.free_by_end.iter().rev() {
+        for &id in self.large_free.values().rev() {
             if found >= bytes {
                 break;
             }
+            let range = self.span(id);
+            let range_end = range.end();
             let region = self.region(range.region);
-            if region.segment || range.size < granule {
+            if region.segment {
                 continue;
             }
-            let ptr = range_end - range.size;
+            let ptr = range.start;
             let first = (ptr - region.base).div_ceil(granule);
             let end = (range_end - region.base) / granule;
             // Lent memory is in use elsewhere: skipped a word at a time.
@@ -1939,7 +2076,7 @@ impl HbmPolicy {
         } else {
             debug_assert!(self.aliased_span(block.region, ptr, block.size).is_none());
         }
-        self.insert_free(ptr, block.size, block.region);
+        self.release_span(block.span);
     }
 
     pub(crate) fn record_stream(
@@ -2071,10 +2208,10 @@ impl HbmPolicy {
             .filter_map(|(i, r)| r.as_ref().map(|r| (i as u32, r)))
             .filter(|(i, r)| {
                 (r.segment || r.chunks.is_empty())
-                    && self
-                        .free_by_end
-                        .get(&(r.base + r.size))
-                        .is_some_and(|f| f.region == *i && f.size == r.size)
+                    && self.free_by_size[r.size_index]
+                        .ranges
+                        .get(&size_key(r.size, r.base))
+                        .is_some_and(|&id| self.span(id).region == *i)
             })
             .map(|(i, _)| i)
             .collect();
@@ -2091,9 +2228,10 @@ impl HbmPolicy {
             } else {
                 dev.address_free(base, size)?;
             }
-            self.free_by_end.remove(&(base + size));
             let slot = self.region(index).size_index;
-            self.free_by_size[slot].ranges.remove(&size_key(size, base));
+            let span = self.free_by_size[slot].ranges[&size_key(size, base)];
+            self.unindex_free(span);
+            self.free_span_ids.push(span);
             self.regions[index as usize] = None;
             decrease(&mut self.stats.segment, u64::MAX, 1);
         }
@@ -2132,7 +2270,13 @@ impl HbmPolicy {
                 .iter()
                 .map(|v| v.3 * g)
                 .sum(),
-            None => self.free_by_end.values().map(|f| f.size).max().unwrap_or(0),
+            None => self
+                .free_by_size
+                .iter()
+                .filter_map(|index| index.ranges.keys().next_back())
+                .map(|&key| (key >> 64) as u64)
+                .max()
+                .unwrap_or(0),
         };
         let pending: u64 = self
             .live
@@ -2209,6 +2353,13 @@ impl HbmPolicy {
         let mut live: Vec<(DevicePtr, &LiveBlock)> =
             self.live.iter().map(|(&p, b)| (p, b)).collect();
         live.sort_unstable_by_key(|&(p, _)| p);
+        let mut free: Vec<(DevicePtr, u64)> = self
+            .free_by_size
+            .iter()
+            .flat_map(|index| index.ranges.keys())
+            .map(|&key| (key as u64, (key >> 64) as u64))
+            .collect();
+        free.sort_unstable();
         let mut segments = Vec::new();
         for (region_index, region) in self.regions.iter().enumerate() {
             let Some(region) = region else { continue };
@@ -2262,13 +2413,10 @@ impl HbmPolicy {
                     });
                 }
                 // Free ranges overlapping the run, clipped to it.
-                for (&free_end, f) in self.free_by_end.range(start + 1..) {
-                    let p = free_end - f.size;
-                    if p >= end {
-                        break;
-                    }
+                let first_free = free.partition_point(|&(p, size)| p + size <= start);
+                for &(p, free_size) in free[first_free..].iter().take_while(|&&(p, _)| p < end) {
                     let lo = p.max(start);
-                    let hi = (p + f.size).min(end);
+                    let hi = (p + free_size).min(end);
                     if lo < hi {
                         blocks.push(BlockSnapshot {
                             address: lo,
@@ -2304,25 +2452,98 @@ impl HbmPolicy {
                 .or_default()
                 .push((p, b.size, true));
         }
-        for (&free_end, f) in &self.free_by_end {
-            let p = free_end - f.size;
-            by_region
-                .entry(f.region)
-                .or_default()
-                .push((p, f.size, false));
-            let slot = self
-                .regions
-                .get(f.region as usize)
-                .and_then(|r| r.as_ref())
-                .ok_or_else(|| format!("free range {p:#x} in a dead region"))?
-                .size_index;
-            if self.free_by_size[slot].ranges.get(&size_key(f.size, p)) != Some(&f.region) {
-                return Err(format!("free range {p:#x} missing from the size index"));
+        // Spans: each live block's span says what the block map says; each
+        // free range in the size index is a free span of its stream, in the
+        // large-range index exactly when it is large; links are mutual and
+        // contiguous, and every span in use is a block or a free range.
+        let mut in_use = 0usize;
+        for (&p, b) in &self.live {
+            let span = self
+                .spans
+                .get(b.span as usize)
+                .ok_or_else(|| format!("live block {p:#x}: no span {}", b.span))?;
+            if span.free || span.start != p || span.size != b.size || span.region != b.region {
+                return Err(format!("live block {p:#x}: its span disagrees: {span:?}"));
+            }
+            in_use += 1;
+        }
+        let mut large = 0usize;
+        for (slot, index) in self.free_by_size.iter().enumerate() {
+            for (&key, &id) in &index.ranges {
+                let (p, size) = (key as u64, (key >> 64) as u64);
+                let span = self
+                    .spans
+                    .get(id as usize)
+                    .ok_or_else(|| format!("free range {p:#x}: no span {id}"))?;
+                if !span.free || span.start != p || span.size != size {
+                    return Err(format!(
+                        "free range {p:#x}+{size}: its span disagrees: {span:?}"
+                    ));
+                }
+                let region = self
+                    .regions
+                    .get(span.region as usize)
+                    .and_then(|r| r.as_ref())
+                    .ok_or_else(|| format!("free range {p:#x} in a dead region"))?;
+                if region.size_index != slot {
+                    return Err(format!("free range {p:#x} in another stream's index"));
+                }
+                let is_large = size >= self.large_range_bytes;
+                if is_large != (self.large_free.get(&(p + size)) == Some(&id)) {
+                    return Err(format!("free range {p:#x}+{size} misfiled as large or not"));
+                }
+                large += usize::from(is_large);
+                by_region
+                    .entry(span.region)
+                    .or_default()
+                    .push((p, size, false));
+                in_use += 1;
             }
         }
-        let indexed: usize = self.free_by_size.iter().map(|s| s.ranges.len()).sum();
-        if indexed != self.free_by_end.len() {
-            return Err("size index and address index disagree".into());
+        if large != self.large_free.len() {
+            return Err("the large-range index holds ranges that are not free".into());
+        }
+        if in_use + self.free_span_ids.len() != self.spans.len() {
+            return Err(format!(
+                "{} spans, {in_use} in use and {} retired",
+                self.spans.len(),
+                self.free_span_ids.len()
+            ));
+        }
+        let retired: BTreeSet<u32> = self.free_span_ids.iter().copied().collect();
+        for (id, span) in self.spans.iter().enumerate() {
+            if retired.contains(&(id as u32)) {
+                continue;
+            }
+            let region = self
+                .regions
+                .get(span.region as usize)
+                .and_then(|r| r.as_ref())
+                .ok_or_else(|| format!("span {id} in a dead region"))?;
+            let linked = |other: u32, at: DevicePtr, back: bool| {
+                let o = &self.spans[other as usize];
+                let ok = !retired.contains(&other)
+                    && o.region == span.region
+                    && if back {
+                        o.end() == at && o.next == id as u32
+                    } else {
+                        o.start == at && o.prev == id as u32
+                    };
+                ok && !(o.free && span.free)
+            };
+            let prev_ok = if span.prev == NO_SPAN {
+                span.start == region.base
+            } else {
+                linked(span.prev, span.start, true)
+            };
+            let next_ok = if span.next == NO_SPAN {
+                span.end() == region.base + region.size
+            } else {
+                linked(span.next, span.end(), false)
+            };
+            if !prev_ok || !next_ok {
+                return Err(format!("span {id} is badly linked: {span:?}"));
+            }
         }
         let mut segment_bytes = 0u64;
         let granule_bytes = self.granule.unwrap_or(0);
