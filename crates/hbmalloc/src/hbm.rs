@@ -8,9 +8,9 @@
 //!   are reserved if one fills up). Inside its regions, a stream's requests are
 //!   placed by address-ordered best fit over byte ranges rounded to 512 bytes,
 //!   with free ranges coalesced (blocks and free ranges are linked to their
-//!   neighbours, as PyTorch's blocks are). Small requests are therefore packed densely
-//!   next to large ones: there is no segment rounding and no small/large pool
-//!   split to waste memory on.
+//!   neighbours, as PyTorch's blocks are). Small requests are therefore
+//!   packed densely next to large ones: there is no segment rounding and no
+//!   small/large pool split to waste memory on.
 //! * **Physical memory comes in granules** (`Device::granularity()`, 2 MiB).
 //!   A miss creates one `physical_create` handle for each unmapped run under
 //!   the block and maps it whole (a *chunk*: create, map, set access). When
@@ -71,7 +71,7 @@
 //! makes the size-index updates; a block placed on plain memory skips the
 //! alias groups. No device call, `O(log n)`. Measured with
 //! `scripts/bench-instructions` (callgrind, replayed operations only): on
-//! `gpt2_train` 1,401 instructions per malloc or free against 1,015 for
+//! `gpt2_train` 1,387 instructions per malloc or free against 1,014 for
 //! policy `pytorch`, misses included; most of the rest is the alias checks
 //! and misses that stitch memory.
 //!
@@ -227,16 +227,14 @@ impl HbmConfig {
 /// An allocated block, or one freed by the program whose stream uses are pending.
 #[derive(Clone, Debug)]
 struct LiveBlock {
-    size: u64,
     requested: u64,
     stream: StreamId,
-    region: u32,
     /// False once the program freed it (then it waits for `pending_events`).
     allocated: bool,
     pending_events: u32,
     /// Other streams that use it (`record_stream`), not yet covered by events.
     stream_uses: Vec<StreamId>,
-    /// Its span.
+    /// Its span, which says where it lies (address, size, region).
     span: u32,
     /// It was placed on aliased memory. Memory under a live block never
     /// becomes aliased (aliases are made of whole free granules, mapped at
@@ -334,6 +332,12 @@ struct Region {
     /// Aliased granules whose group is in use at another view: no block may
     /// be placed on them (one bitmap test instead of a walk of the groups).
     lent: Bitmap,
+}
+
+/// A request's size as blocks hold it: a multiple of `MIN_BLOCK_SIZE`.
+#[inline]
+fn rounded(requested: u64) -> u64 {
+    requested.div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
 }
 
 /// The granules `[first, end)` of a region at `base` that the bytes
@@ -605,9 +609,6 @@ pub(crate) struct HbmPolicy {
     config: HbmConfig,
     /// `None`: no virtual-memory API, regions are segments.
     granule: Option<u64>,
-    /// Free ranges at least this large are in `large_free`: the granule
-    /// (never, without one).
-    large_range_bytes: u64,
     regions: Vec<Option<Region>>,
     /// Allocated and pending-free blocks by address.
     live: FastMap<DevicePtr, LiveBlock>,
@@ -676,7 +677,6 @@ impl HbmPolicy {
         let granule = granule.filter(|&g| g.is_power_of_two() && g >= MIN_BLOCK_SIZE);
         let mut policy = HbmPolicy {
             granule,
-            large_range_bytes: granule.unwrap_or(u64::MAX),
             regions: Vec::new(),
             live: FastMap::default(),
             spans: Vec::new(),
@@ -746,6 +746,12 @@ impl HbmPolicy {
 
     // ----- free ranges -----
 
+    /// Free ranges at least this large are in `large_free`: a granule
+    /// (none, without one).
+    fn large_range_bytes(&self) -> u64 {
+        self.granule.unwrap_or(u64::MAX)
+    }
+
     fn span(&self, id: u32) -> &Span {
         &self.spans[id as usize]
     }
@@ -767,15 +773,20 @@ impl HbmPolicy {
         }
     }
 
+    /// Makes `before` and `after` neighbours (either may be `NO_SPAN`).
+    fn link(&mut self, before: u32, after: u32) {
+        if before != NO_SPAN {
+            self.span_mut(before).next = after;
+        }
+        if after != NO_SPAN {
+            self.span_mut(after).prev = before;
+        }
+    }
+
     /// Unlinks span `id` (merged into a neighbour) and retires its id.
     fn drop_span(&mut self, id: u32) {
         let Span { prev, next, .. } = *self.span(id);
-        if prev != NO_SPAN {
-            self.span_mut(prev).next = next;
-        }
-        if next != NO_SPAN {
-            self.span_mut(next).prev = prev;
-        }
+        self.link(prev, next);
         self.free_span_ids.push(id);
     }
 
@@ -786,7 +797,7 @@ impl HbmPolicy {
         self.free_by_size[slot]
             .ranges
             .insert(size_key(span.size, span.start), id);
-        if span.size >= self.large_range_bytes {
+        if span.size >= self.large_range_bytes() {
             self.large_free.insert(span.end(), id);
         }
     }
@@ -798,7 +809,7 @@ impl HbmPolicy {
         self.free_by_size[slot]
             .ranges
             .remove(&size_key(span.size, span.start));
-        if span.size >= self.large_range_bytes {
+        if span.size >= self.large_range_bytes() {
             self.large_free.remove(&span.end());
         }
     }
@@ -817,7 +828,7 @@ impl HbmPolicy {
             ..
         } = *self.span(id);
         let slot = self.region(region).size_index;
-        let large = self.large_range_bytes;
+        let large = self.large_range_bytes();
         let mut keep = id;
         let mut indexed_large = false;
         if next != NO_SPAN && self.span(next).free {
@@ -856,7 +867,7 @@ impl HbmPolicy {
     fn take_span(&mut self, id: u32, ptr: DevicePtr, size: u64) -> u32 {
         let range = *self.span(id);
         let slot = self.region(range.region).size_index;
-        let large = self.large_range_bytes;
+        let large = self.large_range_bytes();
         let sizes = &mut self.free_by_size[slot].ranges;
         sizes.remove(&size_key(range.size, range.start));
         let rest = range.end() - (ptr + size);
@@ -874,39 +885,32 @@ impl HbmPolicy {
             start: ptr,
             size,
             region: range.region,
-            prev: range.prev,
-            next: if rest > 0 { id } else { range.next },
+            prev: NO_SPAN,
+            next: NO_SPAN,
             free: false,
         });
+        // Slid past memory in use elsewhere: the front stays free.
+        let before = if ptr > range.start {
+            let front = self.new_span(Span {
+                start: range.start,
+                size: ptr - range.start,
+                ..range
+            });
+            self.link(range.prev, front);
+            self.index_free(front);
+            front
+        } else {
+            range.prev
+        };
+        self.link(before, block);
         if rest > 0 {
             let span = self.span_mut(id);
             span.start = ptr + size;
             span.size = rest;
-            span.prev = block;
+            self.link(block, id);
         } else {
-            if range.next != NO_SPAN {
-                self.span_mut(range.next).prev = block;
-            }
+            self.link(block, range.next);
             self.free_span_ids.push(id);
-        }
-        if range.prev != NO_SPAN {
-            self.span_mut(range.prev).next = block;
-        }
-        if ptr > range.start {
-            // Slid past memory in use elsewhere: the front stays free.
-            let front = self.new_span(Span {
-                start: range.start,
-                size: ptr - range.start,
-                region: range.region,
-                prev: range.prev,
-                next: block,
-                free: true,
-            });
-            if range.prev != NO_SPAN {
-                self.span_mut(range.prev).next = front;
-            }
-            self.span_mut(block).prev = front;
-            self.index_free(front);
         }
         block
     }
@@ -919,8 +923,7 @@ impl HbmPolicy {
         requested: u64,
         stream: StreamId,
     ) -> Result<DevicePtr, AllocError> {
-        let size = requested.div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE;
-        self.allocate(dev, size, requested, stream)
+        self.allocate(dev, rounded(requested), requested, stream)
     }
 
     fn allocate(
@@ -934,7 +937,7 @@ impl HbmPolicy {
         let demand = self.stats.active_bytes[0].current as u64 + size;
         self.peak_demand_bytes = self.peak_demand_bytes.max(demand);
         let mut retried = false;
-        let (ptr, region, span, on_aliased) = loop {
+        let (ptr, span, on_aliased) = loop {
             let found = match self.find_free(stream, size) {
                 Some(found) => Some(found),
                 None => self
@@ -946,7 +949,7 @@ impl HbmPolicy {
                 let block = self.take_span(range, ptr, size);
                 match self.back_range(dev, ptr, size, region, retried) {
                     Ok(Backing::Done) => match self.claim(dev, region, ptr, size) {
-                        Ok(on_aliased) => break (ptr, region, block, on_aliased),
+                        Ok(on_aliased) => break (ptr, block, on_aliased),
                         Err(e) => {
                             self.release_span(block);
                             return Err(e);
@@ -980,10 +983,8 @@ impl HbmPolicy {
         self.live.insert(
             ptr,
             LiveBlock {
-                size,
                 requested,
                 stream,
-                region,
                 allocated: true,
                 pending_events: 0,
                 stream_uses: Vec::new(),
@@ -1011,41 +1012,33 @@ impl HbmPolicy {
             .iter()
             .find(|index| index.stream == stream)?;
         // On the stack: the hot path does not allocate.
-        let mut blocked = [(0, 0, 0, 0); MAX_CANDIDATES];
+        let mut blocked = [NO_SPAN; MAX_CANDIDATES];
         let mut count = 0;
         for (&key, &id) in index.ranges.range(size_key(size, 0)..).take(MAX_CANDIDATES) {
-            let (ptr, range_size) = (key as u64, (key >> 64) as u64);
-            let region = self.span(id).region;
-            if !self.blocked(region, ptr, size) {
+            let ptr = key as u64;
+            if !self.blocked(self.span(id).region, ptr, size) {
                 return Some((id, ptr));
             }
-            blocked[count] = (ptr, range_size, region, id);
+            blocked[count] = id;
             count += 1;
         }
         // Every candidate is blocked at its start: slide past the memory in
         // use elsewhere, within the range.
         blocked[..count]
             .iter()
-            .find_map(|&(ptr, range_size, region, id)| {
-                self.slide(region, ptr, range_size, size).map(|at| (id, at))
-            })
+            .find_map(|&id| self.slide(id, size).map(|at| (id, at)))
     }
 
-    /// Slides a block of `size` bytes through the free range
-    /// `[ptr, ptr + range_size)` of region `region_index` to the first place
-    /// [`HbmPolicy::busy_end`] allows: past lent memory with the bitmap alone,
-    /// walking the alias groups only where nothing is lent.
-    fn slide(
-        &self,
-        region_index: u32,
-        ptr: DevicePtr,
-        range_size: u64,
-        size: u64,
-    ) -> Option<DevicePtr> {
+    /// Slides a block of `size` bytes through free span `id` to the first
+    /// place [`HbmPolicy::busy_end`] allows: past lent memory with the bitmap
+    /// alone, walking the alias groups only where nothing is lent.
+    fn slide(&self, id: u32, size: u64) -> Option<DevicePtr> {
         let granule = self.granule?;
+        let range = self.span(id);
+        let region_index = range.region;
         let region = self.region(region_index);
-        let mut at = ptr;
-        while at + size <= ptr + range_size {
+        let mut at = range.start;
+        while at + size <= range.end() {
             let (first, end) = granules_under(granule, region.base, at, size);
             if let Some(last) = region.lent.last_set(first, end) {
                 at = region.base + (last + 1) * granule;
@@ -1413,6 +1406,19 @@ impl HbmPolicy {
         Ok(cursor)
     }
 
+    /// The granules `[first, end)` lying wholly inside each free range, as
+    /// (region, first, end), highest address first; ranges smaller than a
+    /// granule (not in `large_free`) hold none.
+    fn free_granules(&self, granule: u64) -> impl Iterator<Item = (u32, u64, u64)> + '_ {
+        self.large_free.values().rev().filter_map(move |&id| {
+            let range = self.span(id);
+            let base = self.region(range.region).base;
+            let first = (range.start - base).div_ceil(granule);
+            let end = (range.end() - base) / granule;
+            (first < end).then_some((range.region, first, end))
+        })
+    }
+
     /// Granules lying wholly inside free ranges, highest address first
     /// (placement favours low addresses, so the top is the least likely to be
     /// wanted again soon), until they add up to `bytes`: as (region, chunk
@@ -1423,21 +1429,11 @@ impl HbmPolicy {
     fn free_spans(&self, granule: u64, bytes: u64, giving_only: bool) -> Vec<(u32, u64, u64, u64)> {
         let mut victims = Vec::new();
         let mut found = 0u64;
-        for &id in self.large_free.values().rev() {
+        for (region_index, first, end) in self.free_granules(granule) {
             if found >= bytes {
                 break;
             }
-            let range = self.span(id);
-            let ptr = range.start;
-            let region = self.region(range.region);
-            if region.segment {
-                continue;
-            }
-            let first = (ptr - region.base).div_ceil(granule);
-            let end = (ptr + range.size - region.base) / granule;
-            if first >= end {
-                continue;
-            }
+            let region = self.region(region_index);
             for (&start, chunk) in region.chunks.range(..end).rev() {
                 let chunk_end = start + chunk.count;
                 if chunk_end <= first || found >= bytes {
@@ -1453,7 +1449,7 @@ impl HbmPolicy {
                 if giving_only && region.lent.all(start, chunk_end) {
                     continue;
                 }
-                victims.push((range.region, start, start, chunk.count));
+                victims.push((region_index, start, start, chunk.count));
                 found += chunk.count * granule;
             }
         }
@@ -1858,19 +1854,11 @@ impl HbmPolicy {
     fn idle_donors(&self, granule: u64, bytes: u64, span: GranuleSpan) -> Vec<Donor> {
         let mut donors = Vec::new();
         let mut found = 0u64;
-        for &id in self.large_free.values().rev() {
+        for (region_index, first, end) in self.free_granules(granule) {
             if found >= bytes {
                 break;
             }
-            let range = self.span(id);
-            let range_end = range.end();
-            let region = self.region(range.region);
-            if region.segment {
-                continue;
-            }
-            let ptr = range.start;
-            let first = (ptr - region.base).div_ceil(granule);
-            let end = (range_end - region.base) / granule;
+            let region = self.region(region_index);
             // Lent memory is in use elsewhere: skipped a word at a time.
             let mut i = region.next_unlent(first, end);
             while i < end && found < bytes {
@@ -1899,7 +1887,7 @@ impl HbmPolicy {
                     .next_with(i, end.min(start + chunk.count), true);
                 let count = (stop - i).min((bytes - found).div_ceil(granule));
                 donors.push(Donor::Granules {
-                    view: (range.region, i),
+                    view: (region_index, i),
                     count,
                     handle: chunk.handle,
                     offset: chunk.offset + (i - start) * granule,
@@ -2049,7 +2037,8 @@ impl HbmPolicy {
             return Err(AllocError::UnknownPointer { ptr });
         };
         block.allocated = false;
-        let (size, requested, stream) = (block.size, block.requested, block.stream);
+        let (requested, stream) = (block.requested, block.stream);
+        let size = self.spans[block.span as usize].size;
         let uses_pending = !block.stream_uses.is_empty();
         decrease(&mut self.stats.allocation, size, 1);
         decrease(&mut self.stats.allocated_bytes, size, size);
@@ -2066,15 +2055,16 @@ impl HbmPolicy {
     /// The block's last use is over: its range joins the free set.
     fn free_completed(&mut self, ptr: DevicePtr) {
         let block = self.live.remove(&ptr).expect("a live block");
-        decrease(&mut self.stats.active, block.size, 1);
-        decrease(&mut self.stats.active_bytes, block.size, block.size);
-        decrease(&mut self.stats.requested_bytes, block.size, block.requested);
+        let Span { size, region, .. } = *self.span(block.span);
+        decrease(&mut self.stats.active, size, 1);
+        decrease(&mut self.stats.active_bytes, size, size);
+        decrease(&mut self.stats.requested_bytes, size, block.requested);
         self.history
             .record(Action::FreeCompleted, ptr, block.requested, block.stream);
         if block.on_aliased {
-            self.unclaim(block.region, ptr, block.size);
+            self.unclaim(region, ptr, size);
         } else {
-            debug_assert!(self.aliased_span(block.region, ptr, block.size).is_none());
+            debug_assert!(self.aliased_span(region, ptr, size).is_none());
         }
         self.release_span(block.span);
     }
@@ -2282,7 +2272,7 @@ impl HbmPolicy {
             .live
             .values()
             .filter(|b| !b.allocated)
-            .map(|b| b.size)
+            .map(|b| self.span(b.span).size)
             .sum();
         let granule = self.granule.unwrap_or(SEGMENT_ROUND);
         let mut report = OomReport {
@@ -2332,7 +2322,7 @@ impl HbmPolicy {
             // image (cached free blocks) keeps the recorded layout and sizes:
             // hbm starts from the recorded allocator's fragmentation.
             let size = if block.allocated && block.requested_size > 0 {
-                requested.div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
+                rounded(requested)
             } else {
                 block.size
             };
@@ -2407,7 +2397,7 @@ impl HbmPolicy {
                     };
                     blocks.push(BlockSnapshot {
                         address: p,
-                        size: b.size,
+                        size: self.span(b.span).size,
                         requested_size: b.requested,
                         state,
                     });
@@ -2446,14 +2436,8 @@ impl HbmPolicy {
         // Per region: live and free blocks tile it exactly (so nothing
         // overlaps), free ranges are coalesced, live blocks are mapped.
         let mut by_region: BTreeMap<u32, Vec<(DevicePtr, u64, bool)>> = BTreeMap::new();
-        for (&p, b) in &self.live {
-            by_region
-                .entry(b.region)
-                .or_default()
-                .push((p, b.size, true));
-        }
-        // Spans: each live block's span says what the block map says; each
-        // free range in the size index is a free span of its stream, in the
+        // Spans: each live block's span is a block at its address; each free
+        // range in the size index is a free span of its stream, in the
         // large-range index exactly when it is large; links are mutual and
         // contiguous, and every span in use is a block or a free range.
         let mut in_use = 0usize;
@@ -2462,9 +2446,13 @@ impl HbmPolicy {
                 .spans
                 .get(b.span as usize)
                 .ok_or_else(|| format!("live block {p:#x}: no span {}", b.span))?;
-            if span.free || span.start != p || span.size != b.size || span.region != b.region {
+            if span.free || span.start != p {
                 return Err(format!("live block {p:#x}: its span disagrees: {span:?}"));
             }
+            by_region
+                .entry(span.region)
+                .or_default()
+                .push((p, span.size, true));
             in_use += 1;
         }
         let mut large = 0usize;
@@ -2488,7 +2476,7 @@ impl HbmPolicy {
                 if region.size_index != slot {
                     return Err(format!("free range {p:#x} in another stream's index"));
                 }
-                let is_large = size >= self.large_range_bytes;
+                let is_large = size >= self.large_range_bytes();
                 if is_large != (self.large_free.get(&(p + size)) == Some(&id)) {
                     return Err(format!("free range {p:#x}+{size} misfiled as large or not"));
                 }
@@ -2568,8 +2556,7 @@ impl HbmPolicy {
                 }
                 if is_live {
                     if let Some(g) = self.granule.filter(|_| !region.segment) {
-                        let first = (p - region.base) / g;
-                        let end = (p + size - region.base).div_ceil(g);
+                        let (first, end) = granules_under(g, region.base, p, size);
                         if !region.all_mapped(first, end) {
                             return Err(format!("live block {p:#x} lies over unmapped memory"));
                         }
@@ -2733,29 +2720,19 @@ impl HbmPolicy {
                 }
             }
         }
-        let lent_total: u64 = self
-            .regions
-            .iter()
-            .flatten()
-            .map(|r| r.lent.count_ones())
-            .sum();
-        if lent_total != lent_bits {
+        let per_region =
+            |count: fn(&Region) -> u64| -> u64 { self.regions.iter().flatten().map(count).sum() };
+        if per_region(|r| r.lent.count_ones()) != lent_bits {
             return Err("lent bits outside busy alias groups".into());
         }
-        let indexed_views: usize = self
-            .regions
+        let indexed_views = per_region(|r| r.group_views.len() as u64);
+        let group_views: u64 = self
+            .groups
             .iter()
             .flatten()
-            .map(|r| r.group_views.len())
+            .map(|g| g.views.len() as u64)
             .sum();
-        let group_views: usize = self.groups.iter().flatten().map(|g| g.views.len()).sum();
-        let bits: u64 = self
-            .regions
-            .iter()
-            .flatten()
-            .map(|r| r.aliased.count_ones())
-            .sum();
-        if bits != aliased_bits || indexed_views != group_views {
+        if per_region(|r| r.aliased.count_ones()) != aliased_bits || indexed_views != group_views {
             return Err("aliased bits or view index disagree with the alias groups".into());
         }
         // Each group counts the live blocks on its user view, and no group is
@@ -2763,18 +2740,22 @@ impl HbmPolicy {
         // granule here, apart from the hot path's view index.
         let mut users: BTreeMap<u32, (View, u32)> = BTreeMap::new();
         for (&ptr, block) in &self.live {
-            let region = self.region(block.region);
+            let Span {
+                size,
+                region: region_index,
+                ..
+            } = *self.span(block.span);
+            let region = self.region(region_index);
             if region.segment {
                 continue;
             }
-            let first = (ptr - region.base) / granule;
-            let end = (ptr + block.size - region.base).div_ceil(granule);
+            let (first, end) = granules_under(granule, region.base, ptr, size);
             let mut seen: BTreeSet<u32> = BTreeSet::new();
             for (&s, &id) in &region.group_views {
                 let count = self.group(id).count;
                 if s < end && s + count > first && seen.insert(id) {
-                    let entry = users.entry(id).or_insert(((block.region, s), 0));
-                    if entry.0 != (block.region, s) {
+                    let entry = users.entry(id).or_insert(((region_index, s), 0));
+                    if entry.0 != (region_index, s) {
                         return Err(format!("alias group {id} is used through two views"));
                     }
                     entry.1 += 1;
@@ -2812,7 +2793,7 @@ impl HbmPolicy {
             .live
             .values()
             .filter(|b| b.allocated)
-            .map(|b| b.size)
+            .map(|b| self.span(b.span).size)
             .sum();
         if self.stats.allocated_bytes[0].current as u64 != allocated {
             return Err(format!(
@@ -2820,7 +2801,7 @@ impl HbmPolicy {
                 self.stats.allocated_bytes[0].current
             ));
         }
-        let active: u64 = self.live.values().map(|b| b.size).sum();
+        let active: u64 = self.live.values().map(|b| self.span(b.span).size).sum();
         if self.stats.active_bytes[0].current as u64 != active {
             return Err("active_bytes stat disagrees with the live blocks".into());
         }
