@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use hbmalloc::PolicyConfig;
+use hbmalloc::{CallKind, PolicyConfig};
 use hbmalloc_replay::{evaluate, fidelity, EvalOptions, Outcome, PreparedTrace, ReplayOptions};
 use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op, Trace};
 
@@ -245,6 +245,18 @@ fn the_recorded_oom_is_reproduced_and_explained() {
 /// way: blocks tile their regions, no physical memory lies under two live
 /// blocks' views, reserved memory is what is mapped, alias groups agree
 /// with the bitmaps. About 100 checks per trace (each walks the whole state).
+/// The streams a device's trace allocates on (window-start blocks included).
+fn streams_used(device: &DeviceTrace) -> u64 {
+    let mut streams: Vec<u64> = device.initial_segments.iter().map(|s| s.stream).collect();
+    streams.extend(device.ops.iter().filter_map(|op| match op {
+        Op::Alloc { stream, .. } => Some(*stream),
+        _ => None,
+    }));
+    streams.sort_unstable();
+    streams.dedup();
+    streams.len() as u64
+}
+
 #[test]
 fn hbm_replays_every_trace_with_its_invariants_held() {
     let Some(shared) = shared_traces() else {
@@ -269,6 +281,19 @@ fn hbm_replays_every_trace_with_its_invariants_held() {
                     device.device
                 );
                 assert!(run.peak_reserved_bytes >= independent_peak_live(device));
+                // One region per stream is room enough (each spans twice the
+                // device): a stream whose best fits are all in use elsewhere
+                // places past them, it does not open another region (where
+                // every small block pinned a granule of its own).
+                let regions_held =
+                    run.calls.get(CallKind::AddressReserve) - run.calls.get(CallKind::AddressFree);
+                let streams = streams_used(device);
+                assert!(
+                    regions_held <= streams,
+                    "{} device {}: {regions_held} regions held for {streams} streams",
+                    trace.source,
+                    device.device
+                );
                 rows += 1;
             }
         }

@@ -131,7 +131,8 @@ const MAX_MAP_AHEAD_PERCENT: f64 = 2.0;
 const MAX_VIEWS: usize = 4;
 /// Free ranges a request looks at, in best-fit order, for one whose aliased
 /// granules are not in use elsewhere; if all are blocked, the block slides
-/// past the memory in use within them, and only then opens a new region.
+/// past the memory in use within them, then tries the stream's largest free
+/// range, and only then opens a new region.
 const MAX_CANDIDATES: usize = 32;
 
 /// Configuration of policy `hbm`, in the `key:value,key:value` syntax.
@@ -1004,7 +1005,8 @@ impl HbmPolicy {
     /// Where a block of `size` bytes goes: the best-fit free range of
     /// `stream` (smallest, then lowest address) whose aliased granules no
     /// live block uses elsewhere; failing that, the first of those ranges
-    /// with room past such granules. As (free span, block address).
+    /// with room past such granules, then the stream's largest free range.
+    /// As (free span, block address).
     #[inline]
     fn find_free(&self, stream: StreamId, size: u64) -> Option<(u32, DevicePtr)> {
         let index = self
@@ -1024,9 +1026,24 @@ impl HbmPolicy {
         }
         // Every candidate is blocked at its start: slide past the memory in
         // use elsewhere, within the range.
-        blocked[..count]
+        if let Some(found) = blocked[..count]
             .iter()
             .find_map(|&id| self.slide(id, size).map(|at| (id, at)))
+        {
+            return Some(found);
+        }
+        // More ranges fit than were tried: the largest (a region's tail,
+        // above everything mapped, as a rule) before a new region, whose
+        // first block would pin a granule of its own.
+        if count < MAX_CANDIDATES {
+            return None;
+        }
+        let (&key, &id) = index.ranges.iter().next_back()?;
+        let ptr = key as u64;
+        if !self.blocked(self.span(id).region, ptr, size) {
+            return Some((id, ptr));
+        }
+        self.slide(id, size).map(|at| (id, at))
     }
 
     /// Slides a block of `size` bytes through free span `id` to the first
