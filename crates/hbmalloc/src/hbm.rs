@@ -1344,12 +1344,16 @@ impl HbmPolicy {
             return Ok(true);
         }
         let victims = self.free_spans(granule, (end - cursor) * granule, true);
-        self.unmap_spans(dev, granule, &victims)?;
-        cursor = self.stitch_spares(dev, granule, region_index, cursor, end)?;
-        // Unmapping a view of a group frees a place for another view.
-        cursor = self.alias_idle(dev, granule, span, cursor, end)?;
-        if cursor == end {
-            return Ok(true);
+        // With nothing stolen, the spares and idle memory are as the calls
+        // above left them: used up.
+        if !victims.is_empty() {
+            self.unmap_spans(dev, granule, &victims)?;
+            cursor = self.stitch_spares(dev, granule, region_index, cursor, end)?;
+            // Unmapping a view of a group frees a place for another view.
+            cursor = self.alias_idle(dev, granule, span, cursor, end)?;
+            if cursor == end {
+                return Ok(true);
+            }
         }
         self.map_new_handle(dev, granule, region_index, cursor, end, hard_limit)
     }
