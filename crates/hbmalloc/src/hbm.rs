@@ -60,9 +60,10 @@
 //! Measured figures: `hbmalloc compare ../shared/traces/pytorch-snapshots/*
 //! ../shared/traces/profiler-cpu/* --json` (release build).
 //!
-//! Hot path (a cache hit): one ordered-map lookup for best fit in the
-//! stream's size index (`u128` keys: size, then address), a remove and an
-//! insert there to split, one hash insert, and a bitmap test that the
+//! Hot path (a cache hit): one lookup for best fit in the stream's size
+//! index (size bins, each a small ordered map keyed by size, then address;
+//! see `hbm/size_index.rs`), a remove and an insert there to split, one
+//! hash insert, and a bitmap test that the
 //! granules are mapped and one that none is aliased (granules found by
 //! shifting: the granularity is a power of two; if some are aliased, one
 //! ordered search for the alias groups under the block, and a counter per
@@ -71,9 +72,10 @@
 //! makes the size-index updates; a block placed on plain memory skips the
 //! alias groups. No device call, `O(log n)`. Measured with
 //! `scripts/bench-instructions` (callgrind, replayed operations only): on
-//! `gpt2_train` 1,387 instructions per malloc or free against 1,014 for
-//! policy `pytorch`, misses included; most of the rest is the alias checks
-//! and misses that stitch memory.
+//! `gpt2_train` 1,323 instructions per malloc or free against 1,014 for
+//! policy `pytorch`, misses included (1,396 with one ordered map of every
+//! range); most of the rest is the alias checks and misses that stitch
+//! memory.
 //!
 //! Statistics keep PyTorch's meanings where they carry over: `reserved_bytes`
 //! is physical memory held (every handle, mapped once or more, or spare; or
@@ -95,6 +97,9 @@ use crate::history::{Action, History};
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 use crate::stats::{decrease_pool, increase_pool, DeviceStats, StatArray};
 use crate::{FastMap, SegmentImage};
+
+mod size_index;
+use size_index::SizeIndex;
 
 /// Deliberately broken behaviour, for proving that the simulation harness
 /// catches it (test builds only).
@@ -265,20 +270,6 @@ impl Span {
     fn end(&self) -> DevicePtr {
         self.start + self.size
     }
-}
-
-/// One stream's free ranges by (size, address), packed into one `u128` key
-/// (size high, address low) so the best-fit search compares plain integers:
-/// the smallest range that fits, lowest address on ties. Values: the span.
-#[derive(Debug)]
-struct SizeIndex {
-    stream: StreamId,
-    ranges: BTreeMap<u128, u32>,
-}
-
-#[inline]
-fn size_key(size: u64, ptr: DevicePtr) -> u128 {
-    (u128::from(size) << 64) | u128::from(ptr)
 }
 
 /// The views in `views` (a region's view index) overlapping granules
@@ -795,9 +786,7 @@ impl HbmPolicy {
     fn index_free(&mut self, id: u32) {
         let span = *self.span(id);
         let slot = self.region(span.region).size_index;
-        self.free_by_size[slot]
-            .ranges
-            .insert(size_key(span.size, span.start), id);
+        self.free_by_size[slot].insert(span.size, span.start, id);
         if span.size >= self.large_range_bytes() {
             self.large_free.insert(span.end(), id);
         }
@@ -807,9 +796,7 @@ impl HbmPolicy {
     fn unindex_free(&mut self, id: u32) {
         let span = *self.span(id);
         let slot = self.region(span.region).size_index;
-        self.free_by_size[slot]
-            .ranges
-            .remove(&size_key(span.size, span.start));
+        self.free_by_size[slot].remove(span.size, span.start);
         if span.size >= self.large_range_bytes() {
             self.large_free.remove(&span.end());
         }
@@ -834,9 +821,7 @@ impl HbmPolicy {
         let mut indexed_large = false;
         if next != NO_SPAN && self.span(next).free {
             let old = *self.span(next);
-            self.free_by_size[slot]
-                .ranges
-                .remove(&size_key(old.size, old.start));
+            self.free_by_size[slot].remove(old.size, old.start);
             indexed_large = old.size >= large;
             let span = self.span_mut(next);
             span.start = start;
@@ -855,9 +840,7 @@ impl HbmPolicy {
         let span = self.span_mut(keep);
         span.free = true;
         let (start, size, end) = (span.start, span.size, span.end());
-        self.free_by_size[slot]
-            .ranges
-            .insert(size_key(size, start), keep);
+        self.free_by_size[slot].insert(size, start, keep);
         if size >= large && !indexed_large {
             self.large_free.insert(end, keep);
         }
@@ -869,13 +852,13 @@ impl HbmPolicy {
         let range = *self.span(id);
         let slot = self.region(range.region).size_index;
         let large = self.large_range_bytes();
-        let sizes = &mut self.free_by_size[slot].ranges;
-        sizes.remove(&size_key(range.size, range.start));
+        let sizes = &mut self.free_by_size[slot];
+        sizes.remove(range.size, range.start);
         let rest = range.end() - (ptr + size);
         if rest > 0 {
             // The range keeps what follows the block, hence its end (and its
             // large-range entry while it stays large).
-            sizes.insert(size_key(rest, ptr + size), id);
+            sizes.insert(rest, ptr + size, id);
             if range.size >= large && rest < large {
                 self.large_free.remove(&range.end());
             }
@@ -1016,8 +999,7 @@ impl HbmPolicy {
         // On the stack: the hot path does not allocate.
         let mut blocked = [NO_SPAN; MAX_CANDIDATES];
         let mut count = 0;
-        for (&key, &id) in index.ranges.range(size_key(size, 0)..).take(MAX_CANDIDATES) {
-            let ptr = key as u64;
+        for (_, ptr, id) in index.best_fit(size).take(MAX_CANDIDATES) {
             if !self.blocked(self.span(id).region, ptr, size) {
                 return Some((id, ptr));
             }
@@ -1038,8 +1020,7 @@ impl HbmPolicy {
         if count < MAX_CANDIDATES {
             return None;
         }
-        let (&key, &id) = index.ranges.iter().next_back()?;
-        let ptr = key as u64;
+        let (_, ptr, id) = index.largest()?;
         if !self.blocked(self.span(id).region, ptr, size) {
             return Some((id, ptr));
         }
@@ -1081,10 +1062,7 @@ impl HbmPolicy {
         let size_index = match self.free_by_size.iter().position(|s| s.stream == stream) {
             Some(slot) => slot,
             None => {
-                self.free_by_size.push(SizeIndex {
-                    stream,
-                    ranges: BTreeMap::new(),
-                });
+                self.free_by_size.push(SizeIndex::new(stream));
                 self.free_by_size.len() - 1
             }
         };
@@ -2220,9 +2198,8 @@ impl HbmPolicy {
             .filter(|(i, r)| {
                 (r.segment || r.chunks.is_empty())
                     && self.free_by_size[r.size_index]
-                        .ranges
-                        .get(&size_key(r.size, r.base))
-                        .is_some_and(|&id| self.span(id).region == *i)
+                        .get(r.size, r.base)
+                        .is_some_and(|id| self.span(id).region == *i)
             })
             .map(|(i, _)| i)
             .collect();
@@ -2240,7 +2217,9 @@ impl HbmPolicy {
                 dev.address_free(base, size)?;
             }
             let slot = self.region(index).size_index;
-            let span = self.free_by_size[slot].ranges[&size_key(size, base)];
+            let span = self.free_by_size[slot]
+                .get(size, base)
+                .expect("a wholly free region is one indexed range");
             self.unindex_free(span);
             self.free_span_ids.push(span);
             self.regions[index as usize] = None;
@@ -2284,8 +2263,8 @@ impl HbmPolicy {
             None => self
                 .free_by_size
                 .iter()
-                .filter_map(|index| index.ranges.keys().next_back())
-                .map(|&key| (key >> 64) as u64)
+                .filter_map(|index| index.largest())
+                .map(|(size, _, _)| size)
                 .max()
                 .unwrap_or(0),
         };
@@ -2367,8 +2346,8 @@ impl HbmPolicy {
         let mut free: Vec<(DevicePtr, u64)> = self
             .free_by_size
             .iter()
-            .flat_map(|index| index.ranges.keys())
-            .map(|&key| (key as u64, (key >> 64) as u64))
+            .flat_map(|index| index.iter())
+            .map(|(size, p, _)| (p, size))
             .collect();
         free.sort_unstable();
         let mut segments = Vec::new();
@@ -2478,8 +2457,7 @@ impl HbmPolicy {
         }
         let mut large = 0usize;
         for (slot, index) in self.free_by_size.iter().enumerate() {
-            for (&key, &id) in &index.ranges {
-                let (p, size) = (key as u64, (key >> 64) as u64);
+            for (size, p, id) in index.iter() {
                 let span = self
                     .spans
                     .get(id as usize)
