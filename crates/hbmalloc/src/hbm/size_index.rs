@@ -14,12 +14,13 @@ use crate::device::{DevicePtr, StreamId};
 
 /// Every range size is a multiple of this (`hbm` rounds every request to it).
 const BIN_BYTES: u64 = 512;
-/// Sizes up to this have a bin each.
-const EXACT_MAX: u64 = 1 << 20;
+/// Sizes up to `2^EXACT_LOG2` bytes (1 MiB) have a bin each.
+const EXACT_LOG2: u32 = 20;
+const EXACT_MAX: u64 = 1 << EXACT_LOG2;
 const EXACT_BINS: usize = (EXACT_MAX / BIN_BYTES) as usize;
-/// Above `EXACT_MAX`, each doubling of size is split into this many bins.
-const BINS_PER_DOUBLING_SHIFT: u32 = 3;
-const BINS: usize = EXACT_BINS + ((64 - 20) << BINS_PER_DOUBLING_SHIFT);
+/// Above `EXACT_MAX`, each doubling of size is split into `2^this` bins.
+const BINS_PER_DOUBLING_LOG2: u32 = 3;
+const BINS: usize = EXACT_BINS + (((64 - EXACT_LOG2) as usize) << BINS_PER_DOUBLING_LOG2);
 
 /// Free ranges of one stream; values are span ids.
 #[derive(Debug)]
@@ -48,10 +49,11 @@ fn bin(size: u64) -> usize {
     if size <= EXACT_MAX {
         return (size.div_ceil(BIN_BYTES) as usize).saturating_sub(1);
     }
-    let log = 63 - size.leading_zeros(); // 20 or more
+    // The doubling (`EXACT_LOG2` or more), then the next bits below the top one.
+    let log = 63 - size.leading_zeros();
     let sub =
-        (size >> (log - BINS_PER_DOUBLING_SHIFT)) as usize & ((1 << BINS_PER_DOUBLING_SHIFT) - 1);
-    EXACT_BINS + (((log - 20) as usize) << BINS_PER_DOUBLING_SHIFT) + sub
+        (size >> (log - BINS_PER_DOUBLING_LOG2)) as usize & ((1 << BINS_PER_DOUBLING_LOG2) - 1);
+    EXACT_BINS + (((log - EXACT_LOG2) as usize) << BINS_PER_DOUBLING_LOG2) + sub
 }
 
 impl SizeIndex {
