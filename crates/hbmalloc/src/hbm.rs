@@ -63,11 +63,10 @@
 //! Hot path (a cache hit): one lookup for best fit in the stream's size
 //! index (size bins, each a small ordered map keyed by size, then address;
 //! see `hbm/size_index.rs`), a remove and an insert there to split, one
-//! hash insert, and a bitmap test that the
-//! granules are mapped and one that none is aliased (granules found by
-//! shifting: the granularity is a power of two; if some are aliased, one
-//! ordered search for the alias groups under the block, and a counter per
-//! group). Blocks and free ranges are [`Span`]s linked to their neighbours,
+//! hash insert, and a bitmap test that the granules are mapped and one that
+//! none is aliased (granules found by shifting: the granularity is a power
+//! of two; if some are aliased, one ordered search for the alias groups
+//! under the block, and a counter per group). Blocks and free ranges are [`Span`]s linked to their neighbours,
 //! so a free finds what to merge with through the links (no search) and
 //! makes the size-index updates; a block placed on plain memory skips the
 //! alias groups. No device call, `O(log n)`. Measured with
