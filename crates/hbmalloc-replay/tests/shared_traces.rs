@@ -240,11 +240,6 @@ fn the_recorded_oom_is_reproduced_and_explained() {
         .starts_with("CUDA out of memory. Tried to allocate"));
 }
 
-/// Policy `hbm` replays every shared trace (the 10-stream `select_n` snapshot
-/// among them) to completion, with the engine's invariants checked along the
-/// way: blocks tile their regions, no physical memory lies under two live
-/// blocks' views, reserved memory is what is mapped, alias groups agree
-/// with the bitmaps. About 100 checks per trace (each walks the whole state).
 /// The streams a device's trace allocates on (window-start blocks included).
 fn streams_used(device: &DeviceTrace) -> u64 {
     let mut streams: Vec<u64> = device.initial_segments.iter().map(|s| s.stream).collect();
@@ -257,6 +252,12 @@ fn streams_used(device: &DeviceTrace) -> u64 {
     streams.len() as u64
 }
 
+/// Policy `hbm` replays every shared trace (the 10-stream `select_n` snapshot
+/// among them) to completion, with the engine's invariants checked along the
+/// way: blocks tile their regions, no physical memory lies under two live
+/// blocks' views, reserved memory is what is mapped, alias groups agree
+/// with the bitmaps. About 100 checks per trace (each walks the whole state).
+/// And no stream holds more than one region at the end.
 #[test]
 fn hbm_replays_every_trace_with_its_invariants_held() {
     let Some(shared) = shared_traces() else {

@@ -66,10 +66,11 @@
 //! hash insert, and a bitmap test that the granules are mapped and one that
 //! none is aliased (granules found by shifting: the granularity is a power
 //! of two; if some are aliased, one ordered search for the alias groups
-//! under the block, and a counter per group). Blocks and free ranges are [`Span`]s linked to their neighbours,
-//! so a free finds what to merge with through the links (no search) and
-//! makes the size-index updates; a block placed on plain memory skips the
-//! alias groups. No device call, `O(log n)`. Measured with
+//! under the block, and a counter per group). Blocks and free ranges are
+//! [`Span`]s linked to their neighbours, so a free finds what to merge with
+//! through the links (no search) and makes the size-index updates; a block
+//! placed on plain memory skips the alias groups. No device call,
+//! `O(log n)`. Measured with
 //! `scripts/bench-instructions` (callgrind, replayed operations only): on
 //! `gpt2_train` 1,323 instructions per malloc or free against 1,014 for
 //! policy `pytorch`, misses included (1,396 with one ordered map of every
@@ -1550,17 +1551,24 @@ impl HbmPolicy {
     }
 
     /// The granules `[first, end)` a block `[ptr, ptr + size)` of a region
-    /// lies on, or `None` when none of them is aliased (the hot path: one
-    /// bitmap test).
+    /// lies on, or `None` in a plain segment (no granules).
     #[inline]
-    fn aliased_span(&self, region_index: u32, ptr: DevicePtr, size: u64) -> Option<(u64, u64)> {
+    fn granule_span(&self, region_index: u32, ptr: DevicePtr, size: u64) -> Option<(u64, u64)> {
         let granule = self.granule?;
         let region = self.region(region_index);
         if region.segment {
             return None;
         }
-        let (first, end) = granules_under(granule, region.base, ptr, size);
-        region.aliased.any(first, end).then_some((first, end))
+        Some(granules_under(granule, region.base, ptr, size))
+    }
+
+    /// [`HbmPolicy::granule_span`], or `None` when none of those granules is
+    /// aliased (the hot path: one bitmap test).
+    #[inline]
+    fn aliased_span(&self, region_index: u32, ptr: DevicePtr, size: u64) -> Option<(u64, u64)> {
+        let (first, end) = self.granule_span(region_index, ptr, size)?;
+        let aliased = &self.region(region_index).aliased;
+        aliased.any(first, end).then_some((first, end))
     }
 
     /// The alias-group views of region `region_index` overlapping granules
@@ -1584,16 +1592,12 @@ impl HbmPolicy {
     /// most cases without a walk of the groups.
     #[inline]
     fn blocked(&self, region_index: u32, ptr: DevicePtr, size: u64) -> bool {
-        let Some(granule) = self.granule else {
+        let Some((first, end)) = self.granule_span(region_index, ptr, size) else {
             return false;
         };
         let region = self.region(region_index);
-        if region.segment {
-            return false;
-        }
         // Lent granules are aliased: the lent test comes first, as it
         // settles most blocked candidates alone.
-        let (first, end) = granules_under(granule, region.base, ptr, size);
         region.lent.any(first, end)
             || (region.aliased.any(first, end) && self.busy_end(region_index, ptr, size).is_some())
     }
