@@ -59,6 +59,7 @@ fn replay_json_has_the_design_metric_names() {
         "device_calls",
         "cache_hit_rate",
         "steady_state_device_calls",
+        "steady_state_calls_by_kind",
         "simulated_driver_seconds",
         "ns_per_op",
         "recorded",

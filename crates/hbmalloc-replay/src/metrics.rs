@@ -65,6 +65,9 @@ pub struct Metrics {
     pub cache_hit_rate: f64,
     /// Memory-moving driver calls in the second half of the trace.
     pub steady_state_device_calls: u64,
+    /// Driver calls in the second half of the trace, by kind (only kinds that
+    /// were called): what the steady-state calls are made of.
+    pub steady_state_calls_by_kind: BTreeMap<String, u64>,
     /// Driver time under the latency model.
     pub simulated_driver_seconds: f64,
     /// Allocator CPU time per malloc or free, measured in the replay loop.
@@ -141,11 +144,13 @@ pub fn evaluate(
         None
     };
     let ops = run.mallocs + run.frees;
-    let device_calls = CallKind::ALL
-        .iter()
-        .filter(|k| run.calls.get(**k) > 0)
-        .map(|k| (k.name().to_string(), run.calls.get(*k)))
-        .collect();
+    let by_kind = |calls: &hbmalloc::sim::CallCounts| -> BTreeMap<String, u64> {
+        CallKind::ALL
+            .iter()
+            .filter(|k| calls.get(**k) > 0)
+            .map(|k| (k.name().to_string(), calls.get(*k)))
+            .collect()
+    };
     Ok(Metrics {
         trace: source.to_string(),
         device: trace.device,
@@ -157,10 +162,11 @@ pub fn evaluate(
         waste_bytes: run.peak_reserved_bytes.saturating_sub(peak_live),
         min_capacity_bytes: min_capacity,
         min_capacity_resolution_bytes: MIN_CAPACITY_RESOLUTION_BYTES,
-        device_calls,
+        device_calls: by_kind(&run.calls),
         memory_device_calls: run.calls.memory_calls(),
         cache_hit_rate: ratio(run.cache_hits, run.mallocs),
         steady_state_device_calls: run.steady_state_calls.memory_calls(),
+        steady_state_calls_by_kind: by_kind(&run.steady_state_calls),
         simulated_driver_seconds: run.calls.simulated_ns as f64 / 1e9,
         ns_per_op: if ops == 0 {
             0.0
