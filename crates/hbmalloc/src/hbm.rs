@@ -65,7 +65,8 @@
 //!
 //! Hot path (a cache hit): one lookup for best fit in the stream's size
 //! index (size bins, each a small ordered map keyed by size, then address;
-//! see `hbm/size_index.rs`), a remove and an insert there to split, one
+//! see `hbm/size_index.rs`; the first fit is one descent of one bin's
+//! map), a remove and an insert there to split, one
 //! hash insert, and a bitmap test that the granules are mapped and one that
 //! none is aliased (granules found by shifting: the granularity is a power
 //! of two; if some are aliased, one ordered search for the alias groups
@@ -75,10 +76,10 @@
 //! placed on plain memory skips the alias groups. No device call,
 //! `O(log n)`. Measured with
 //! `scripts/bench-instructions` (callgrind, replayed operations only): on
-//! `gpt2_train` 1,323 instructions per malloc or free against 1,014 for
+//! `gpt2_train` 1,187 instructions per malloc or free against 1,014 for
 //! policy `pytorch`, misses included (1,396 with one ordered map of every
-//! range); most of the rest is the alias checks and misses that stitch
-//! memory.
+//! range, 1,262 with an iterator over the bins for the first fit); most of
+//! the rest is the alias checks and misses that stitch memory.
 //!
 //! Statistics keep PyTorch's meanings where they carry over: `reserved_bytes`
 //! is physical memory held (every handle, mapped once or more, or spare; or
@@ -1014,6 +1015,11 @@ impl HbmPolicy {
             .free_by_size
             .iter()
             .find(|index| index.stream == stream)?;
+        // The best fit is usually free to use: one lookup, no iterator.
+        let (_, ptr, id) = index.first_fit(size)?;
+        if !self.blocked(self.span(id).region, ptr, size) {
+            return Some((id, ptr));
+        }
         // On the stack: the hot path does not allocate.
         let mut blocked = [NO_SPAN; MAX_CANDIDATES];
         let mut count = 0;

@@ -113,6 +113,30 @@ impl SizeIndex {
     }
 
     /// Every range, in best-fit order.
+    /// The first of [`SizeIndex::best_fit`], without building the iterator:
+    /// the hot path's usual answer. A bin of one size (up to 1 MiB) holds no
+    /// range smaller than `size` when it is `size`'s bin, so its first entry
+    /// is the answer, one descent of a small map.
+    #[inline]
+    pub(super) fn first_fit(&self, size: u64) -> Option<(u64, DevicePtr, u32)> {
+        let first = bin(size);
+        let mut bins = self.occupied_from(first);
+        let mut b = bins.next()?;
+        let found = loop {
+            let entry = if b == first && b >= EXACT_BINS {
+                self.bins[b].range(key(size, 0)..).next()
+            } else {
+                self.bins[b].first_key_value()
+            };
+            match entry {
+                Some(entry) => break entry,
+                None => b = bins.next()?,
+            }
+        };
+        let (size, ptr) = unkey(*found.0);
+        Some((size, ptr, *found.1))
+    }
+
     pub(super) fn iter(&self) -> impl Iterator<Item = (u64, DevicePtr, u32)> + '_ {
         self.best_fit(0)
     }
@@ -163,7 +187,8 @@ mod tests {
     }
 
     /// The bins give exactly the order of one map keyed by (size, address),
-    /// under random inserts and removes of sizes from 512 bytes to 64 MiB.
+    /// under random inserts and removes of sizes from 512 bytes to 64 MiB;
+    /// `first_fit` is the first of that order.
     #[test]
     fn order_matches_one_map_by_size_then_address() {
         let mut index = SizeIndex::new(StreamId(0));
@@ -192,6 +217,7 @@ mod tests {
                     .map(|(&(s, p), &id)| (s, p, id))
                     .collect();
                 assert_eq!(ours, theirs, "best fit for {query} at step {step}");
+                assert_eq!(index.first_fit(query), theirs.first().copied());
                 assert_eq!(
                     index.largest(),
                     reference
