@@ -1022,8 +1022,9 @@ impl HbmPolicy {
         }
         // On the stack: the hot path does not allocate.
         let mut blocked = [NO_SPAN; MAX_CANDIDATES];
-        let mut count = 0;
-        for (_, ptr, id) in index.best_fit(size).take(MAX_CANDIDATES) {
+        blocked[0] = id;
+        let mut count = 1;
+        for (_, ptr, id) in index.best_fit(size).skip(1).take(MAX_CANDIDATES - 1) {
             if !self.blocked(self.span(id).region, ptr, size) {
                 return Some((id, ptr));
             }
