@@ -39,9 +39,10 @@
 //!   split as needed); one new handle within the allowance; idle memory,
 //!   aliased; wholly free chunks *stolen* (unmapped, highest address first,
 //!   their unaliased granules stitched in here); and only then one new
-//!   handle beyond the allowance. A stream taking over memory another stream
-//!   used last first waits for that stream through an event. A chunk partly
-//!   under a live block is never unmapped. (We measured *unpinning* such
+//!   handle beyond the allowance. Granules mapped ahead take spares or a
+//!   new handle only, never idle or stolen memory. A stream taking over
+//!   memory another stream used last first waits for that stream through an
+//!   event. A chunk partly under a live block is never unmapped. (We measured *unpinning* such
 //!   chunks — unmap, map the live part back — under memory pressure: it
 //!   unmaps live memory for a moment, which on a real GPU faults any kernel
 //!   another host thread launches meanwhile, and a failed re-map loses the
@@ -1291,7 +1292,7 @@ impl HbmPolicy {
         for (i, (start, count)) in runs.into_iter().enumerate() {
             let extended = past_allowance && i + 1 == run_count;
             let limit = if extended { ahead_limit } else { soft_limit };
-            let backed = self.back_run(dev, granule, span, start, count, limit, hard_limit);
+            let backed = self.back_run(dev, granule, span, (start, count, end), limit, hard_limit);
             // Whatever got mapped, even on failure, gets access now.
             self.grant_access(dev, granule, region_index, start, start + count)?;
             if !backed? {
@@ -1332,22 +1333,23 @@ impl HbmPolicy {
         Ok(())
     }
 
-    /// Backs the unmapped granules `[start, start + count)`: spare pieces;
-    /// one new handle within the allowance; idle memory under free ranges,
-    /// mapped here too ([`AliasGroup`]); wholly free chunks stolen
+    /// Backs the unmapped granules `[start, start + count)` of `run`: spare
+    /// pieces; one new handle within `soft_limit`; idle memory under free
+    /// ranges, mapped here too ([`AliasGroup`]); wholly free chunks stolen
     /// (unmapped, stitched in here), then aliasing again; one new handle
-    /// within the hard limit. False: out of memory.
-    #[allow(clippy::too_many_arguments)]
+    /// within the hard limit. Granules from `needed_end` on are mapped
+    /// ahead: worth spares or a new handle, never aliasing or stealing.
+    /// False: out of memory.
     fn back_run(
         &mut self,
         dev: &dyn Device,
         granule: u64,
         span: GranuleSpan,
-        start: u64,
-        count: u64,
+        run: (u64, u64, u64),
         soft_limit: u64,
         hard_limit: u64,
     ) -> Result<bool, AllocError> {
+        let (start, count, needed_end) = run;
         let region_index = span.0;
         let end = start + count;
         let mut cursor = self.stitch_spares(dev, granule, region_index, start, end)?;
@@ -1355,6 +1357,10 @@ impl HbmPolicy {
             return Ok(true);
         }
         if self.map_new_handle(dev, granule, region_index, cursor, end, soft_limit)? {
+            return Ok(true);
+        }
+        let end = end.min(needed_end);
+        if cursor >= end {
             return Ok(true);
         }
         cursor = self.alias_idle(dev, granule, span, cursor, end)?;

@@ -572,3 +572,41 @@ fn hbm_is_the_default_policy() {
     assert!(PolicyConfig::parse("hbm", "bogus:1").is_err());
     assert!(PolicyConfig::parse("nope", "").is_err());
 }
+
+/// Memory mapped ahead of a growing heap is worth a new handle only: when
+/// the device cannot create one, the block's own granules are backed by
+/// idle memory at once. (Before, idle memory was aliased for the granules
+/// ahead too, the backing failed, and the request went through an
+/// out-of-memory retry: 1 retry and 2 map calls here instead of 0 and 1.)
+#[test]
+fn mapping_ahead_never_takes_idle_memory() {
+    let probe = |capacity: u64| {
+        let mut a = hbm(capacity, "");
+        let big = a.malloc(300 * MIB, StreamId(0)).unwrap();
+        let y = a.malloc(12 * MIB, StreamId(0)).unwrap();
+        let z = a.malloc(8 * MIB, StreamId(0)).unwrap();
+        let w = a.malloc(2 * MIB, StreamId(0)).unwrap();
+        a.free(z).unwrap();
+        let held = a.device().used_bytes();
+        (a, held, [big, y, w])
+    };
+    let (_, held, _) = probe(16 * GIB);
+    // The device is full: the granules under `z` lie idle, mapped.
+    let (mut a, _, live) = probe(held);
+    let maps = a.device().call_counts().get(CallKind::Map);
+    let r = a.malloc(10 * MIB, StreamId(0)).unwrap();
+    check(&a);
+    println!(
+        "held {held}, retries {}, maps {}",
+        a.stats().num_alloc_retries,
+        a.device().call_counts().get(CallKind::Map) - maps
+    );
+    assert_eq!(a.stats().num_alloc_retries, 0);
+    // One alias of the idle granules, for the block's own granules only.
+    assert_eq!(a.device().call_counts().get(CallKind::Map) - maps, 1);
+    for p in live.into_iter().chain([r]) {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(a.device().used_bytes(), 0);
+}
