@@ -42,11 +42,12 @@
 //!   handle beyond the allowance. Granules mapped ahead take spares or a
 //!   new handle only, never idle or stolen memory. A stream taking over
 //!   memory another stream used last first waits for that stream through an
-//!   event. A chunk partly under a live block is never unmapped. (We measured *unpinning* such
-//!   chunks — unmap, map the live part back — under memory pressure: it
-//!   unmaps live memory for a moment, which on a real GPU faults any kernel
-//!   another host thread launches meanwhile, and a failed re-map loses the
-//!   tensor. A production allocator must not take either risk.)
+//!   event. A chunk partly under a live block is never unmapped. (We
+//!   measured *unpinning* such chunks — unmap, map the live part back —
+//!   under memory pressure: it unmaps live memory for a moment, which on a
+//!   real GPU faults any kernel another host thread launches meanwhile, and
+//!   a failed re-map loses the tensor. A production allocator must not take
+//!   either risk.)
 //! * **Streams.** A stream only ever reuses free ranges of its own regions.
 //!   Blocks used on other streams (`record_stream`) stay out of the free set
 //!   until events recorded on those streams complete, as in PyTorch.
@@ -67,17 +68,16 @@
 //! Hot path (a cache hit): one lookup for best fit in the stream's size
 //! index (size bins, each a small ordered map keyed by size, then address;
 //! see `hbm/size_index.rs`; the first fit is one descent of one bin's
-//! map), a remove and an insert there to split, one
-//! hash insert, and a bitmap test that the granules are mapped and one that
-//! none is aliased (granules found by shifting: the granularity is a power
-//! of two; if some are aliased, one ordered search for the alias groups
-//! under the block, and a counter per group). Blocks and free ranges are
-//! [`Span`]s linked to their neighbours, so a free finds what to merge with
-//! through the links (no search) and makes the size-index updates; a block
-//! placed on plain memory skips the alias groups. No device call,
-//! `O(log n)`. Measured with
+//! map), a remove and an insert there to split, one hash insert, and a
+//! bitmap test that the granules are mapped and one that none is aliased
+//! (granules found by shifting: the granularity is a power of two; if some
+//! are aliased, one ordered search for the alias groups under the block,
+//! and a counter per group). Blocks and free ranges are [`Span`]s linked to
+//! their neighbours, so a free finds what to merge with through the links
+//! (no search) and makes the size-index updates; a block placed on plain
+//! memory skips the alias groups. No device call, `O(log n)`. Measured with
 //! `scripts/bench-instructions` (callgrind, replayed operations only): on
-//! `gpt2_train` 1,187 instructions per malloc or free against 1,014 for
+//! `gpt2_train` 1,189 instructions per malloc or free against 1,014 for
 //! policy `pytorch`, misses included (1,396 with one ordered map of every
 //! range, 1,262 with an iterator over the bins for the first fit); most of
 //! the rest is the alias checks and misses that stitch memory.
@@ -1333,13 +1333,13 @@ impl HbmPolicy {
         Ok(())
     }
 
-    /// Backs the unmapped granules `[start, start + count)` of `run`: spare
-    /// pieces; one new handle within `soft_limit`; idle memory under free
-    /// ranges, mapped here too ([`AliasGroup`]); wholly free chunks stolen
-    /// (unmapped, stitched in here), then aliasing again; one new handle
-    /// within the hard limit. Granules from `needed_end` on are mapped
-    /// ahead: worth spares or a new handle, never aliasing or stealing.
-    /// False: out of memory.
+    /// Backs the unmapped granules `[start, start + count)`, where `run` is
+    /// `(start, count, needed_end)`: spare pieces; one new handle within
+    /// `soft_limit`; idle memory under free ranges, mapped here too
+    /// ([`AliasGroup`]); wholly free chunks stolen (unmapped, stitched in
+    /// here), then aliasing again; one new handle within the hard limit.
+    /// Granules from `needed_end` on are mapped ahead: worth spares or a new
+    /// handle, never aliasing or stealing. False: out of memory.
     fn back_run(
         &mut self,
         dev: &dyn Device,

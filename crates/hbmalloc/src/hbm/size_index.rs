@@ -112,11 +112,12 @@ impl SizeIndex {
             })
     }
 
-    /// Every range, in best-fit order.
     /// The first of [`SizeIndex::best_fit`], without building the iterator:
-    /// the hot path's usual answer. A bin of one size (up to 1 MiB) holds no
-    /// range smaller than `size` when it is `size`'s bin, so its first entry
-    /// is the answer, one descent of a small map.
+    /// the hot path's usual answer. Later bins hold only larger ranges, and
+    /// `size`'s own bin, if it is a bin of one size (up to 1 MiB), only
+    /// ranges of `size`: the first entry of the first bin that has one is
+    /// the answer, one descent of a small map. Only `size`'s own bin above
+    /// 1 MiB is searched from `size`.
     #[inline]
     pub(super) fn first_fit(&self, size: u64) -> Option<(u64, DevicePtr, u32)> {
         let first = bin(size);
@@ -137,6 +138,7 @@ impl SizeIndex {
         Some((size, ptr, *found.1))
     }
 
+    /// Every range, in best-fit order.
     pub(super) fn iter(&self) -> impl Iterator<Item = (u64, DevicePtr, u32)> + '_ {
         self.best_fit(0)
     }
