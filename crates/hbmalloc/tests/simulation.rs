@@ -14,13 +14,15 @@ use hbmalloc::{
     Device, DevicePtr, DeviceResult, EventId, MemoryInfo, PhysicalHandle, SimDevice, StreamId,
 };
 
-/// The configurations every seed runs under. Add `policy:hbm` settings here
-/// when that policy lands.
-const SETTINGS: [&str; 4] = [
+/// The configurations every seed runs under. The second `hbm` one maps far
+/// ahead (a 5% allowance, so a growing heap maps 12 MiB ahead at once)
+/// under a hard limit below the device's memory.
+const SETTINGS: [&str; 5] = [
     "policy:pytorch",
     "policy:pytorch,expandable_segments:True",
     "policy:pytorch,max_split_size_mb:40,garbage_collection_threshold:0.6,per_process_memory_fraction:0.9",
     "policy:hbm",
+    "policy:hbm,max_waste_percent:5,per_process_memory_fraction:0.8",
 ];
 
 /// Seeds per configuration in CI mode.
@@ -83,6 +85,12 @@ fn simulation_pytorch_gc_fraction() {
 #[test]
 fn simulation_hbm() {
     let total = run(SETTINGS[3], seeds());
+    assert!(total.ops > 0);
+}
+
+#[test]
+fn simulation_hbm_ahead_fraction() {
+    let total = run(SETTINGS[4], seeds());
     assert!(total.ops > 0);
 }
 
