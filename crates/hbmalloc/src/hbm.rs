@@ -77,7 +77,7 @@
 //! (no search) and makes the size-index updates; a block placed on plain
 //! memory skips the alias groups. No device call, `O(log n)`. Measured with
 //! `scripts/bench-instructions` (callgrind, replayed operations only): on
-//! `gpt2_train` 1,189 instructions per malloc or free against 1,014 for
+//! `gpt2_train` 1,187 instructions per malloc or free against 1,014 for
 //! policy `pytorch`, misses included (1,396 with one ordered map of every
 //! range, 1,262 with an iterator over the bins for the first fit); most of
 //! the rest is the alias checks and misses that stitch memory.
@@ -1272,14 +1272,15 @@ impl HbmPolicy {
             soft_limit
         };
         let budget = ahead_limit.saturating_sub(self.held_bytes + needed) / granule;
-        let mut past_allowance = false;
+        // Only the last run is extended, and only it may use the ahead limit.
+        let mut last_extended = false;
         if let Some(last) = runs.last_mut() {
             let target = chunk_granules.min(last.1 + budget);
             if last.1 < target {
                 // Extend up to the next mapped granule, within the target.
                 let limit = (last.0 + target).min(region.granules);
                 last.1 = region.next_with(last.0 + last.1, limit, true) - last.0;
-                past_allowance = ahead_limit > soft_limit;
+                last_extended = true;
             }
         }
         let run_count = runs.len();
@@ -1290,8 +1291,11 @@ impl HbmPolicy {
             runs.last().map_or(end, |r| (r.0 + r.1).max(end)),
         );
         for (i, (start, count)) in runs.into_iter().enumerate() {
-            let extended = past_allowance && i + 1 == run_count;
-            let limit = if extended { ahead_limit } else { soft_limit };
+            let limit = if last_extended && i + 1 == run_count {
+                ahead_limit
+            } else {
+                soft_limit
+            };
             let backed = self.back_run(dev, granule, span, (start, count, end), limit, hard_limit);
             // Whatever got mapped, even on failure, gets access now.
             self.grant_access(dev, granule, region_index, start, start + count)?;
@@ -2085,9 +2089,9 @@ impl HbmPolicy {
             return Err(AllocError::UnknownPointer { ptr });
         };
         block.allocated = false;
-        let (requested, stream) = (block.requested, block.stream);
-        let size = self.spans[block.span as usize].size;
+        let (requested, stream, span) = (block.requested, block.stream, block.span);
         let uses_pending = !block.stream_uses.is_empty();
+        let size = self.span(span).size;
         decrease(&mut self.stats.allocation, size, 1);
         decrease(&mut self.stats.allocated_bytes, size, size);
         self.history

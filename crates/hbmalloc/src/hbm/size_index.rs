@@ -39,9 +39,10 @@ fn key(size: u64, ptr: DevicePtr) -> u128 {
     (u128::from(size) << 64) | u128::from(ptr)
 }
 
+/// A map entry as (size, address, span id).
 #[inline]
-fn unkey(key: u128) -> (u64, DevicePtr) {
-    ((key >> 64) as u64, key as u64)
+fn entry((&key, &id): (&u128, &u32)) -> (u64, DevicePtr, u32) {
+    ((key >> 64) as u64, key as u64, id)
 }
 
 /// The bin of a range of `size` bytes; larger sizes never get a smaller bin.
@@ -106,10 +107,7 @@ impl SizeIndex {
                 let from = if b == first { key(size, 0) } else { 0 };
                 self.bins[b].range(from..)
             })
-            .map(|(&key, &id)| {
-                let (size, ptr) = unkey(key);
-                (size, ptr, id)
-            })
+            .map(entry)
     }
 
     /// The first of [`SizeIndex::best_fit`], without building the iterator:
@@ -123,19 +121,14 @@ impl SizeIndex {
         let first = bin(size);
         let mut bins = self.occupied_from(first);
         let mut b = bins.next()?;
-        let found = loop {
-            let entry = if b == first && b >= EXACT_BINS {
-                self.bins[b].range(key(size, 0)..).next()
-            } else {
-                self.bins[b].first_key_value()
-            };
-            match entry {
-                Some(entry) => break entry,
-                None => b = bins.next()?,
+        if b == first && b >= EXACT_BINS {
+            if let Some(found) = self.bins[b].range(key(size, 0)..).next() {
+                return Some(entry(found));
             }
-        };
-        let (size, ptr) = unkey(*found.0);
-        Some((size, ptr, *found.1))
+            b = bins.next()?;
+        }
+        // An occupied bin is not empty.
+        self.bins[b].first_key_value().map(entry)
     }
 
     /// Every range, in best-fit order.
@@ -147,9 +140,7 @@ impl SizeIndex {
     pub(super) fn largest(&self) -> Option<(u64, DevicePtr, u32)> {
         let word = self.occupied.iter().rposition(|&w| w != 0)?;
         let b = word * 64 + 63 - self.occupied[word].leading_zeros() as usize;
-        let (&key, &id) = self.bins[b].last_key_value()?;
-        let (size, ptr) = unkey(key);
-        Some((size, ptr, id))
+        self.bins[b].last_key_value().map(entry)
     }
 
     /// The non-empty bins from `first` up, in order.
