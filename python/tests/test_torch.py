@@ -1,6 +1,7 @@
 """hbmalloc with PyTorch, on a machine without a GPU: install() builds and
 installs a CUDAPluggableAllocator from library_path(), refuses to run twice
-or too late, and torch's own memory_viz reads hbmalloc's snapshots.
+or too late, and torch's own memory_viz reads hbmalloc's snapshots (the C
+ABI's, and those `hbmalloc replay --snapshot-at-peak` writes).
 
 Skipped when torch is not importable (scripts/test-python installs it with
 HBMALLOC_TEST_TORCH=1). Each install() case runs in a fresh interpreter:
@@ -8,6 +9,7 @@ PyTorch's current allocator is process-wide state.
 """
 
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -105,24 +107,16 @@ def test_mem_pool_is_backed_by_hbmalloc():
     assert "pool: True" in out
 
 
-@needs_driver
-def test_memory_viz_reads_hbmalloc_snapshots(c_abi, tmp_path):
-    import hbmalloc
+def memory_viz(tmp_path):
+    """Runs `python -m torch.cuda._memory_viz ARGS...`, asserting success;
+    returns its output.
 
-    kept = [c_abi.hbmalloc_alloc(size, 0, None) for size in (1000, 3 * MIB, 25 * MIB)]
-    freed = c_abi.hbmalloc_alloc(2 * MIB, 0, None)
-    c_abi.hbmalloc_free(freed, 0, 0, None)
-    snapshot = tmp_path / "hbmalloc.pickle"
-    hbmalloc.snapshot(snapshot)
-    for ptr in kept:
-        c_abi.hbmalloc_free(ptr, 0, 0, None)
-
-    # `segments` and `memory` render flame graphs with flamegraph.pl, which
-    # _memory_viz downloads to ~/.cache; this machine is offline, so a stub
-    # in a private HOME stands in for the renderer: it keeps the lines
-    # _memory_viz computed from the snapshot (frames and sizes).
+    `segments` and `memory` render flame graphs with flamegraph.pl, which
+    _memory_viz downloads to ~/.cache; this machine is offline, so a stub in
+    a private HOME stands in for the renderer: it keeps the lines _memory_viz
+    computed from the snapshot (frames and sizes)."""
     home = tmp_path / "home"
-    (home / ".cache").mkdir(parents=True)
+    (home / ".cache").mkdir(parents=True, exist_ok=True)
     stub = home / ".cache" / "flamegraph.pl"
     stub.write_text(
         f"#!{sys.executable}\n"
@@ -143,11 +137,16 @@ def test_memory_viz_reads_hbmalloc_snapshots(c_abi, tmp_path):
         assert result.returncode == 0, f"_memory_viz {args}:\n{result.stdout}\n{result.stderr}"
         return result.stdout
 
+    return viz
+
+
+def check_every_view(viz, snapshot, tmp_path, size):
+    """Every view of memory_viz opens `snapshot`; the flame graphs show a block of `size` bytes."""
     for command in ("segments", "memory"):
         svg = tmp_path / f"{command}.svg"
         viz(command, str(snapshot), "-o", str(svg))
         lines = svg.read_text()
-        assert lines.startswith("<svg>") and str(25 * MIB) in lines, lines
+        assert lines.startswith("<svg>") and str(size) in lines, lines
     # Summary statistics and the trace, printed.
     stats = viz("stats", str(snapshot))
     assert "Total" in stats or "segment" in stats.lower(), stats
@@ -158,3 +157,37 @@ def test_memory_viz_reads_hbmalloc_snapshots(c_abi, tmp_path):
         html = tmp_path / f"{command}.html"
         viz(command, str(snapshot), "-o", str(html))
         assert html.stat().st_size > 1000, f"{command} wrote almost nothing"
+
+
+@needs_driver
+def test_memory_viz_reads_hbmalloc_snapshots(c_abi, tmp_path):
+    import hbmalloc
+
+    kept = [c_abi.hbmalloc_alloc(size, 0, None) for size in (1000, 3 * MIB, 25 * MIB)]
+    freed = c_abi.hbmalloc_alloc(2 * MIB, 0, None)
+    c_abi.hbmalloc_free(freed, 0, 0, None)
+    snapshot = tmp_path / "hbmalloc.pickle"
+    hbmalloc.snapshot(snapshot)
+    for ptr in kept:
+        c_abi.hbmalloc_free(ptr, 0, 0, None)
+    check_every_view(memory_viz(tmp_path), snapshot, tmp_path, 25 * MIB)
+
+
+@pytest.mark.skipif(
+    not os.environ.get("HBMALLOC_CLI"),
+    reason="HBMALLOC_CLI does not name the hbmalloc binary (run scripts/test-python)",
+)
+@pytest.mark.parametrize("policy", ["hbm", "pytorch"])
+def test_memory_viz_reads_replay_snapshots_at_peak(tmp_path, policy):
+    # The bundled GPT-2 trace: 147.24 MiB (154,389,504 bytes) live from its first op.
+    trace = pathlib.Path(__file__).resolve().parents[2] / "traces" / "gpt2_train.json.gz"
+    snapshot = tmp_path / "peak.pickle"
+    result = subprocess.run(
+        [os.environ["HBMALLOC_CLI"], "replay", str(trace), "--policy", policy, "--snapshot-at-peak", str(snapshot)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "at peak, after op" in result.stdout, result.stdout
+    check_every_view(memory_viz(tmp_path), snapshot, tmp_path, 154389504)

@@ -1,13 +1,14 @@
-//! The `hbmalloc` command: thin glue over `hbmalloc-trace` (reading traces)
-//! and `hbmalloc-replay` (running them). It knows neither blocks nor formats.
+//! The `hbmalloc` command: thin glue over `hbmalloc-trace` (reading traces),
+//! `hbmalloc-replay` (running them) and `hbmalloc-export` (writing
+//! snapshots). It knows neither blocks nor formats.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use hbmalloc::format::format_bytes;
 use hbmalloc::PolicyConfig;
-use hbmalloc_replay::{evaluate, fidelity, EvalOptions, Metrics};
+use hbmalloc_replay::{evaluate, fidelity, snapshot_at_peak, EvalOptions, Metrics};
 use hbmalloc_trace::Trace;
 
 mod bench;
@@ -87,6 +88,13 @@ enum Command {
         /// Print one JSON object per trace and device.
         #[arg(long)]
         json: bool,
+        /// Also write the allocator's snapshot at the moment its reserved
+        /// memory first peaked (or at its out-of-memory error) to PATH, as a
+        /// PyTorch memory snapshot that pytorch.org/memory_viz opens: where
+        /// the waste is. For a trace of several devices, `.devN` goes before
+        /// the extension. One trace file only.
+        #[arg(long, value_name = "PATH")]
+        snapshot_at_peak: Option<PathBuf>,
     },
     /// Check that policy pytorch reproduces the segment decisions recorded in PyTorch snapshots.
     Fidelity {
@@ -210,8 +218,15 @@ fn run(command: Command) -> Result<(), String> {
             summary,
             ignore_recorded_ooms,
             json,
+            snapshot_at_peak: snapshot_path,
         } => {
             let policy = PolicyConfig::parse(&policy, &config).map_err(|e| e.to_string())?;
+            if snapshot_path.is_some() && traces.len() > 1 {
+                return Err(format!(
+                    "--snapshot-at-peak writes one trace's snapshot, and {} traces were given",
+                    traces.len()
+                ));
+            }
             for trace in load_all(&traces)? {
                 for device in &trace.devices {
                     let options = EvalOptions {
@@ -235,6 +250,18 @@ fn run(command: Command) -> Result<(), String> {
                             "{}",
                             hbmalloc::memory_summary(&m.final_stats, device.device, false)
                         );
+                    }
+                    if let Some(path) = &snapshot_path {
+                        let path = device_path(path, device.device, trace.devices.len() > 1);
+                        let written =
+                            write_peak_snapshot(device, &options, &path).map_err(|e| {
+                                format!("{} device {}: {e}", trace.source, device.device)
+                            })?;
+                        if json {
+                            eprintln!("hbmalloc: {written}");
+                        } else {
+                            println!("  {written}");
+                        }
                     }
                 }
             }
@@ -322,6 +349,47 @@ fn what_would_help(
         );
     }
     Ok(out)
+}
+
+/// `path` with `.devN` before its extension when a trace has several devices.
+fn device_path(path: &Path, device: i64, several: bool) -> PathBuf {
+    if !several {
+        return path.to_path_buf();
+    }
+    let stem = path.file_stem().unwrap_or_default().to_string_lossy();
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.dev{device}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.dev{device}"),
+    };
+    path.with_file_name(name)
+}
+
+/// Writes the snapshot at the peak (see `--snapshot-at-peak`) and says what
+/// it shows.
+fn write_peak_snapshot(
+    device: &hbmalloc_trace::DeviceTrace,
+    options: &EvalOptions,
+    path: &Path,
+) -> Result<String, String> {
+    let peak = snapshot_at_peak(device, options).map_err(|e| e.to_string())?;
+    let pickle = hbmalloc_export::snapshot_to_pickle(&peak.snapshot, device.device);
+    std::fs::write(path, pickle).map_err(|e| format!("{}: {e}", path.display()))?;
+    let allocated: u64 = peak
+        .snapshot
+        .segments
+        .iter()
+        .map(|s| s.allocated_size())
+        .sum();
+    let moment = match peak.out_of_memory_op {
+        Some(op) => format!("at the out-of-memory error (op {op} of {})", peak.ops),
+        None => format!("at peak, after op {} of {}", peak.ops_replayed, peak.ops),
+    };
+    Ok(format!(
+        "snapshot                   {moment}: {} reserved, {} allocated -> {} (open it at pytorch.org/memory_viz)",
+        human(peak.reserved_bytes),
+        human(allocated),
+        path.display()
+    ))
 }
 
 fn to_json(m: &Metrics) -> String {
@@ -430,7 +498,26 @@ fn human(bytes: u64) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_capacity, Capacity};
+    use std::path::{Path, PathBuf};
+
+    use super::{device_path, parse_capacity, Capacity};
+
+    #[test]
+    fn snapshot_paths_name_the_device_when_a_trace_has_several() {
+        let path = Path::new("out/peak.pickle");
+        assert_eq!(
+            device_path(path, 1, false),
+            PathBuf::from("out/peak.pickle")
+        );
+        assert_eq!(
+            device_path(path, 1, true),
+            PathBuf::from("out/peak.dev1.pickle")
+        );
+        assert_eq!(
+            device_path(Path::new("peak"), 0, true),
+            PathBuf::from("peak.dev0")
+        );
+    }
 
     #[test]
     fn capacities() {

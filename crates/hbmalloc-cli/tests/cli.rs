@@ -184,3 +184,72 @@ fn absurd_sizes_in_a_trace_run_out_of_memory_cleanly() {
     assert!(!out.status.success(), "{all}");
     assert!(all.contains("invalid allocation size"), "{all}");
 }
+
+/// 64 MiB and 32 MiB allocated, both freed, 16 MiB served from the cache.
+const PEAK_IN_THE_MIDDLE: &[u8] = b"Thread,Time,Action,Pointer,Size,Stream\n\
+1,0.1,allocate,0x1000,67108864,0x0\n\
+1,0.2,allocate,0x2000,33554432,0x0\n\
+1,0.3,free,0x1000,67108864,0x0\n\
+1,0.4,free,0x2000,33554432,0x0\n\
+1,0.5,allocate,0x3000,16777216,0x0\n";
+
+#[test]
+fn replay_writes_the_snapshot_at_peak_for_memory_viz() {
+    let trace = temp_file(PEAK_IN_THE_MIDDLE);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("peak.pickle");
+    for policy in ["pytorch", "hbm"] {
+        let out = hbmalloc(&[
+            "replay",
+            trace.path().to_str().unwrap(),
+            "--policy",
+            policy,
+            "--snapshot-at-peak",
+            path.to_str().unwrap(),
+        ]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.contains("at peak, after op 2 of 5") && stdout.contains("96.00 MiB allocated"),
+            "{stdout}"
+        );
+        // Our own snapshot reader takes it back: the two live blocks, and
+        // the history that led there.
+        let written = hbmalloc_trace::load(&path).unwrap();
+        let device = &written.devices[0];
+        let allocs = device
+            .ops
+            .iter()
+            .filter(|op| matches!(op, hbmalloc_trace::Op::Alloc { .. }))
+            .count();
+        assert_eq!(allocs, 2, "{policy}: {:?}", device.ops);
+        assert_eq!(
+            hbmalloc_replay::peak_live_bytes(device),
+            96 << 20,
+            "{policy}"
+        );
+    }
+}
+
+#[test]
+fn snapshot_at_peak_refuses_several_traces_and_unwritable_paths() {
+    let trace = temp_file(PEAK_IN_THE_MIDDLE);
+    let path = trace.path().to_str().unwrap();
+    assert_clear_error(
+        &hbmalloc(&["replay", path, path, "--snapshot-at-peak", "x.pickle"]),
+        "one trace",
+    );
+    assert_clear_error(
+        &hbmalloc(&[
+            "replay",
+            path,
+            "--snapshot-at-peak",
+            "/nonexistent-dir/peak.pickle",
+        ]),
+        "/nonexistent-dir/peak.pickle",
+    );
+}

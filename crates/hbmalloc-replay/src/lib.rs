@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use hbmalloc::{
     AllocError, Allocator, AllocatorConfig, BlockImage, CallCounts, DevicePtr, DeviceStats,
-    LatencyModel, OomReport, PolicyConfig, SegmentImage, SimConfig, SimDevice, StreamId,
+    LatencyModel, OomReport, PolicyConfig, SegmentImage, SimConfig, SimDevice, Snapshot, StreamId,
     ThreadSafeAllocator, TraceEntry,
 };
 use hbmalloc_trace::{AllocId, DeviceTrace, InitialBlockState, Op, SegmentEventKind};
@@ -21,7 +21,10 @@ use hbmalloc_trace::{AllocId, DeviceTrace, InitialBlockState, Op, SegmentEventKi
 pub use fidelity::{
     fidelity, Divergence, FidelityReport, SegmentEvent, CONTEXT_AFTER, CONTEXT_BEFORE,
 };
-pub use metrics::{evaluate, peak_live_bytes, EvalOptions, Metrics, RecordedMetrics};
+pub use metrics::{
+    evaluate, peak_live_bytes, snapshot_at_peak, EvalOptions, Metrics, PeakSnapshot,
+    RecordedMetrics,
+};
 
 /// Device capacity used when none is given: large enough for any trace we know
 /// (1 TiB), so only the policy decides how much is reserved.
@@ -51,6 +54,11 @@ pub struct ReplayOptions {
     /// with an error naming the operation after which one failed. Each check
     /// walks the whole state: for tests.
     pub check_invariants_every: usize,
+    /// Stop once this many ops have run (0: right after the window's initial
+    /// state) and keep the allocator's [`Snapshot`] in
+    /// [`RunResult::snapshot`]. A replay that runs out of memory first keeps
+    /// the snapshot of the moment it failed.
+    pub snapshot_after_ops: Option<usize>,
 }
 
 impl ReplayOptions {
@@ -64,6 +72,7 @@ impl ReplayOptions {
             record_history: false,
             use_recorded_addresses: false,
             check_invariants_every: 0,
+            snapshot_after_ops: None,
         }
     }
 }
@@ -132,6 +141,13 @@ pub struct RunResult {
     /// Recorded out-of-memory requests the replay reproduced, with the
     /// allocator's report (only with `emulate_recorded_ooms`).
     pub reproduced_ooms: Vec<(usize, OomReport)>,
+    /// Ops replayed when the allocator's reserved memory, read between ops,
+    /// first reached its highest value (0: the window's initial state). Run
+    /// again with [`ReplayOptions::snapshot_after_ops`] set to it to see the
+    /// allocator at its peak.
+    pub ops_at_peak_reserved: usize,
+    /// The allocator as [`ReplayOptions::snapshot_after_ops`] asked.
+    pub snapshot: Option<Snapshot>,
 }
 
 /// A trace's ops with allocation ids renumbered densely, ready to replay many
@@ -325,6 +341,8 @@ impl PreparedTrace {
             unreproduced_ooms: 0,
             final_stats: DeviceStats::default(),
             reproduced_ooms: Vec::new(),
+            ops_at_peak_reserved: 0,
+            snapshot: None,
         };
 
         for (image, slots) in &self.initial {
@@ -341,7 +359,7 @@ impl PreparedTrace {
                         op_index: 0,
                         report,
                     };
-                    return Ok(finish(result, &allocator, &CallCounts::default()));
+                    return Ok(finish(result, &allocator, &CallCounts::default(), options));
                 }
                 Err(e) => return Err(at_start(e.to_string())),
             }
@@ -350,12 +368,22 @@ impl PreparedTrace {
         let mut history_seen = history_base;
         let half = self.ops.len() / 2;
         let mut calls_at_half = allocator.device().call_counts();
+        let mut peak_reserved_between_ops = reserved_now(&allocator);
         let started = Instant::now();
         for (i, op) in self.ops.iter().enumerate() {
+            if options.snapshot_after_ops == Some(i) {
+                result.snapshot = Some(allocator.snapshot());
+                break;
+            }
             if i == half {
                 calls_at_half = allocator.device().call_counts();
             }
             let step = self.step(&mut allocator, &mut ptrs, (i, *op), options, &mut result);
+            let reserved = reserved_now(&allocator);
+            if reserved > peak_reserved_between_ops {
+                peak_reserved_between_ops = reserved;
+                result.ops_at_peak_reserved = i + 1;
+            }
             let every = options.check_invariants_every;
             if every > 0 && ((i + 1) % every == 0 || i + 1 == self.ops.len()) {
                 if let Err(broken) = allocator.check_invariants() {
@@ -373,7 +401,7 @@ impl PreparedTrace {
                             op_index: i,
                             report,
                         };
-                        Ok(finish(result, &allocator, &calls_at_half))
+                        Ok(finish(result, &allocator, &calls_at_half, options))
                     }
                     other => Err(ReplayError {
                         op_index: Some(i),
@@ -402,7 +430,7 @@ impl PreparedTrace {
             }
         }
         result.loop_ns = started.elapsed().as_nanos() as u64;
-        Ok(finish(result, &allocator, &calls_at_half))
+        Ok(finish(result, &allocator, &calls_at_half, options))
     }
 
     /// Replays the mallocs, frees and `empty_cache` calls through a shared,
@@ -527,11 +555,21 @@ fn driver_traffic(allocator: &Allocator<SimDevice>) -> i64 {
     stats.num_device_alloc + stats.num_device_free
 }
 
+/// Reserved bytes now, from the engine's own counters (cheap: no device lock).
+#[inline]
+fn reserved_now(allocator: &Allocator<SimDevice>) -> i64 {
+    allocator.stats().reserved_bytes[0].current
+}
+
 fn finish(
     mut result: RunResult,
     allocator: &Allocator<SimDevice>,
     at_half: &CallCounts,
+    options: &ReplayOptions,
 ) -> RunResult {
+    if options.snapshot_after_ops.is_some() && result.snapshot.is_none() {
+        result.snapshot = Some(allocator.snapshot());
+    }
     let device = allocator.device();
     result.peak_reserved_bytes = device.peak_used_bytes();
     result.calls = device.call_counts();

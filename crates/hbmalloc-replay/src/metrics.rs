@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use hbmalloc::{CallKind, LatencyModel, PolicyConfig};
+use hbmalloc::{CallKind, LatencyModel, PolicyConfig, Snapshot};
 use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op};
 use serde::Serialize;
 
@@ -183,6 +183,64 @@ pub fn evaluate(
     })
 }
 
+/// The allocator at the moment its reserved memory first peaked (or at its
+/// out-of-memory error): what pytorch.org/memory_viz shows to explain
+/// `waste_bytes`.
+#[derive(Clone, Debug)]
+pub struct PeakSnapshot {
+    /// Ops replayed when the snapshot was taken (when the replay ran out of
+    /// memory, those before the op that failed).
+    pub ops_replayed: usize,
+    /// The op that ran out of memory, if one did.
+    pub out_of_memory_op: Option<usize>,
+    /// Ops in the trace.
+    pub ops: usize,
+    /// The snapshot, with the engine's history up to that moment.
+    pub snapshot: Snapshot,
+    /// Bytes the snapshot's segments hold.
+    pub reserved_bytes: u64,
+    /// The replay's `peak_reserved_bytes`: above `reserved_bytes` only when
+    /// the peak lasted less than one op (memory taken and given back within
+    /// one malloc, as an out-of-memory retry does).
+    pub peak_reserved_bytes: u64,
+}
+
+/// Replays `trace` under `options` to find the op after which reserved
+/// memory first reached its peak, then again up to that op, and returns the
+/// allocator's snapshot there (the engine is deterministic: the second
+/// replay makes the same decisions as the first). A replay that runs out of
+/// memory is snapshotted where it failed. `find_min_capacity` is ignored.
+pub fn snapshot_at_peak(
+    trace: &DeviceTrace,
+    options: &EvalOptions,
+) -> Result<PeakSnapshot, ReplayError> {
+    let prepared = PreparedTrace::new(trace)?;
+    let mut replay = ReplayOptions::new(options.policy.clone());
+    replay.capacity_bytes = options.capacity_bytes.unwrap_or(UNBOUNDED_CAPACITY_BYTES);
+    replay.emulate_recorded_ooms = options.reproduce_recorded_ooms;
+    let first = prepared.run(&replay)?;
+    let (ops_replayed, out_of_memory_op) = match first.outcome {
+        Outcome::Completed => (first.ops_at_peak_reserved, None),
+        // Asked to stop past the failing op, the replay keeps the snapshot
+        // of the moment it failed.
+        Outcome::OutOfMemory { op_index, .. } => (op_index, Some(op_index)),
+    };
+    replay.snapshot_after_ops = Some(out_of_memory_op.map_or(ops_replayed, |op| op + 1));
+    replay.record_history = true;
+    let snapshot = prepared
+        .run(&replay)?
+        .snapshot
+        .expect("a replay asked for a snapshot keeps one");
+    Ok(PeakSnapshot {
+        ops_replayed,
+        out_of_memory_op,
+        ops: prepared.len(),
+        reserved_bytes: snapshot.segments.iter().map(|s| s.total_size).sum(),
+        snapshot,
+        peak_reserved_bytes: first.peak_reserved_bytes,
+    })
+}
+
 fn ratio(a: u64, b: u64) -> f64 {
     if b == 0 {
         if a == 0 {
@@ -237,4 +295,95 @@ fn min_capacity_bytes(
         }
     }
     Ok(Some(hi))
+}
+
+#[cfg(test)]
+mod tests {
+    use hbmalloc::BlockState;
+
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    /// 64 MiB and 32 MiB allocated, both freed, then 16 MiB that the cache
+    /// serves: reserved memory peaks after the second op and stays there.
+    fn peak_in_the_middle() -> DeviceTrace {
+        let csv = format!(
+            "Thread,Time,Action,Pointer,Size,Stream\n\
+             1,0.1,allocate,0x1000,{},0x0\n\
+             1,0.2,allocate,0x2000,{},0x0\n\
+             1,0.3,free,0x1000,{},0x0\n\
+             1,0.4,free,0x2000,{},0x0\n\
+             1,0.5,allocate,0x3000,{},0x0\n",
+            64 * MIB,
+            32 * MIB,
+            64 * MIB,
+            32 * MIB,
+            16 * MIB
+        );
+        let trace = hbmalloc_trace::parse_bytes("peak.csv", csv.as_bytes()).unwrap();
+        trace.devices.into_iter().next().unwrap()
+    }
+
+    fn options(settings: &str, capacity_bytes: Option<u64>) -> EvalOptions {
+        EvalOptions {
+            policy: PolicyConfig::from_settings(settings).unwrap(),
+            capacity_bytes,
+            find_min_capacity: false,
+            reproduce_recorded_ooms: false,
+        }
+    }
+
+    fn allocated(snapshot: &Snapshot) -> Vec<u64> {
+        let mut sizes: Vec<u64> = snapshot
+            .segments
+            .iter()
+            .flat_map(|s| &s.blocks)
+            .filter(|b| b.state == BlockState::ActiveAllocated)
+            .map(|b| b.size)
+            .collect();
+        sizes.sort_unstable();
+        sizes
+    }
+
+    #[test]
+    fn the_snapshot_is_taken_when_reserved_memory_first_peaks() {
+        let trace = peak_in_the_middle();
+        for settings in ["policy:pytorch", "policy:hbm"] {
+            let peak = snapshot_at_peak(&trace, &options(settings, None)).unwrap();
+            assert_eq!(peak.ops, 5, "{settings}");
+            assert_eq!(peak.ops_replayed, 2, "{settings}");
+            assert_eq!(peak.out_of_memory_op, None, "{settings}");
+            assert_eq!(peak.reserved_bytes, peak.peak_reserved_bytes, "{settings}");
+            assert!(peak.reserved_bytes >= 96 * MIB, "{settings}");
+            assert_eq!(
+                allocated(&peak.snapshot),
+                [32 * MIB, 64 * MIB],
+                "{settings}"
+            );
+            // The history up to that moment, for memory_viz's timeline.
+            assert!(
+                peak.snapshot
+                    .history
+                    .iter()
+                    .filter(|e| e.action == hbmalloc::Action::Alloc)
+                    .count()
+                    == 2,
+                "{settings}: {:?}",
+                peak.snapshot.history
+            );
+        }
+    }
+
+    #[test]
+    fn a_replay_that_runs_out_of_memory_is_snapshotted_where_it_failed() {
+        let trace = peak_in_the_middle();
+        for settings in ["policy:pytorch", "policy:hbm"] {
+            let peak = snapshot_at_peak(&trace, &options(settings, Some(80 * MIB))).unwrap();
+            assert_eq!(peak.out_of_memory_op, Some(1), "{settings}");
+            assert_eq!(peak.ops_replayed, 1, "{settings}");
+            assert_eq!(allocated(&peak.snapshot), [64 * MIB], "{settings}");
+            assert!(peak.reserved_bytes <= 80 * MIB, "{settings}");
+        }
+    }
 }

@@ -257,7 +257,8 @@ fn streams_used(device: &DeviceTrace) -> u64 {
 /// way: blocks tile their regions, no physical memory lies under two live
 /// blocks' views, reserved memory is what is mapped, alias groups agree
 /// with the bitmaps. About 100 checks per trace (each walks the whole state).
-/// And no stream holds more than one region at the end.
+/// The snapshot at the peak adds up to the peak. And no stream holds more
+/// than one region at the end.
 #[test]
 fn hbm_replays_every_trace_with_its_invariants_held() {
     let Some(shared) = shared_traces() else {
@@ -282,6 +283,18 @@ fn hbm_replays_every_trace_with_its_invariants_held() {
                     device.device
                 );
                 assert!(run.peak_reserved_bytes >= independent_peak_live(device));
+                // Replayed again up to the op where reserved memory first
+                // peaked, the snapshot shows all of it, each physical granule
+                // once (an alias at one view): what memory_viz is given.
+                let mut at_peak = ReplayOptions::new(policy.clone());
+                at_peak.snapshot_after_ops = Some(run.ops_at_peak_reserved);
+                let snapshot = prepared.run(&at_peak).unwrap().snapshot.unwrap();
+                let shown: u64 = snapshot.segments.iter().map(|s| s.total_size).sum();
+                assert_eq!(
+                    shown, run.peak_reserved_bytes,
+                    "{} device {}: snapshot after op {}",
+                    trace.source, device.device, run.ops_at_peak_reserved
+                );
                 // One region per stream is room enough (each spans twice the
                 // device): a stream whose best fits are all in use elsewhere
                 // places past them, it does not open another region (where
