@@ -1,0 +1,520 @@
+//! Alias groups ([`AliasGroup`]): idle memory mapped a second time where it
+//! is needed. Placement checks (`blocked`, `busy_end`), blocks claiming and
+//! releasing groups, groups cut and merged back, and finding idle memory to
+//! donate.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::device::{Device, DevicePtr, StreamId};
+use crate::error::AllocError;
+
+use super::{granules_under, AliasGroup, Donor, GranuleSpan, HbmPolicy, View, MAX_VIEWS};
+
+/// The views in `views` (a region's view index) overlapping granules
+/// `[first, end)`, as (first granule, group). Borrows only the index, so the
+/// caller may change `groups` while it walks.
+fn views_overlapping<'a>(
+    views: &'a BTreeMap<u64, u32>,
+    groups: &[Option<AliasGroup>],
+    first: u64,
+    end: u64,
+) -> impl Iterator<Item = (u64, u32)> + 'a {
+    let straddling = views
+        .range(..first)
+        .next_back()
+        .filter(|&(&start, &id)| {
+            groups[id as usize]
+                .as_ref()
+                .is_some_and(|group| start + group.count > first)
+        })
+        .map(|(&start, &id)| (start, id));
+    straddling
+        .into_iter()
+        .chain(views.range(first..end).map(|(&start, &id)| (start, id)))
+}
+
+impl HbmPolicy {
+    pub(super) fn group(&self, id: u32) -> &AliasGroup {
+        self.groups[id as usize]
+            .as_ref()
+            .expect("a live alias group")
+    }
+
+    fn group_mut(&mut self, id: u32) -> &mut AliasGroup {
+        self.groups[id as usize]
+            .as_mut()
+            .expect("a live alias group")
+    }
+
+    /// The granules `[first, end)` a block `[ptr, ptr + size)` of a region
+    /// lies on, or `None` in a plain segment (no granules).
+    #[inline]
+    fn granule_span(&self, region_index: u32, ptr: DevicePtr, size: u64) -> Option<(u64, u64)> {
+        let granule = self.granule?;
+        let region = self.region(region_index);
+        if region.segment {
+            return None;
+        }
+        Some(granules_under(granule, region.base, ptr, size))
+    }
+
+    /// [`HbmPolicy::granule_span`], or `None` when none of those granules is
+    /// aliased (the hot path: one bitmap test).
+    #[inline]
+    pub(super) fn aliased_span(
+        &self,
+        region_index: u32,
+        ptr: DevicePtr,
+        size: u64,
+    ) -> Option<(u64, u64)> {
+        let (first, end) = self.granule_span(region_index, ptr, size)?;
+        let aliased = &self.region(region_index).aliased;
+        aliased.any(first, end).then_some((first, end))
+    }
+
+    /// The alias-group views of region `region_index` overlapping granules
+    /// `[first, end)`, as (first granule of the view, group).
+    fn views_in(
+        &self,
+        region_index: u32,
+        first: u64,
+        end: u64,
+    ) -> impl Iterator<Item = (u64, u32)> + '_ {
+        views_overlapping(
+            &self.region(region_index).group_views,
+            &self.groups,
+            first,
+            end,
+        )
+    }
+
+    /// Whether a block may not lie at `[ptr, ptr + size)` of region
+    /// `region_index` (see [`HbmPolicy::busy_end`]); the lent bitmap answers
+    /// most cases without a walk of the groups.
+    #[inline]
+    pub(super) fn blocked(&self, region_index: u32, ptr: DevicePtr, size: u64) -> bool {
+        let Some((first, end)) = self.granule_span(region_index, ptr, size) else {
+            return false;
+        };
+        let region = self.region(region_index);
+        // Lent granules are aliased: the lent test comes first, as it
+        // settles most blocked candidates alone.
+        region.lent.any(first, end)
+            || (region.aliased.any(first, end) && self.busy_end(region_index, ptr, size).is_some())
+    }
+
+    /// `None` when a block at `[ptr, ptr + size)` of region `region_index`
+    /// may lie there: no group under it is in use at another view, and no
+    /// group is under it twice (an alias beside its donor). Otherwise the
+    /// end of the last view in the way.
+    #[inline]
+    pub(super) fn busy_end(
+        &self,
+        region_index: u32,
+        ptr: DevicePtr,
+        size: u64,
+    ) -> Option<DevicePtr> {
+        let (first, end) = self.aliased_span(region_index, ptr, size)?;
+        let granule = self.granule.unwrap_or(1);
+        let region = self.region(region_index);
+        let lent_end = region.lent.last_set(first, end).map(|index| index + 1);
+        let twice_end = self
+            .views_in(region_index, first, end)
+            .filter(|&(start, id)| {
+                let group = self.group(id);
+                group.views.iter().any(|&(r, s)| {
+                    r == region_index && s != start && s < end && s + group.count > first
+                })
+            })
+            .map(|(start, id)| start + self.group(id).count)
+            .max();
+        lent_end
+            .max(twice_end)
+            .map(|index| region.base + index * granule)
+    }
+
+    /// A block now lies on `[ptr, ptr + size)`: it takes over the groups
+    /// under it, after waiting for the stream that used them last when that
+    /// is another stream (as a steal does). True: it lies on aliased memory.
+    pub(super) fn claim(
+        &mut self,
+        dev: &dyn Device,
+        region_index: u32,
+        ptr: DevicePtr,
+        size: u64,
+    ) -> Result<bool, AllocError> {
+        let Some((first, end)) = self.aliased_span(region_index, ptr, size) else {
+            return Ok(false);
+        };
+        let stream = self.region(region_index).stream;
+        let mut views = std::mem::take(&mut self.scratch_views);
+        views.clear();
+        views.extend(self.views_in(region_index, first, end));
+        let other_stream = |this: &Self, id: u32| {
+            let user_stream = this.region(this.group(id).user.0).stream;
+            (user_stream != stream).then_some(user_stream)
+        };
+        // Usually the memory was last used on this stream: nothing to wait for.
+        if views
+            .iter()
+            .any(|&(_, id)| other_stream(self, id).is_some())
+        {
+            let waits: BTreeSet<StreamId> = views
+                .iter()
+                .filter_map(|&(_, id)| other_stream(self, id))
+                .collect();
+            #[cfg(test)]
+            let waits = if super::testing::SKIP_ALIAS_WAIT.with(|skip| skip.get()) {
+                BTreeSet::new()
+            } else {
+                waits
+            };
+            for other in waits {
+                let event = dev.record_event(other)?;
+                if let Err(e) = dev.synchronize_event(event) {
+                    self.stray_events.push(event);
+                    return Err(e.into());
+                }
+            }
+        }
+        for &(mut start, mut id) in &views {
+            // An idle group is cut to the granules the block covers, so the
+            // rest stays free to use at the other views.
+            if self.group(id).blocks == 0 {
+                if start < first {
+                    id = self.split_group(id, first - start);
+                    start = first;
+                }
+                if start + self.group(id).count > end {
+                    self.split_group(id, end - start);
+                }
+            }
+            let group = self.group_mut(id);
+            debug_assert!(group.blocks == 0 || group.user == (region_index, start));
+            group.user = (region_index, start);
+            group.blocks += 1;
+            if group.blocks == 1 {
+                self.set_lent(id, true);
+            }
+        }
+        self.scratch_views = views;
+        Ok(true)
+    }
+
+    /// Marks (or clears) group `id` as lent at every view but its user's.
+    fn set_lent(&mut self, id: u32, lent: bool) {
+        let group = self.group(id);
+        let (count, user) = (group.count, group.user);
+        for index in 0..group.views.len() {
+            let view = self.group(id).views[index];
+            if view != user {
+                self.region_mut(view.0).lent.set(view.1, count, lent);
+            }
+        }
+    }
+
+    /// Cuts idle group `id` after its first `at` granules; returns the
+    /// group of the rest.
+    fn split_group(&mut self, id: u32, at: u64) -> u32 {
+        let granule = self.granule.unwrap_or(0);
+        let group = self.group_mut(id);
+        debug_assert!(group.blocks == 0 && at > 0 && at < group.count);
+        let rest = AliasGroup {
+            handle: group.handle,
+            offset: group.offset + at * granule,
+            count: group.count - at,
+            views: group.views.iter().map(|&(r, s)| (r, s + at)).collect(),
+            user: (group.user.0, group.user.1 + at),
+            blocks: 0,
+        };
+        group.count = at;
+        let views = rest.views.clone();
+        let rest_id = self.new_group(rest);
+        for (r, s) in views {
+            self.region_mut(r).group_views.insert(s, rest_id);
+        }
+        rest_id
+    }
+
+    /// Merges idle group `id` with the idle groups just before and after it
+    /// that continue it at every view (what [`HbmPolicy::split_group`] cut),
+    /// so that groups do not stay small.
+    fn merge_idle(&mut self, id: u32) {
+        if self.groups[id as usize].is_none() {
+            return; // merged into its neighbour already
+        }
+        let (region, start, count) = {
+            let group = self.group(id);
+            (group.user.0, group.user.1, group.count)
+        };
+        let views = &self.region(region).group_views;
+        let next = views.get(&(start + count)).copied();
+        let previous = views.range(..start).next_back().map(|(_, &before)| before);
+        let mut id = id;
+        if let Some(before) = previous.filter(|&before| self.continues(before, id)) {
+            self.absorb(before, id);
+            id = before;
+        }
+        if let Some(after) = next.filter(|&after| self.continues(id, after)) {
+            self.absorb(id, after);
+        }
+    }
+
+    /// Whether idle group `after` continues idle group `first` at every view.
+    fn continues(&self, first: u32, after: u32) -> bool {
+        let granule = self.granule.unwrap_or(0);
+        let (a, b) = (self.group(first), self.group(after));
+        first != after
+            && a.blocks == 0
+            && b.blocks == 0
+            && a.handle == b.handle
+            && b.offset == a.offset + a.count * granule
+            && a.views.len() == b.views.len()
+            && b.user == (a.user.0, a.user.1 + a.count)
+            && a.views.iter().all(|&(r, s)| {
+                // A view lies inside one chunk: one unmap removes it whole.
+                let end = s + a.count + b.count;
+                b.views.contains(&(r, s + a.count))
+                    && self
+                        .region(r)
+                        .chunks
+                        .range(..=s)
+                        .next_back()
+                        .is_some_and(|(&start, chunk)| start + chunk.count >= end)
+            })
+    }
+
+    /// Appends group `after` to group `first` (see [`HbmPolicy::continues`]).
+    fn absorb(&mut self, first: u32, after: u32) {
+        let gone = self.groups[after as usize]
+            .take()
+            .expect("a live alias group");
+        self.free_group_ids.push(after);
+        for (r, s) in gone.views {
+            self.region_mut(r).group_views.remove(&s);
+        }
+        self.group_mut(first).count += gone.count;
+    }
+
+    fn new_group(&mut self, group: AliasGroup) -> u32 {
+        match self.free_group_ids.pop() {
+            Some(id) => {
+                self.groups[id as usize] = Some(group);
+                id
+            }
+            None => {
+                self.groups.push(Some(group));
+                (self.groups.len() - 1) as u32
+            }
+        }
+    }
+
+    /// A block on `[ptr, ptr + size)` is gone: the groups under it are idle
+    /// unless other blocks lie on them.
+    pub(super) fn unclaim(&mut self, region_index: u32, ptr: DevicePtr, size: u64) {
+        let Some((first, end)) = self.aliased_span(region_index, ptr, size) else {
+            return;
+        };
+        // Fields borrowed apart: the view index is read while the groups change.
+        let views = &self
+            .regions
+            .get(region_index as usize)
+            .and_then(|r| r.as_ref())
+            .expect("a live region")
+            .group_views;
+        let mut idle = std::mem::take(&mut self.scratch_idle);
+        idle.clear();
+        for (start, id) in views_overlapping(views, &self.groups, first, end) {
+            let group = self.groups[id as usize]
+                .as_mut()
+                .expect("a live alias group");
+            debug_assert!(group.user == (region_index, start) && group.blocks > 0);
+            group.blocks -= 1;
+            if group.blocks == 0 {
+                idle.push(id);
+            }
+        }
+        // Groups cut apart when blocks claimed them grow back together.
+        for &id in &idle {
+            self.set_lent(id, false);
+        }
+        for &id in &idle {
+            self.merge_idle(id);
+        }
+        self.scratch_idle = idle;
+    }
+
+    /// Whether `group` is idle at every view and may be mapped into `span`
+    /// as well (a range being backed: memory already stitched into it must
+    /// not be mapped there twice).
+    fn group_idle(group: &AliasGroup, span: GranuleSpan) -> bool {
+        group.blocks == 0
+            && group.views.len() < MAX_VIEWS
+            && !group
+                .views
+                .iter()
+                .any(|&(r, s)| r == span.0 && s < span.2 && s + group.count > span.1)
+    }
+
+    /// Memory lying idle under free ranges, highest address first, until it
+    /// adds up to `bytes`: runs of unaliased granules (each inside one
+    /// chunk, so physically contiguous) and whole idle groups.
+    fn idle_donors(&self, granule: u64, bytes: u64, span: GranuleSpan) -> Vec<Donor> {
+        let mut donors = Vec::new();
+        let mut found = 0u64;
+        for (region_index, first, end) in self.free_granules(granule) {
+            if found >= bytes {
+                break;
+            }
+            let region = self.region(region_index);
+            // Lent memory is in use elsewhere: skipped a word at a time.
+            let mut i = region.next_unlent(first, end);
+            while i < end && found < bytes {
+                if region.aliased.get(i) {
+                    let (&start, &id) = region
+                        .group_views
+                        .range(..=i)
+                        .next_back()
+                        .expect("an aliased granule lies in a group view");
+                    let group = self.group(id);
+                    if start >= first && start + group.count <= end && Self::group_idle(group, span)
+                    {
+                        donors.push(Donor::Group(id));
+                        found += group.count * granule;
+                    }
+                    i = region.next_unlent(start + group.count, end);
+                    continue;
+                }
+                let (&start, chunk) = region
+                    .chunks
+                    .range(..=i)
+                    .next_back()
+                    .expect("a mapped granule lies in a chunk");
+                let stop = region
+                    .aliased
+                    .next_with(i, end.min(start + chunk.count), true);
+                let count = (stop - i).min((bytes - found).div_ceil(granule));
+                donors.push(Donor::Granules {
+                    view: (region_index, i),
+                    count,
+                    handle: chunk.handle,
+                    offset: chunk.offset + (i - start) * granule,
+                });
+                found += count * granule;
+                i = region.next_unlent(stop, end);
+            }
+        }
+        donors
+    }
+
+    /// Maps memory lying idle under free ranges elsewhere into
+    /// `[cursor, end)` of the span's region as well (see [`AliasGroup`]);
+    /// returns the first granule still unmapped.
+    pub(super) fn alias_idle(
+        &mut self,
+        dev: &dyn Device,
+        granule: u64,
+        span: GranuleSpan,
+        mut cursor: u64,
+        end: u64,
+    ) -> Result<u64, AllocError> {
+        let region_index = span.0;
+        for donor in self.idle_donors(granule, (end - cursor) * granule, span) {
+            if cursor == end {
+                break;
+            }
+            let target = (region_index, cursor);
+            match donor {
+                Donor::Granules {
+                    view,
+                    count,
+                    handle,
+                    offset,
+                } => {
+                    let take = count.min(end - cursor);
+                    self.map_chunk(
+                        dev,
+                        granule,
+                        region_index,
+                        cursor,
+                        take,
+                        handle,
+                        offset,
+                        true,
+                    )?;
+                    let group = AliasGroup {
+                        handle,
+                        offset,
+                        count: take,
+                        views: vec![view, target],
+                        user: view,
+                        blocks: 0,
+                    };
+                    let id = self.new_group(group);
+                    self.add_view(id, view);
+                    self.add_view(id, target);
+                    cursor += take;
+                }
+                Donor::Group(id) => {
+                    // A group is listed once per free view; the first use
+                    // puts a view in the span and makes it ineligible.
+                    let group = self.group(id);
+                    if !Self::group_idle(group, span) {
+                        continue;
+                    }
+                    if group.count > end - cursor {
+                        self.split_group(id, end - cursor);
+                    }
+                    let group = self.group(id);
+                    let (handle, offset, count) = (group.handle, group.offset, group.count);
+                    self.map_chunk(
+                        dev,
+                        granule,
+                        region_index,
+                        cursor,
+                        count,
+                        handle,
+                        offset,
+                        true,
+                    )?;
+                    self.group_mut(id).views.push(target);
+                    self.add_view(id, target);
+                    cursor += count;
+                }
+            }
+        }
+        Ok(cursor)
+    }
+
+    /// Records `view` of group `id` in its region.
+    fn add_view(&mut self, id: u32, view: View) {
+        let count = self.group(id).count;
+        let region = self.region_mut(view.0);
+        region.group_views.insert(view.1, id);
+        region.aliased.set(view.1, count, true);
+    }
+
+    /// Forgets `view` of group `id` (just unmapped there). A group left with
+    /// one view is dissolved: that memory is plainly mapped again.
+    pub(super) fn drop_view(&mut self, id: u32, view: View) {
+        let count = self.group(id).count;
+        let region = self.region_mut(view.0);
+        region.group_views.remove(&view.1);
+        region.aliased.set(view.1, count, false);
+        region.lent.set(view.1, count, false);
+        let group = self.group_mut(id);
+        group.views.retain(|&v| v != view);
+        if group.user == view {
+            debug_assert_eq!(group.blocks, 0, "an unmapped view was in use");
+            group.user = group.views[0];
+        }
+        if group.views.len() == 1 {
+            let last = group.views[0];
+            let region = self.region_mut(last.0);
+            region.group_views.remove(&last.1);
+            region.aliased.set(last.1, count, false);
+            self.groups[id as usize] = None;
+            self.free_group_ids.push(id);
+        }
+    }
+}

@@ -1,0 +1,493 @@
+//! Physical memory under virtual ranges: the allowance, creating handles and
+//! mapping them (with access granted once per stretch), mapping ahead at
+//! the top of the heap, spare pieces, and stealing wholly free chunks. See
+//! the policy's header for the order a miss takes memory in.
+
+use std::collections::BTreeSet;
+
+use crate::device::{Device, DevicePtr, PhysicalHandle, StreamId};
+use crate::error::AllocError;
+use crate::history::Action;
+
+use super::{
+    granules_under, Backing, Chunk, GranuleSpan, HandleInfo, HbmPolicy, Piece, GROWTH_CHUNK_BYTES,
+    GROWTH_CHUNK_WASTE_FACTOR, MAX_MAP_AHEAD_PERCENT,
+};
+
+impl HbmPolicy {
+    /// The memory this policy lets itself hold before it steals chunks
+    /// rather than creating new ones.
+    fn allowance_bytes(&self, granule: u64) -> u64 {
+        let allowed = self.peak_demand_bytes as f64 * (1.0 + self.config.max_waste_percent / 100.0);
+        (allowed as u64).div_ceil(granule) * granule
+    }
+
+    /// Creates a handle of `bytes` unless that would hold more than `limit`
+    /// or the device is out of memory.
+    pub(super) fn create(
+        &mut self,
+        dev: &dyn Device,
+        bytes: u64,
+        limit: u64,
+    ) -> Result<Option<PhysicalHandle>, AllocError> {
+        if self.held_bytes + bytes > limit {
+            return Ok(None);
+        }
+        match dev.physical_create(bytes) {
+            Ok(handle) => {
+                self.add_held(bytes);
+                self.handles.insert(handle, HandleInfo { bytes, mapped: 0 });
+                self.stats.num_device_alloc += 1;
+                Ok(Some(handle))
+            }
+            Err(e) if e.is_out_of_memory() => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Maps `count` granules of `handle`, from byte `offset` of it, at granule
+    /// `first` of the region. Access is granted afterwards, once for a whole
+    /// run ([`HbmPolicy::grant_access`]). On failure the piece is kept as a
+    /// spare (an alias's memory stays mapped elsewhere), so nothing is ever
+    /// lost track of.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn map_chunk(
+        &mut self,
+        dev: &dyn Device,
+        granule: u64,
+        region_index: u32,
+        first: u64,
+        count: u64,
+        handle: PhysicalHandle,
+        offset: u64,
+        alias: bool,
+    ) -> Result<(), AllocError> {
+        let (va, stream) = {
+            let r = self.region(region_index);
+            (r.base + first * granule, r.stream)
+        };
+        let bytes = count * granule;
+        let piece = Piece {
+            handle,
+            offset,
+            bytes,
+        };
+        // A failed alias loses nothing: the memory is still mapped elsewhere.
+        if let Err(e) = dev.map(va, bytes, handle, offset) {
+            if !alias {
+                self.spare.push(piece);
+            }
+            return Err(e.into());
+        }
+        self.stats.num_device_alloc += 1;
+        if let Some(info) = self.handles.get_mut(&handle) {
+            info.mapped += bytes;
+        }
+        let region = self.region_mut(region_index);
+        region.chunks.insert(
+            first,
+            Chunk {
+                count,
+                handle,
+                offset,
+            },
+        );
+        region.mapped.set(first, count, true);
+        self.history.record(Action::SegmentMap, va, bytes, stream);
+        Ok(())
+    }
+
+    /// Maps every unmapped granule under `[ptr, ptr + size)` of `region`.
+    /// `pressed`: an out-of-memory retry, where stealing ignores the allowance.
+    pub(super) fn back_range(
+        &mut self,
+        dev: &dyn Device,
+        ptr: DevicePtr,
+        size: u64,
+        region_index: u32,
+        pressed: bool,
+    ) -> Result<Backing, AllocError> {
+        let Some(granule) = self.granule else {
+            return Ok(Backing::Done);
+        };
+        let region = self.region(region_index);
+        let (first, end) = granules_under(granule, region.base, ptr, size);
+        if region.all_mapped(first, end) {
+            return Ok(Backing::Done);
+        }
+        // Maximal unmapped runs under the block, found a word at a time.
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut i = first;
+        while i < end {
+            let start = region.next_with(i, end, false);
+            if start == end {
+                break;
+            }
+            let stop = region.next_with(start, end, true);
+            runs.push((start, stop - start));
+            i = stop;
+        }
+        let hard_limit = self.limit_bytes.unwrap_or(u64::MAX);
+        let soft_limit = if pressed {
+            0
+        } else {
+            self.allowance_bytes(granule).min(hard_limit)
+        };
+        // Growth at the top of the heap: map ahead (half the allowance, at
+        // most 1% of peak demand), so a growing heap maps in few large chunks
+        // (each costs a create, a map and an access call). A request that
+        // takes demand to a new peak maps at least `GROWTH_CHUNK_BYTES` ahead,
+        // even past the allowance: growth (a first step, a longer sequence)
+        // is where the calls are, and what the heap does not grow into is
+        // one chunk at most.
+        let needed: u64 = runs.iter().map(|r| r.1).sum::<u64>() * granule;
+        let peak = self.peak_demand_bytes as f64;
+        let ahead_percent = self.config.max_waste_percent.min(MAX_MAP_AHEAD_PERCENT) / 2.0;
+        let growth_floor = GROWTH_CHUNK_BYTES
+            .min((peak * self.config.max_waste_percent * GROWTH_CHUNK_WASTE_FACTOR / 100.0) as u64);
+        let chunk_granules = ((peak * ahead_percent / 100.0) as u64).max(growth_floor) / granule;
+        let ahead_limit = if self.growing && !pressed {
+            (soft_limit + chunk_granules * granule).min(hard_limit)
+        } else {
+            soft_limit
+        };
+        let budget = ahead_limit.saturating_sub(self.held_bytes + needed) / granule;
+        // Only the last run is extended, and only it may use the ahead limit.
+        let mut last_extended = false;
+        if let Some(last) = runs.last_mut() {
+            let target = chunk_granules.min(last.1 + budget);
+            if last.1 < target {
+                // Extend up to the next mapped granule, within the target.
+                let limit = (last.0 + target).min(region.granules);
+                last.1 = region.next_with(last.0 + last.1, limit, true) - last.0;
+                last_extended = true;
+            }
+        }
+        let run_count = runs.len();
+        // Memory already stitched under this range is not taken again.
+        let span = (
+            region_index,
+            first,
+            runs.last().map_or(end, |r| (r.0 + r.1).max(end)),
+        );
+        for (i, (start, count)) in runs.into_iter().enumerate() {
+            let limit = if last_extended && i + 1 == run_count {
+                ahead_limit
+            } else {
+                soft_limit
+            };
+            let backed = self.back_run(dev, granule, span, (start, count, end), limit, hard_limit);
+            // Whatever got mapped, even on failure, gets access now.
+            self.grant_access(dev, granule, region_index, start, start + count)?;
+            if !backed? {
+                return Ok(Backing::OutOfMemory);
+            }
+        }
+        Ok(Backing::Done)
+    }
+
+    /// Grants access to the granules mapped in `[start, end)` of a run that
+    /// was wholly unmapped before: one `set_access` per contiguous mapped
+    /// stretch, however many chunks were stitched into it (as PyTorch's
+    /// expandable segments do). If access fails the stretch's chunks are
+    /// unmapped again: memory is never left mapped without access.
+    fn grant_access(
+        &mut self,
+        dev: &dyn Device,
+        granule: u64,
+        region_index: u32,
+        start: u64,
+        end: u64,
+    ) -> Result<(), AllocError> {
+        let mut from = self.region(region_index).next_with(start, end, true);
+        while from < end {
+            let region = self.region(region_index);
+            let to = region.next_with(from, end, false);
+            if let Err(e) = dev.set_access(region.base + from * granule, (to - from) * granule) {
+                let victims: Vec<(u32, u64, u64, u64)> = region
+                    .chunks
+                    .range(from..to)
+                    .map(|(&s, c)| (region_index, s, s, c.count))
+                    .collect();
+                self.unmap_spans(dev, granule, &victims)?;
+                return Err(e.into());
+            }
+            from = self.region(region_index).next_with(to, end, true);
+        }
+        Ok(())
+    }
+
+    /// Backs the unmapped granules `[start, start + count)`, where `run` is
+    /// `(start, count, needed_end)`: spare pieces; one new handle within
+    /// `soft_limit`; idle memory under free ranges, mapped here too
+    /// ([`AliasGroup`]); wholly free chunks stolen (unmapped, stitched in
+    /// here), then aliasing again; one new handle within the hard limit.
+    /// Granules from `needed_end` on are mapped ahead: worth spares or a new
+    /// handle, never aliasing or stealing. False: out of memory.
+    fn back_run(
+        &mut self,
+        dev: &dyn Device,
+        granule: u64,
+        span: GranuleSpan,
+        run: (u64, u64, u64),
+        soft_limit: u64,
+        hard_limit: u64,
+    ) -> Result<bool, AllocError> {
+        let (start, count, needed_end) = run;
+        let region_index = span.0;
+        let end = start + count;
+        let mut cursor = self.stitch_spares(dev, granule, region_index, start, end)?;
+        if cursor == end {
+            return Ok(true);
+        }
+        if self.map_new_handle(dev, granule, region_index, cursor, end, soft_limit)? {
+            return Ok(true);
+        }
+        let end = end.min(needed_end);
+        if cursor >= end {
+            return Ok(true);
+        }
+        cursor = self.alias_idle(dev, granule, span, cursor, end)?;
+        if cursor == end {
+            return Ok(true);
+        }
+        let victims = self.free_spans(granule, (end - cursor) * granule, true);
+        // With nothing stolen, the spares and idle memory are as the calls
+        // above left them: used up.
+        if !victims.is_empty() {
+            self.unmap_spans(dev, granule, &victims)?;
+            cursor = self.stitch_spares(dev, granule, region_index, cursor, end)?;
+            // Unmapping a view of a group frees a place for another view.
+            cursor = self.alias_idle(dev, granule, span, cursor, end)?;
+            if cursor == end {
+                return Ok(true);
+            }
+        }
+        self.map_new_handle(dev, granule, region_index, cursor, end, hard_limit)
+    }
+
+    /// Creates one handle for granules `[cursor, end)` (unless that would
+    /// hold more than `limit`) and maps it there. False: no memory.
+    fn map_new_handle(
+        &mut self,
+        dev: &dyn Device,
+        granule: u64,
+        region_index: u32,
+        cursor: u64,
+        end: u64,
+        limit: u64,
+    ) -> Result<bool, AllocError> {
+        let count = end - cursor;
+        let Some(handle) = self.create(dev, count * granule, limit)? else {
+            return Ok(false);
+        };
+        self.map_chunk(dev, granule, region_index, cursor, count, handle, 0, false)?;
+        Ok(true)
+    }
+
+    /// Maps spare pieces into `[cursor, end)`: the smallest piece that covers
+    /// what is left (split, the rest staying spare), else the largest piece;
+    /// returns the first granule still unmapped.
+    fn stitch_spares(
+        &mut self,
+        dev: &dyn Device,
+        granule: u64,
+        region_index: u32,
+        mut cursor: u64,
+        end: u64,
+    ) -> Result<u64, AllocError> {
+        while cursor < end && !self.spare.is_empty() {
+            let room = (end - cursor) * granule;
+            let mut best = 0;
+            for (i, p) in self.spare.iter().enumerate().skip(1) {
+                let b = &self.spare[best];
+                let better = match (p.bytes >= room, b.bytes >= room) {
+                    (true, true) => p.bytes < b.bytes,
+                    (true, false) => true,
+                    (false, true) => false,
+                    (false, false) => p.bytes > b.bytes,
+                };
+                if better {
+                    best = i;
+                }
+            }
+            let piece = self.spare.swap_remove(best);
+            let take = piece.bytes.min(room);
+            if piece.bytes > take {
+                self.spare.push(Piece {
+                    handle: piece.handle,
+                    offset: piece.offset + take,
+                    bytes: piece.bytes - take,
+                });
+            }
+            self.map_chunk(
+                dev,
+                granule,
+                region_index,
+                cursor,
+                take / granule,
+                piece.handle,
+                piece.offset,
+                false,
+            )?;
+            cursor += take / granule;
+        }
+        Ok(cursor)
+    }
+
+    /// The granules `[first, end)` lying wholly inside each free range, as
+    /// (region, first, end), highest address first; ranges smaller than a
+    /// granule (not in `large_free`) hold none.
+    pub(super) fn free_granules(&self, granule: u64) -> impl Iterator<Item = (u32, u64, u64)> + '_ {
+        self.large_free.values().rev().filter_map(move |&id| {
+            let range = self.span(id);
+            let base = self.region(range.region).base;
+            let first = (range.start - base).div_ceil(granule);
+            let end = (range.end() - base) / granule;
+            (first < end).then_some((range.region, first, end))
+        })
+    }
+
+    /// Granules lying wholly inside free ranges, highest address first
+    /// (placement favours low addresses, so the top is the least likely to be
+    /// wanted again soon), until they add up to `bytes`: as (region, chunk
+    /// start, first granule, granules). `giving_only`: only chunks whose
+    /// unmapping gives something — unaliased granules (spare once unmapped)
+    /// or an idle group's view (a place for another view); unmapping a view
+    /// of memory in use elsewhere gives nothing.
+    pub(super) fn free_spans(
+        &self,
+        granule: u64,
+        bytes: u64,
+        giving_only: bool,
+    ) -> Vec<(u32, u64, u64, u64)> {
+        let mut victims = Vec::new();
+        let mut found = 0u64;
+        for (region_index, first, end) in self.free_granules(granule) {
+            if found >= bytes {
+                break;
+            }
+            let region = self.region(region_index);
+            for (&start, chunk) in region.chunks.range(..end).rev() {
+                let chunk_end = start + chunk.count;
+                if chunk_end <= first || found >= bytes {
+                    break;
+                }
+                // Only chunks wholly inside the free range move: a chunk
+                // partly under a live block stays mapped (see the header).
+                if start < first || chunk_end > end {
+                    continue;
+                }
+                // Wholly free here, so a group in use is in use elsewhere:
+                // lent.
+                if giving_only && region.lent.all(start, chunk_end) {
+                    continue;
+                }
+                victims.push((region_index, start, start, chunk.count));
+                found += chunk.count * granule;
+            }
+        }
+        victims
+    }
+
+    /// Takes the given chunks (each wholly free) out of their regions: each
+    /// is unmapped (one call) and its memory becomes a spare piece.
+    pub(super) fn unmap_spans(
+        &mut self,
+        dev: &dyn Device,
+        granule: u64,
+        victims: &[(u32, u64, u64, u64)],
+    ) -> Result<(), AllocError> {
+        if victims.is_empty() {
+            return Ok(());
+        }
+        // A page may still be touched by kernels queued on its stream before
+        // the free: wait for each owning stream once.
+        let streams: BTreeSet<StreamId> = victims
+            .iter()
+            .map(|&(r, ..)| self.region(r).stream)
+            .collect();
+        for stream in streams {
+            let event = dev.record_event(stream)?;
+            if let Err(e) = dev.synchronize_event(event) {
+                self.stray_events.push(event);
+                return Err(e.into());
+            }
+        }
+        for &(region_index, start, _, _) in victims {
+            // Taken out first (one search); put back if the unmap fails.
+            let region = self.region_mut(region_index);
+            let chunk = region.chunks.remove(&start).expect("a mapped chunk");
+            let va = region.base + start * granule;
+            let stream = region.stream;
+            let bytes = chunk.count * granule;
+            if let Err(e) = dev.unmap(va, bytes) {
+                self.region_mut(region_index).chunks.insert(start, chunk);
+                return Err(e.into());
+            }
+            self.stats.num_device_free += 1;
+            self.history.record(Action::SegmentUnmap, va, bytes, stream);
+            if let Some(info) = self.handles.get_mut(&chunk.handle) {
+                info.mapped -= bytes;
+            }
+            let region = self.region_mut(region_index);
+            region.mapped.set(start, chunk.count, false);
+            if !region.aliased.any(start, start + chunk.count) {
+                self.spare.push(Piece {
+                    handle: chunk.handle,
+                    offset: chunk.offset,
+                    bytes,
+                });
+                continue;
+            }
+            // Views of alias groups stay held at their other views; the rest
+            // of the chunk becomes spare pieces.
+            let end = start + chunk.count;
+            let views: Vec<(u64, u32)> = region
+                .group_views
+                .range(start..end)
+                .map(|(&s, &id)| (s, id))
+                .collect();
+            let mut cursor = start;
+            for (view_start, id) in views {
+                if view_start > cursor {
+                    self.spare.push(Piece {
+                        handle: chunk.handle,
+                        offset: chunk.offset + (cursor - start) * granule,
+                        bytes: (view_start - cursor) * granule,
+                    });
+                }
+                cursor = view_start + self.group(id).count;
+                self.drop_view(id, (region_index, view_start));
+            }
+            if cursor < end {
+                self.spare.push(Piece {
+                    handle: chunk.handle,
+                    offset: chunk.offset + (cursor - start) * granule,
+                    bytes: (end - cursor) * granule,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases every handle of which nothing is mapped.
+    pub(super) fn release_spares(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
+        let mut idle: Vec<PhysicalHandle> = self
+            .handles
+            .iter()
+            .filter(|(_, info)| info.mapped == 0)
+            .map(|(&h, _)| h)
+            .collect();
+        // In handle order, as the calls are recorded.
+        idle.sort_unstable();
+        for handle in idle {
+            dev.physical_release(handle)?;
+            let info = self.handles.remove(&handle).expect("a held handle");
+            self.spare.retain(|p| p.handle != handle);
+            self.sub_held(info.bytes);
+            self.stats.num_device_free += 1;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,171 @@
+//! One bit per granule: which granules of a region are mapped, aliased or
+//! lent, answered a word at a time.
+
+/// Bits `lo..hi` of a word (`lo < hi <= 64`).
+#[inline]
+fn bit_mask(lo: u64, hi: u64) -> u64 {
+    if hi - lo == 64 {
+        u64::MAX
+    } else {
+        ((1u64 << (hi - lo)) - 1) << lo
+    }
+}
+
+/// One bit per granule. It grows with the highest bit ever set (words past
+/// its end read as zero): a region spans twice the device, and zeroing a
+/// bitmap for all of it on every new region cost more than the rest of the
+/// replay on traces with many streams.
+#[derive(Debug, Default)]
+pub(super) struct Bitmap(Vec<u64>);
+
+impl Bitmap {
+    #[inline]
+    pub(super) fn word(&self, word: u64) -> u64 {
+        self.0.get(word as usize).copied().unwrap_or(0)
+    }
+
+    #[inline]
+    pub(super) fn get(&self, index: u64) -> bool {
+        self.word(index / 64) & (1 << (index % 64)) != 0
+    }
+
+    /// Sets or clears bits `[first, first + count)`, a word at a time.
+    pub(super) fn set(&mut self, first: u64, count: u64, value: bool) {
+        let end = first + count;
+        if value && self.0.len() < end.div_ceil(64) as usize {
+            self.0.resize(end.div_ceil(64) as usize, 0);
+        }
+        let mut i = first;
+        while i < end {
+            let lo = i % 64;
+            let hi = (end - (i - lo)).min(64);
+            let mask = bit_mask(lo, hi);
+            let Some(word) = self.0.get_mut((i / 64) as usize) else {
+                break; // clearing past the end: already zero
+            };
+            if value {
+                *word |= mask;
+            } else {
+                *word &= !mask;
+            }
+            i = i - lo + 64;
+        }
+    }
+
+    /// The first index in `[from, limit)` whose bit is `value`, or `limit`
+    /// (`from` when `from >= limit`).
+    pub(super) fn next_with(&self, from: u64, limit: u64, value: bool) -> u64 {
+        if from >= limit {
+            return from;
+        }
+        // Past the last word every bit is clear: no set bit to find there.
+        let limit_set = if value {
+            limit.min(self.0.len() as u64 * 64)
+        } else {
+            limit
+        };
+        let mut i = from;
+        while i < limit_set {
+            let lo = i % 64;
+            let mut word = self.word(i / 64);
+            if !value {
+                word = !word;
+            }
+            word &= u64::MAX << lo;
+            if word != 0 {
+                return (i - lo + u64::from(word.trailing_zeros())).min(limit);
+            }
+            i = i - lo + 64;
+        }
+        limit
+    }
+
+    /// True when every bit in `[first, end)` is set.
+    pub(super) fn all(&self, first: u64, end: u64) -> bool {
+        let mut i = first;
+        while i < end {
+            let word = self.word(i / 64);
+            let lo = i % 64;
+            let hi = (end - (i - lo)).min(64);
+            let mask = bit_mask(lo, hi);
+            if word & mask != mask {
+                return false;
+            }
+            i = i - lo + 64;
+        }
+        true
+    }
+
+    /// The last set bit in `[first, end)`, if any.
+    pub(super) fn last_set(&self, first: u64, end: u64) -> Option<u64> {
+        let end = end.min(self.0.len() as u64 * 64);
+        let mut i = end;
+        while i > first {
+            let word_start = (i - 1) / 64 * 64;
+            let lo = first.max(word_start) - word_start;
+            let word = self.word(word_start / 64) & bit_mask(lo, i - word_start);
+            if word != 0 {
+                return Some(word_start + 63 - u64::from(word.leading_zeros()));
+            }
+            i = word_start;
+        }
+        None
+    }
+
+    /// True when some bit in `[first, end)` is set.
+    #[inline]
+    pub(super) fn any(&self, first: u64, end: u64) -> bool {
+        self.next_with(first, end, true) < end
+    }
+
+    pub(super) fn count_ones(&self) -> u64 {
+        self.0.iter().map(|w| u64::from(w.count_ones())).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Bitmap;
+
+    #[test]
+    fn bitmap_queries() {
+        let mut r = Bitmap(vec![0; 4]);
+        r.set(60, 80, true);
+        assert!(r.all(60, 140));
+        assert!(r.all(64, 128));
+        assert!(!r.all(59, 140));
+        assert!(!r.all(60, 141));
+        assert!(r.all(70, 70));
+        r.set(100, 1, false);
+        assert!(!r.all(64, 128));
+        assert!(r.get(99) && !r.get(100));
+        assert!(r.any(100, 102) && !r.any(100, 101) && !r.any(0, 60));
+        // The bitmap grows on demand; bits past its end are clear.
+        r.0.clear();
+        assert!(!r.get(150) && !r.all(150, 151) && r.all(150, 150));
+        r.set(300, 5, false);
+        assert!(r.0.is_empty());
+        r.set(130, 5, true);
+        assert_eq!(r.0.len(), 3);
+        assert_eq!(r.count_ones(), 5);
+        assert!(r.all(130, 135) && !r.all(129, 135) && !r.get(199));
+        r.set(131, 3, false);
+        assert!(r.get(130) && !r.get(131) && !r.get(133) && r.get(134));
+        assert_eq!(r.next_with(0, 200, true), 130);
+        assert_eq!(r.next_with(130, 200, false), 131);
+        assert_eq!(r.next_with(131, 200, true), 134);
+        assert_eq!(r.next_with(135, 200, true), 200);
+        assert_eq!(r.next_with(0, 100, true), 100);
+        assert_eq!(r.next_with(150, 140, false), 150);
+        assert_eq!(r.next_with(0, 200, false), 0);
+        assert_eq!(r.last_set(0, 200), Some(134));
+        assert_eq!(r.last_set(0, 134), Some(130));
+        assert_eq!(r.last_set(131, 134), None);
+        assert_eq!(r.last_set(0, 130), None);
+        assert_eq!(r.last_set(130, 131), Some(130));
+        r.set(63, 2, true);
+        assert_eq!(r.last_set(0, 64), Some(63));
+        assert_eq!(r.last_set(64, 65), Some(64));
+        assert_eq!(r.last_set(0, 1 << 20), Some(134));
+    }
+}
