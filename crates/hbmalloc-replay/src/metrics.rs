@@ -25,6 +25,17 @@ pub struct EvalOptions {
     pub reproduce_recorded_ooms: bool,
 }
 
+impl EvalOptions {
+    /// The options of the main replay: this policy and capacity, and the
+    /// recorded out-of-memory errors reproduced if asked.
+    fn replay_options(&self) -> ReplayOptions {
+        let mut replay = ReplayOptions::new(self.policy.clone());
+        replay.capacity_bytes = self.capacity_bytes.unwrap_or(UNBOUNDED_CAPACITY_BYTES);
+        replay.emulate_recorded_ooms = self.reproduce_recorded_ooms;
+        replay
+    }
+}
+
 /// What the recorded allocator did, where the trace says.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct RecordedMetrics {
@@ -120,9 +131,7 @@ pub fn evaluate(
     options: &EvalOptions,
 ) -> Result<Metrics, ReplayError> {
     let prepared = PreparedTrace::new(trace)?;
-    let mut replay = ReplayOptions::new(options.policy.clone());
-    replay.capacity_bytes = options.capacity_bytes.unwrap_or(UNBOUNDED_CAPACITY_BYTES);
-    replay.emulate_recorded_ooms = options.reproduce_recorded_ooms;
+    let replay = options.replay_options();
     let run = prepared.run(&replay)?;
 
     let peak_live = peak_live_bytes(trace);
@@ -215,9 +224,7 @@ pub fn snapshot_at_peak(
     options: &EvalOptions,
 ) -> Result<PeakSnapshot, ReplayError> {
     let prepared = PreparedTrace::new(trace)?;
-    let mut replay = ReplayOptions::new(options.policy.clone());
-    replay.capacity_bytes = options.capacity_bytes.unwrap_or(UNBOUNDED_CAPACITY_BYTES);
-    replay.emulate_recorded_ooms = options.reproduce_recorded_ooms;
+    let mut replay = options.replay_options();
     let first = prepared.run(&replay)?;
     let (ops_replayed, out_of_memory_op) = match first.outcome {
         Outcome::Completed => (first.ops_at_peak_reserved, None),
