@@ -10,6 +10,7 @@ PyTorch's current allocator is process-wide state.
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -150,8 +151,11 @@ def check_every_view(viz, snapshot, tmp_path, size):
     # Summary statistics and the trace, printed.
     stats = viz("stats", str(snapshot))
     assert "Total" in stats or "segment" in stats.lower(), stats
+    # The trace, one line per history entry: `name = segment[offset:size]`
+    # for an allocation (the segment a variable of its own, or `seg_N` for
+    # one that existed before the history began), `del name` for a free.
     trace = viz("trace", str(snapshot))
-    assert "alloc" in trace, trace
+    assert "entries" in trace and re.search(r"^\w+ = \w+\[\d+:", trace, re.M), trace
     # The interactive pages that pytorch.org/memory_viz shows.
     for command in ("trace_plot", "segment_plot"):
         html = tmp_path / f"{command}.html"
