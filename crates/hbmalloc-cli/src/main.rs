@@ -374,20 +374,18 @@ fn write_peak_snapshot(
     let peak = snapshot_at_peak(device, options).map_err(|e| e.to_string())?;
     let pickle = hbmalloc_export::snapshot_to_pickle(&peak.snapshot, device.device);
     std::fs::write(path, pickle).map_err(|e| format!("{}: {e}", path.display()))?;
-    let allocated: u64 = peak
-        .snapshot
-        .segments
-        .iter()
-        .map(|s| s.allocated_size())
-        .sum();
     let moment = match peak.out_of_memory_op {
         Some(op) => format!("at the out-of-memory error (op {op} of {})", peak.ops),
         None => format!("at peak, after op {} of {}", peak.ops_replayed, peak.ops),
     };
     Ok(format!(
-        "snapshot                   {moment}: {} reserved, {} allocated -> {} (open it at pytorch.org/memory_viz)",
+        "snapshot                   {moment}: {} reserved, {} in use, {} free in {} blocks \
+         (largest {}) -> {} (open it at pytorch.org/memory_viz)",
         human(peak.reserved_bytes),
-        human(allocated),
+        human(peak.active_bytes),
+        human(peak.free_bytes),
+        peak.free_blocks,
+        human(peak.largest_free_block_bytes),
         path.display()
     ))
 }

@@ -214,7 +214,7 @@ fn replay_writes_the_snapshot_at_peak_for_memory_viz() {
             String::from_utf8_lossy(&out.stderr)
         );
         assert!(
-            stdout.contains("at peak, after op 2 of 5") && stdout.contains("96.00 MiB allocated"),
+            stdout.contains("at peak, after op 2 of 5") && stdout.contains("96.00 MiB in use"),
             "{stdout}"
         );
         // Our own snapshot reader takes it back: the two live blocks, and

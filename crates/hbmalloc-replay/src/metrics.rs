@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use hbmalloc::{CallKind, LatencyModel, PolicyConfig, Snapshot};
+use hbmalloc::{BlockState, CallKind, LatencyModel, PolicyConfig, Snapshot};
 use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op};
 use serde::Serialize;
 
@@ -208,6 +208,16 @@ pub struct PeakSnapshot {
     pub snapshot: Snapshot,
     /// Bytes the snapshot's segments hold.
     pub reserved_bytes: u64,
+    /// Bytes of its active blocks (allocated or waiting for other streams).
+    pub active_bytes: u64,
+    /// Its free blocks: what `reserved_bytes` holds beyond the active
+    /// blocks, and how scattered it is (many small ones: fragmentation).
+    pub free_blocks: usize,
+    /// Bytes of its free blocks.
+    pub free_bytes: u64,
+    /// The largest free block: the largest request it can serve without
+    /// more memory.
+    pub largest_free_block_bytes: u64,
     /// The replay's `peak_reserved_bytes`: above `reserved_bytes` only when
     /// the peak lasted less than one op (memory taken and given back within
     /// one malloc, as an out-of-memory retry does).
@@ -238,11 +248,17 @@ pub fn snapshot_at_peak(
         .run(&replay)?
         .snapshot
         .expect("a replay asked for a snapshot keeps one");
+    let blocks = || snapshot.segments.iter().flat_map(|s| &s.blocks);
+    let free = || blocks().filter(|b| b.state == BlockState::Inactive);
     Ok(PeakSnapshot {
         ops_replayed,
         out_of_memory_op,
         ops: prepared.len(),
         reserved_bytes: snapshot.segments.iter().map(|s| s.total_size).sum(),
+        active_bytes: snapshot.segments.iter().map(|s| s.active_size()).sum(),
+        free_blocks: free().count(),
+        free_bytes: free().map(|b| b.size).sum(),
+        largest_free_block_bytes: free().map(|b| b.size).max().unwrap_or(0),
         snapshot,
         peak_reserved_bytes: first.peak_reserved_bytes,
     })
@@ -366,6 +382,16 @@ mod tests {
             assert_eq!(
                 allocated(&peak.snapshot),
                 [32 * MIB, 64 * MIB],
+                "{settings}"
+            );
+            assert_eq!(peak.active_bytes, 96 * MIB, "{settings}");
+            assert_eq!(
+                peak.active_bytes + peak.free_bytes,
+                peak.reserved_bytes,
+                "{settings}"
+            );
+            assert!(
+                peak.largest_free_block_bytes <= peak.free_bytes,
                 "{settings}"
             );
             // The history up to that moment, for memory_viz's timeline.
