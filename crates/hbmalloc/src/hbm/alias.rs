@@ -407,6 +407,25 @@ impl HbmPolicy {
         donors
     }
 
+    /// Whether at least `granules` granules lie idle under free ranges that
+    /// [`HbmPolicy::alias_idle`] could map into `span`.
+    pub(super) fn idle_granules_at_least(
+        &self,
+        granule: u64,
+        granules: u64,
+        span: GranuleSpan,
+    ) -> bool {
+        let found: u64 = self
+            .idle_donors(granule, granules * granule, span)
+            .into_iter()
+            .map(|donor| match donor {
+                Donor::Granules { count, .. } => count,
+                Donor::Group(id) => self.group(id).count,
+            })
+            .sum();
+        found >= granules
+    }
+
     /// Maps memory lying idle under free ranges elsewhere into
     /// `[cursor, end)` of the span's region as well (see [`AliasGroup`]);
     /// returns the first granule still unmapped.

@@ -11,7 +11,7 @@ use crate::history::Action;
 
 use super::{
     granules_under, Backing, Chunk, GranuleSpan, HandleInfo, HbmPolicy, Piece, GROWTH_CHUNK_BYTES,
-    GROWTH_CHUNK_WASTE_FACTOR, MAX_MAP_AHEAD_PERCENT,
+    GROWTH_CHUNK_WASTE_FACTOR, MAX_MAP_AHEAD_PERCENT, STITCH_BEFORE_PEAK_FACTOR,
 };
 
 impl HbmPolicy {
@@ -239,6 +239,19 @@ impl HbmPolicy {
         let mut cursor = self.stitch_spares(dev, granule, region_index, start, end)?;
         if cursor == end {
             return Ok(true);
+        }
+        // A new handle would raise the peak reserved memory while demand is
+        // below its own peak: stitch plentiful idle memory in first.
+        let needed = end.min(needed_end).saturating_sub(cursor);
+        if !self.growing
+            && needed > 0
+            && self.held_bytes + (end - cursor) * granule > self.peak_held_bytes
+            && self.idle_granules_at_least(granule, needed * STITCH_BEFORE_PEAK_FACTOR, span)
+        {
+            cursor = self.alias_idle(dev, granule, span, cursor, cursor + needed)?;
+            if cursor >= end.min(needed_end) {
+                return Ok(true);
+            }
         }
         if self.map_new_handle(dev, granule, region_index, cursor, end, soft_limit)? {
             return Ok(true);
