@@ -219,11 +219,15 @@ impl HbmPolicy {
 
     /// Backs the unmapped granules `[start, start + count)`, where `run` is
     /// `(start, count, needed_end)`: spare pieces; one new handle within
-    /// `soft_limit`; idle memory under free ranges, mapped here too
-    /// ([`AliasGroup`]); wholly free chunks stolen (unmapped, stitched in
-    /// here), then aliasing again; one new handle within the hard limit.
-    /// Granules from `needed_end` on are mapped ahead: worth spares or a new
-    /// handle, never aliasing or stealing. False: out of memory.
+    /// `soft_limit` (unless it would take the memory held past its peak
+    /// while demand is below its own and idle memory is plentiful: then
+    /// that idle memory first, see [`STITCH_BEFORE_PEAK_FACTOR`]); idle
+    /// memory under free ranges, mapped here too
+    /// ([`AliasGroup`](super::AliasGroup)); wholly free chunks stolen
+    /// (unmapped, stitched in here), then aliasing again; one new handle
+    /// within the hard limit. Granules from `needed_end` on are mapped
+    /// ahead: worth spares or a new handle, never aliasing or stealing.
+    /// False: out of memory.
     fn back_run(
         &mut self,
         dev: &dyn Device,
