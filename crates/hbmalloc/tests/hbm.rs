@@ -653,3 +653,42 @@ fn idle_memory_is_stitched_before_the_peak_is_raised() {
     a.empty_cache().unwrap();
     assert_eq!(a.device().used_bytes(), 0);
 }
+
+/// Near the peak, a block of a size that has mostly been a temporary goes at
+/// the end of the small hole best fit picks, so the front of the hole, next
+/// to the live block before it, stays whole for longer-lived blocks.
+#[test]
+fn likely_temporaries_go_at_the_end_of_holes_near_the_peak() {
+    let mut a = hbm(16 * GIB, "");
+    let temporary = 3 * MIB / 4;
+    // Six blocks of this size, each freed at once: temporaries.
+    for _ in 0..6 {
+        let t = a.malloc(temporary, StreamId(0)).unwrap();
+        a.free(t).unwrap();
+    }
+    let before = a.malloc(10 * MIB, StreamId(0)).unwrap();
+    let hole = a.malloc(2 * MIB, StreamId(0)).unwrap();
+    let after = a.malloc(10 * MIB, StreamId(0)).unwrap();
+    a.free(hole).unwrap();
+    // Demand is 20 of its peak 22 MiB: near the peak.
+    let t = a.malloc(temporary, StreamId(0)).unwrap();
+    check(&a);
+    assert_eq!(
+        t,
+        hole + 2 * MIB - temporary,
+        "placed at {t:#x}, hole at {hole:#x}"
+    );
+    // The front of the hole takes a longer-lived block whole.
+    let long_lived = a.malloc(5 * MIB / 4, StreamId(0)).unwrap();
+    assert_eq!(long_lived, hole);
+    // A size never seen freed goes at the front, as best fit says.
+    a.free(long_lived).unwrap();
+    let unknown = a.malloc(MIB / 2, StreamId(0)).unwrap();
+    assert_eq!(unknown, hole);
+    check(&a);
+    for p in [before, after, t, unknown] {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(a.device().used_bytes(), 0);
+}

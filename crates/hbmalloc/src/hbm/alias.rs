@@ -49,7 +49,12 @@ impl HbmPolicy {
     /// The granules `[first, end)` a block `[ptr, ptr + size)` of a region
     /// lies on, or `None` in a plain segment (no granules).
     #[inline]
-    fn granule_span(&self, region_index: u32, ptr: DevicePtr, size: u64) -> Option<(u64, u64)> {
+    pub(super) fn granule_span(
+        &self,
+        region_index: u32,
+        ptr: DevicePtr,
+        size: u64,
+    ) -> Option<(u64, u64)> {
         let granule = self.granule?;
         let region = self.region(region_index);
         if region.segment {
