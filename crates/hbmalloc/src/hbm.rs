@@ -82,7 +82,7 @@
 //! (no search) and makes the size-index updates; a block placed on plain
 //! memory skips the alias groups. No device call, `O(log n)`. Measured with
 //! `scripts/bench-instructions` (callgrind, replayed operations only): on
-//! `gpt2_train` 1,164 instructions per malloc or free against 1,014 for
+//! `gpt2_train` 1,155 instructions per malloc or free against 1,014 for
 //! policy `pytorch`, misses included (1,396 with one ordered map of every
 //! range, 1,262 with an iterator over the bins for the first fit); most of
 //! the rest is the alias checks and misses that stitch memory.
@@ -178,7 +178,8 @@ const GROWTH_CHUNK_WASTE_FACTOR: f64 = 4.0;
 /// many times the run's granules lie idle: stitching then leaves at least as
 /// much idle as it takes, so the program's next requests still find idle
 /// memory where they free it. Measured with `hbmalloc compare` over the
-/// shared traces (21 rows), against creating within the allowance first:
+/// shared traces (21 rows) when it came in (commit e519594), against
+/// creating within the allowance first:
 /// 1.24 -> 1.08 GiB of waste, 13,728 -> 13,487 driver calls (gpt2_train
 /// 26.7 -> 10.7 MiB, select_n_ec5be11 199 -> 11 MiB). 1: 16,621 calls (the
 /// idle memory is stitched away and recreated); 3: select_n's waste 4.6 ->
@@ -187,24 +188,22 @@ const STITCH_BEFORE_PEAK_FACTOR: u64 = 2;
 /// A block freed within this many allocations of its own counts as
 /// short-lived (a temporary).
 const SHORT_LIVED_ALLOCATIONS: u64 = 8;
-/// A block smaller than a granule whose size has mostly been short-lived
-/// goes at the *end* of its best-fit range when that range is at most this
-/// large (a hole between live blocks, not the heap's top) and mapped there:
-/// the front of the hole, next to the live block before it, stays whole for
-/// longer-lived blocks, and the temporary's space coalesces with what
-/// follows when it is freed. Holes between long-lived blocks are what `hbm`
-/// wastes at its peak (`replay --snapshot-at-peak`). Measured with
-/// `hbmalloc compare` over the shared traces (21 rows), against placing
-/// every block at the front: 1.08 -> 1.06 GiB of waste, 13,487 -> 13,497
-/// driver calls; silmont forward 26.3 -> 20.3 MiB, resnet 41.1 -> 37.1 MiB.
-/// Without the near-peak condition below: 1.05 GiB, resnet 29.1 MiB, but
-/// 13,541 calls and 14% more instructions per op on gpt2_train, 24% on
-/// resnet. Temporaries of 4 to 64 allocations and holes up to 32 MiB give
-/// the same within 1 MiB; any hole: 14,737 calls.
-const SHORT_LIVED_MAX_RANGE_BYTES: u64 = 16 * MIB;
-/// ... while demand is within this share of its peak: only near the peak do
-/// holes cost memory, and a block at the end of a range costs the hot path
-/// one more free range to index.
+/// Near the peak, a block smaller than a granule whose size has mostly
+/// been short-lived goes at the *end* of its best-fit range when the range
+/// is mapped there (a hole between live blocks; the heap's top is not
+/// mapped to its end): the front of the hole, next to the live block before
+/// it, stays whole for longer-lived blocks, and the temporary's space
+/// coalesces with what follows when it is freed. Holes between long-lived
+/// blocks are what `hbm` wastes at its peak (`replay --snapshot-at-peak`).
+/// "Near" is demand within this share of its peak: only there do holes cost
+/// memory, and a block at the end of a range costs the hot path one more
+/// free range to index. Measured with `hbmalloc compare` over the shared
+/// traces (21 rows), against the rule off (this set above 100): 1.07 ->
+/// 1.06 GiB of waste, 13,235 -> 13,197 driver calls; silmont forward 26.3 ->
+/// 20.3 MiB, resnet 41.1 -> 37.1 MiB; `scripts/bench-instructions` on resnet
+/// 1,545 -> 1,689 instructions per op. At any demand (0 here): resnet 31.1
+/// MiB but 13,543 calls and 1,825 instructions per op. Temporaries of 4 or
+/// 64 allocations instead of 8: the same waste on both rows.
 const SHORT_LIVED_NEAR_PEAK_PERCENT: u64 = 90;
 /// Most addresses one physical granule is mapped at: each alias costs a map
 /// call once and a page-table entry for good, so a granule that has moved
@@ -724,6 +723,7 @@ impl HbmPolicy {
         let demand = self.stats.active_bytes[0].current as u64 + size;
         self.growing = demand > self.peak_demand_bytes;
         self.peak_demand_bytes = self.peak_demand_bytes.max(demand);
+        let near_peak = demand * 100 >= self.peak_demand_bytes * SHORT_LIVED_NEAR_PEAK_PERCENT;
         let mut retried = false;
         let (ptr, span, on_aliased) = loop {
             let found = match self.find_free(stream, size) {
@@ -734,7 +734,7 @@ impl HbmPolicy {
             };
             if let Some((range, ptr)) = found {
                 let region = self.span(range).region;
-                let ptr = self.place_short_lived(range, ptr, size);
+                let ptr = self.place_short_lived(range, ptr, size, near_peak);
                 let block = self.take_span(range, ptr, size);
                 match self.back_range(dev, ptr, size, region, retried) {
                     Ok(Backing::Done) => match self.claim(dev, region, ptr, size) {
@@ -842,12 +842,10 @@ impl HbmPolicy {
 
     /// Where in free span `id` a block of `size` bytes goes, `ptr` being the
     /// front (or past memory in use elsewhere): its end instead when the
-    /// block is likely a temporary (see [`SHORT_LIVED_MAX_RANGE_BYTES`]).
-    fn place_short_lived(&self, id: u32, ptr: DevicePtr, size: u64) -> DevicePtr {
-        let range = *self.span(id);
-        let demand = self.stats.active_bytes[0].current as u64 + size;
-        if range.size > SHORT_LIVED_MAX_RANGE_BYTES
-            || demand * 100 < self.peak_demand_bytes * SHORT_LIVED_NEAR_PEAK_PERCENT
+    /// block is likely a temporary and demand is `near_peak` (see
+    /// [`SHORT_LIVED_NEAR_PEAK_PERCENT`]).
+    fn place_short_lived(&self, id: u32, ptr: DevicePtr, size: u64, near_peak: bool) -> DevicePtr {
+        if !near_peak
             || !self
                 .lifetimes
                 .get((size / MIN_BLOCK_SIZE) as usize)
@@ -855,6 +853,7 @@ impl HbmPolicy {
         {
             return ptr;
         }
+        let range = *self.span(id);
         let end = range.end() - size;
         // A segment (no granules) is mapped whole.
         let mapped = match self.granule_span(range.region, end, size) {

@@ -412,38 +412,34 @@ impl HbmPolicy {
         donors
     }
 
-    /// Whether at least `granules` granules lie idle under free ranges that
-    /// [`HbmPolicy::alias_idle`] could map into `span`.
-    pub(super) fn idle_granules_at_least(
-        &self,
-        granule: u64,
-        granules: u64,
-        span: GranuleSpan,
-    ) -> bool {
-        let found: u64 = self
-            .idle_donors(granule, granules * granule, span)
-            .into_iter()
-            .map(|donor| match donor {
-                Donor::Granules { count, .. } => count,
-                Donor::Group(id) => self.group(id).count,
-            })
-            .sum();
-        found >= granules
-    }
-
     /// Maps memory lying idle under free ranges elsewhere into
     /// `[cursor, end)` of the span's region as well (see [`AliasGroup`]);
-    /// returns the first granule still unmapped.
+    /// returns the first granule still unmapped. With `plenty` above 1,
+    /// maps nothing unless `plenty` times the granules needed lie idle.
     pub(super) fn alias_idle(
         &mut self,
         dev: &dyn Device,
         granule: u64,
         span: GranuleSpan,
-        mut cursor: u64,
-        end: u64,
+        (mut cursor, end): (u64, u64),
+        plenty: u64,
     ) -> Result<u64, AllocError> {
         let region_index = span.0;
-        for donor in self.idle_donors(granule, (end - cursor) * granule, span) {
+        let wanted = (end - cursor) * plenty;
+        let donors = self.idle_donors(granule, wanted * granule, span);
+        if plenty > 1 {
+            let idle: u64 = donors
+                .iter()
+                .map(|donor| match *donor {
+                    Donor::Granules { count, .. } => count,
+                    Donor::Group(id) => self.group(id).count,
+                })
+                .sum();
+            if idle < wanted {
+                return Ok(cursor);
+            }
+        }
+        for donor in donors {
             if cursor == end {
                 break;
             }

@@ -246,14 +246,14 @@ impl HbmPolicy {
         }
         // A new handle would raise the peak reserved memory while demand is
         // below its own peak: stitch plentiful idle memory in first.
-        let needed = end.min(needed_end).saturating_sub(cursor);
+        let needed_stop = end.min(needed_end);
         if !self.growing
-            && needed > 0
+            && cursor < needed_stop
             && self.held_bytes + (end - cursor) * granule > self.peak_held_bytes
-            && self.idle_granules_at_least(granule, needed * STITCH_BEFORE_PEAK_FACTOR, span)
         {
-            cursor = self.alias_idle(dev, granule, span, cursor, cursor + needed)?;
-            if cursor >= end.min(needed_end) {
+            let run = (cursor, needed_stop);
+            cursor = self.alias_idle(dev, granule, span, run, STITCH_BEFORE_PEAK_FACTOR)?;
+            if cursor >= needed_stop {
                 return Ok(true);
             }
         }
@@ -264,7 +264,7 @@ impl HbmPolicy {
         if cursor >= end {
             return Ok(true);
         }
-        cursor = self.alias_idle(dev, granule, span, cursor, end)?;
+        cursor = self.alias_idle(dev, granule, span, (cursor, end), 1)?;
         if cursor == end {
             return Ok(true);
         }
@@ -275,7 +275,7 @@ impl HbmPolicy {
             self.unmap_spans(dev, granule, &victims)?;
             cursor = self.stitch_spares(dev, granule, region_index, cursor, end)?;
             // Unmapping a view of a group frees a place for another view.
-            cursor = self.alias_idle(dev, granule, span, cursor, end)?;
+            cursor = self.alias_idle(dev, granule, span, (cursor, end), 1)?;
             if cursor == end {
                 return Ok(true);
             }
