@@ -11,26 +11,27 @@ use crate::error::AllocError;
 use super::{granules_under, AliasGroup, Donor, GranuleSpan, HbmPolicy, View, MAX_VIEWS};
 
 /// The views in `views` (a region's view index) overlapping granules
-/// `[first, end)`, as (first granule, group). Borrows only the index, so the
-/// caller may change `groups` while it walks.
+/// `[first, end)`, as (first granule, group), highest first. Borrows only
+/// the index, so the caller may change `groups` while it walks.
+///
+/// One descent: a region's views are disjoint (an address maps one granule),
+/// so sorted by start they are sorted by end too, and the walk down from
+/// `end` stops at the first view that ends at or before `first`.
 fn views_overlapping<'a>(
     views: &'a BTreeMap<u64, u32>,
-    groups: &[Option<AliasGroup>],
+    groups: &'a [Option<AliasGroup>],
     first: u64,
     end: u64,
 ) -> impl Iterator<Item = (u64, u32)> + 'a {
-    let straddling = views
-        .range(..first)
-        .next_back()
-        .filter(|&(&start, &id)| {
+    views
+        .range(..end)
+        .rev()
+        .map(|(&start, &id)| (start, id))
+        .take_while(move |&(start, id)| {
             groups[id as usize]
                 .as_ref()
                 .is_some_and(|group| start + group.count > first)
         })
-        .map(|(&start, &id)| (start, id));
-    straddling
-        .into_iter()
-        .chain(views.range(first..end).map(|(&start, &id)| (start, id)))
 }
 
 impl HbmPolicy {
@@ -105,7 +106,8 @@ impl HbmPolicy {
         // Lent granules are aliased: the lent test comes first, as it
         // settles most blocked candidates alone.
         region.lent.any(first, end)
-            || (region.aliased.any(first, end) && self.busy_end(region_index, ptr, size).is_some())
+            || (region.aliased.any(first, end)
+                && self.twice_end(region_index, first, end).is_some())
     }
 
     /// `None` when a block at `[ptr, ptr + size)` of region `region_index`
@@ -123,19 +125,24 @@ impl HbmPolicy {
         let granule = self.granule.unwrap_or(1);
         let region = self.region(region_index);
         let lent_end = region.lent.last_set(first, end).map(|index| index + 1);
-        let twice_end = self
-            .views_in(region_index, first, end)
-            .filter(|&(start, id)| {
+        lent_end
+            .max(self.twice_end(region_index, first, end))
+            .map(|index| region.base + index * granule)
+    }
+
+    /// The end (a granule index) of the last group view under granules
+    /// `[first, end)` of region `region_index` whose group lies under them
+    /// twice, if any. The walk is highest first: the first such view found
+    /// ends last.
+    fn twice_end(&self, region_index: u32, first: u64, end: u64) -> Option<u64> {
+        self.views_in(region_index, first, end)
+            .find(|&(start, id)| {
                 let group = self.group(id);
                 group.views.iter().any(|&(r, s)| {
                     r == region_index && s != start && s < end && s + group.count > first
                 })
             })
             .map(|(start, id)| start + self.group(id).count)
-            .max();
-        lent_end
-            .max(twice_end)
-            .map(|index| region.base + index * granule)
     }
 
     /// A block now lies on `[ptr, ptr + size)`: it takes over the groups
@@ -155,6 +162,7 @@ impl HbmPolicy {
         let mut views = std::mem::take(&mut self.scratch_views);
         views.clear();
         views.extend(self.views_in(region_index, first, end));
+        views.reverse(); // lowest first, so groups are cut in address order
         let other_stream = |this: &Self, id: u32| {
             let user_stream = this.region(this.group(id).user.0).stream;
             (user_stream != stream).then_some(user_stream)
@@ -320,26 +328,22 @@ impl HbmPolicy {
         let Some((first, end)) = self.aliased_span(region_index, ptr, size) else {
             return;
         };
-        // Fields borrowed apart: the view index is read while the groups change.
-        let views = &self
-            .regions
-            .get(region_index as usize)
-            .and_then(|r| r.as_ref())
-            .expect("a live region")
-            .group_views;
+        let mut views = std::mem::take(&mut self.scratch_views);
+        views.clear();
+        views.extend(self.views_in(region_index, first, end));
         let mut idle = std::mem::take(&mut self.scratch_idle);
         idle.clear();
-        for (start, id) in views_overlapping(views, &self.groups, first, end) {
-            let group = self.groups[id as usize]
-                .as_mut()
-                .expect("a live alias group");
+        for &(start, id) in &views {
+            let group = self.group_mut(id);
             debug_assert!(group.user == (region_index, start) && group.blocks > 0);
             group.blocks -= 1;
             if group.blocks == 0 {
                 idle.push(id);
             }
         }
-        // Groups cut apart when blocks claimed them grow back together.
+        self.scratch_views = views;
+        idle.reverse(); // lowest first: groups merge in address order
+                        // Groups cut apart when blocks claimed them grow back together.
         for &id in &idle {
             self.set_lent(id, false);
         }
