@@ -58,6 +58,13 @@ enum Command {
         /// Print one JSON object per line instead of the table.
         #[arg(long)]
         json: bool,
+        /// What if the program ran N more steps: find each trace's last
+        /// repeating step (a stretch of operations, sizes and streams alike,
+        /// that repeats the one before it: a training iteration) and run it
+        /// N more times before the trace's tail. The steady state of a long
+        /// run, from a trace of a few steps; a trace without one is refused.
+        #[arg(long, value_name = "N")]
+        repeat_step: Option<usize>,
     },
     /// Replay traces under one policy and print the metrics.
     Replay {
@@ -95,6 +102,13 @@ enum Command {
         /// the extension. One trace file only.
         #[arg(long, value_name = "PATH")]
         snapshot_at_peak: Option<PathBuf>,
+        /// What if the program ran N more steps: find each trace's last
+        /// repeating step (a stretch of operations, sizes and streams alike,
+        /// that repeats the one before it: a training iteration) and run it
+        /// N more times before the trace's tail. The steady state of a long
+        /// run, from a trace of a few steps; a trace without one is refused.
+        #[arg(long, value_name = "N")]
+        repeat_step: Option<usize>,
     },
     /// Check that policy pytorch reproduces the segment decisions recorded in PyTorch snapshots.
     Fidelity {
@@ -179,9 +193,10 @@ fn run(command: Command) -> Result<(), String> {
             capacity,
             no_min_capacity,
             json,
+            repeat_step,
         } => {
             let runs = parse_runs(&runs)?;
-            let traces = load_or_bundled(&traces)?;
+            let traces = repeat_steps(load_or_bundled(&traces)?, repeat_step)?;
             let mut rows = Vec::new();
             for trace in &traces {
                 for device in &trace.devices {
@@ -219,6 +234,7 @@ fn run(command: Command) -> Result<(), String> {
             ignore_recorded_ooms,
             json,
             snapshot_at_peak: snapshot_path,
+            repeat_step,
         } => {
             let policy = PolicyConfig::parse(&policy, &config).map_err(|e| e.to_string())?;
             if snapshot_path.is_some() && traces.len() > 1 {
@@ -227,7 +243,7 @@ fn run(command: Command) -> Result<(), String> {
                     traces.len()
                 ));
             }
-            for trace in load_all(&traces)? {
+            for trace in repeat_steps(load_all(&traces)?, repeat_step)? {
                 for device in &trace.devices {
                     let options = EvalOptions {
                         policy: policy.clone(),
@@ -410,6 +426,37 @@ fn load_all(paths: &[PathBuf]) -> Result<Vec<Trace>, String> {
     paths
         .iter()
         .map(|p| hbmalloc_trace::load(p).map_err(|e| e.to_string()))
+        .collect()
+}
+
+/// `traces` with each device's last step run `copies` more times
+/// (`--repeat-step`); says on stderr which step each one repeats.
+fn repeat_steps(traces: Vec<Trace>, copies: Option<usize>) -> Result<Vec<Trace>, String> {
+    let Some(copies) = copies else {
+        return Ok(traces);
+    };
+    traces
+        .into_iter()
+        .map(|mut trace| {
+            for device in &mut trace.devices {
+                let (repeated, step) = hbmalloc_trace::repeat_last_step(device, copies)
+                    .map_err(|e| format!("{}: {}: {}", trace.source, e.location, e.message))?;
+                eprintln!(
+                    "hbmalloc: {} device {}: the step of {} operations from operation {} runs {} \
+                     more times ({} -> {} operations)",
+                    trace.source,
+                    device.device,
+                    step.len,
+                    step.start,
+                    copies,
+                    device.ops.len(),
+                    repeated.ops.len()
+                );
+                *device = repeated;
+            }
+            trace.source = format!("{} +{copies} steps", trace.source);
+            Ok(trace)
+        })
         .collect()
 }
 

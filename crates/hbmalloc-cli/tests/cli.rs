@@ -253,3 +253,48 @@ fn snapshot_at_peak_refuses_several_traces_and_unwritable_paths() {
         "/nonexistent-dir/peak.pickle",
     );
 }
+
+/// `--repeat-step`: the bundled GPT-2 trace's step (6,332 operations) runs
+/// twice more and says so; a trace with no repeating step is refused in one
+/// line that says why.
+#[test]
+fn repeat_step_runs_the_last_training_step_again() {
+    let out = hbmalloc(&[
+        "compare",
+        "--run",
+        "policy:hbm",
+        "--no-min-capacity",
+        "--json",
+        "--repeat-step",
+        "2",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("the step of 6332 operations from operation 13257 runs 2 more times"),
+        "{stderr}"
+    );
+    let row: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(row["trace"], "gpt2_train.json.gz (bundled) +2 steps");
+    assert_eq!(row["ops"], 20_182 + 2 * 6_332);
+
+    // Every allocation a different size: nothing repeats.
+    let mut csv = String::from("Thread,Time,Action,Pointer,Size,Stream\n");
+    for i in 0..100 {
+        csv.push_str(&format!(
+            "1,0,allocate,{:#x},{},0\n",
+            0x1000 * (i + 1),
+            512 * (i + 1)
+        ));
+    }
+    let file = temp_file(csv.as_bytes());
+    let path = file.path().with_extension("csv");
+    std::fs::copy(file.path(), &path).unwrap();
+    let out = hbmalloc(&["replay", path.to_str().unwrap(), "--repeat-step", "3"]);
+    std::fs::remove_file(&path).unwrap();
+    assert_clear_error(&out, "no repeating step found in 100 operations");
+}

@@ -317,3 +317,41 @@ fn hbm_replays_every_trace_with_its_invariants_held() {
         "expected every trace and device, got {rows} rows"
     );
 }
+
+/// A training loop run longer than it was recorded settles: with each
+/// profiler trace's last step run six more times (`--repeat-step 6`), policy
+/// `hbm` makes no driver call in the second half of the replay. The traces
+/// as recorded end after three steps, before resnet's and vit's layouts have
+/// settled (resnet maps idle memory at new places in its third and fourth
+/// steps, then never again). t5 has no repeating training step (random
+/// batch shapes) and is left out.
+#[test]
+fn hbm_makes_no_driver_calls_once_a_repeated_training_step_settles() {
+    let Some(shared) = shared_traces() else {
+        return;
+    };
+    let policy = PolicyConfig::from_settings("policy:hbm").unwrap();
+    for (name, step_ops) in [
+        ("gpt2_train.json.gz", 6332),
+        ("resnet50_train.json.gz", 3362),
+        ("vit_train.json.gz", 6090),
+    ] {
+        let trace = hbmalloc_trace::load(&shared.join("profiler-cpu").join(name)).unwrap();
+        let device = &trace.devices[0];
+        let (longer, step) =
+            hbmalloc_trace::repeat_last_step(device, 6).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(step.len, step_ops, "{name}: the step found");
+        assert_eq!(longer.ops.len(), device.ops.len() + 6 * step.len);
+        let run = PreparedTrace::new(&longer)
+            .unwrap()
+            .run(&ReplayOptions::new(policy.clone()))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(matches!(run.outcome, Outcome::Completed), "{name}");
+        assert_eq!(
+            run.steady_state_calls.memory_calls(),
+            0,
+            "{name}: driver calls in the second half of six more steps: {:?}",
+            run.steady_state_calls
+        );
+    }
+}

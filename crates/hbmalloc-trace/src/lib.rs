@@ -9,10 +9,12 @@ mod error;
 mod import;
 pub mod model;
 pub mod pickle;
+mod repeat;
 mod rmm;
 mod snapshot;
 
 pub use error::{Location, TraceError};
 pub use import::{load, parse_bytes, MAX_DECOMPRESSED_BYTES};
 pub use model::*;
+pub use repeat::{find_last_step, repeat_last_step, Step, MIN_STEP_OPS};
 pub use snapshot::DEFERRED_FREE_STREAM_BASE;

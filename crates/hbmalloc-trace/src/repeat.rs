@@ -1,0 +1,430 @@
+//! What-if: a training trace run for more steps than were recorded.
+//!
+//! A profiler trace or snapshot usually holds a few iterations of a training
+//! loop, and the second half of three steps is not the steady state of a run
+//! of thousands: an allocator may still be settling in. [`repeat_last_step`]
+//! finds the trace's last *step* (a stretch of operations that exactly
+//! repeats the stretch before it, sizes and streams alike) and runs it again
+//! `copies` more times before the trace's tail.
+//!
+//! Only the shape of the requests is copied: each copy allocates fresh ids,
+//! and its frees name the blocks the copy before allocated in the same
+//! places (the step frees, say, the gradients the step before made). The
+//! result is checked like a real trace: a copy that would free a block that
+//! is not live, or one allocated before the trace began, is an error naming
+//! the operation, never a silently different program.
+
+use std::collections::{HashMap, HashSet};
+
+use crate::error::{Location, TraceError};
+use crate::model::{AllocId, DeviceTrace, InitialBlockState, Op};
+
+/// Fewest operations a step may have: shorter periods are loops inside a
+/// step (the same small allocation made and freed), not a training step.
+pub const MIN_STEP_OPS: usize = 16;
+
+/// How many step lengths are checked in full, from the best by sampling.
+const CANDIDATES: usize = 16;
+
+/// Positions sampled to rank every step length before the full check.
+const SAMPLES: usize = 64;
+
+/// Most operations the copies may add (a replay holds every operation).
+const MAX_ADDED_OPS: usize = 10_000_000;
+
+/// A repeating stretch of operations: `ops[start..start + len]` equals, in
+/// shape, the `len` operations before it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Step {
+    /// Index of the step's first operation.
+    pub start: usize,
+    /// Operations in one step.
+    pub len: usize,
+}
+
+/// An operation with its allocation names left out: what must repeat.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    Alloc { size: u64, stream: u64 },
+    Free { size: u64 },
+    RecordStream { stream: u64 },
+    StreamComplete { stream: u64 },
+    EmptyCache,
+    Oom { size: u64, stream: u64 },
+}
+
+/// The shapes of `ops`; a free has the size of what it frees (0 when that
+/// was made before the trace began).
+fn shapes(ops: &[Op]) -> Vec<Shape> {
+    let mut sizes: HashMap<AllocId, u64> = HashMap::new();
+    ops.iter()
+        .map(|op| match *op {
+            Op::Alloc { id, size, stream } => {
+                sizes.insert(id, size);
+                Shape::Alloc { size, stream }
+            }
+            Op::Free { id } => Shape::Free {
+                size: sizes.get(&id).copied().unwrap_or(0),
+            },
+            Op::RecordStream { stream, .. } => Shape::RecordStream { stream },
+            Op::StreamComplete { stream } => Shape::StreamComplete { stream },
+            Op::EmptyCache => Shape::EmptyCache,
+            Op::Oom { size, stream, .. } => Shape::Oom { size, stream },
+        })
+        .collect()
+}
+
+/// The last step of `ops`: the step length from [`MIN_STEP_OPS`] to half
+/// the trace whose repetitions cover the longest stretch of operations (the
+/// shortest length on a tie: two steps repeat wherever one does), and the
+/// last `len` operations of that stretch; `None` when nothing repeats.
+pub fn find_last_step(ops: &[Op]) -> Option<Step> {
+    let shapes = shapes(ops);
+    let n = shapes.len();
+    if n < 2 * MIN_STEP_OPS {
+        return None;
+    }
+    // Rank every length by how often it matches at a few positions in the
+    // second half (a full check of every length is quadratic), then check
+    // the best few in full.
+    let stride = (n / 2 / SAMPLES).max(1);
+    let positions: Vec<usize> = (n / 2..n).step_by(stride).collect();
+    let mut ranked: Vec<(usize, usize)> = (MIN_STEP_OPS..=n / 2)
+        .map(|len| {
+            let hits = positions
+                .iter()
+                .filter(|&&i| i >= len && shapes[i] == shapes[i - len])
+                .count();
+            (hits, len)
+        })
+        .collect();
+    // Most hits first, then the shorter length.
+    ranked.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    ranked
+        .iter()
+        .take(CANDIDATES)
+        .filter_map(|&(_, len)| {
+            longest_repeat(&shapes, len).map(|(end, run)| (run + len, len, end))
+        })
+        // The longest stretch, then the shortest length.
+        .max_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)))
+        .map(|(_, len, end)| Step {
+            start: end - len,
+            len,
+        })
+}
+
+/// The longest run of operations equal to the one `len` before (the last
+/// such run on a tie), as (end, length), when it is at least `len` long: a
+/// whole step repeated.
+fn longest_repeat(shapes: &[Shape], len: usize) -> Option<(usize, usize)> {
+    let mut run = 0;
+    let mut best = None;
+    for i in len..shapes.len() {
+        if shapes[i] == shapes[i - len] {
+            run += 1;
+            if run >= len && best.is_none_or(|(_, longest)| run >= longest) {
+                best = Some((i + 1, run));
+            }
+        } else {
+            run = 0;
+        }
+    }
+    best
+}
+
+/// `trace` with its last step ([`find_last_step`]) run `copies` more times,
+/// right after it, before the operations that followed it. The recorded
+/// allocator's results (`recorded`) no longer describe the program and are
+/// dropped. Returns the step found, as indices into the original operations.
+pub fn repeat_last_step(
+    trace: &DeviceTrace,
+    copies: usize,
+) -> Result<(DeviceTrace, Step), TraceError> {
+    let error = |message: String| {
+        TraceError::new(
+            "repeat-step",
+            Location::Entry(format!("device {}", trace.device)),
+            message,
+        )
+    };
+    let step = find_last_step(&trace.ops).ok_or_else(|| {
+        error(format!(
+            "no repeating step found in {} operations: no stretch of {} or more \
+             repeats the one before it",
+            trace.ops.len(),
+            MIN_STEP_OPS
+        ))
+    })?;
+    let end = step.start + step.len;
+    let added = copies
+        .checked_mul(step.len)
+        .filter(|&added| added <= MAX_ADDED_OPS)
+        .ok_or_else(|| {
+            error(format!(
+                "{copies} copies of a step of {} operations is more than {MAX_ADDED_OPS} \
+                 operations",
+                step.len
+            ))
+        })?;
+
+    let initial_ids = || {
+        trace
+            .initial_segments
+            .iter()
+            .flat_map(|segment| &segment.blocks)
+            .filter_map(|block| match block.state {
+                InitialBlockState::Allocated(id) => Some(id),
+                InitialBlockState::Free => None,
+            })
+    };
+    let mut next_id = trace
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            Op::Alloc { id, .. } => Some(*id),
+            _ => None,
+        })
+        .chain(initial_ids())
+        .max()
+        .map_or(0, |id| id + 1);
+
+    // The original up to the step's end, the copies, then the tail; with
+    // where each allocation was made, by position in the new operations.
+    let mut ops: Vec<Op> = Vec::with_capacity(trace.ops.len() + added);
+    let mut made_at: HashMap<AllocId, usize> = HashMap::new();
+    for op in &trace.ops[..end] {
+        if let Op::Alloc { id, .. } = *op {
+            made_at.insert(id, ops.len());
+        }
+        ops.push(op.clone());
+    }
+    for at in end..end + added {
+        // Each copy's template is the step (or copy) just before it; a free
+        // there names a block made in the step before, whose counterpart is
+        // the block made one step later.
+        let op = match ops[at - step.len].clone() {
+            Op::Alloc { size, stream, .. } => {
+                let id = next_id;
+                next_id += 1;
+                made_at.insert(id, at);
+                Op::Alloc { id, size, stream }
+            }
+            Op::Free { id } => Op::Free {
+                id: counterpart(&ops, &made_at, id, at, step.len, step).map_err(error)?,
+            },
+            Op::RecordStream { id, stream } => Op::RecordStream {
+                id: counterpart(&ops, &made_at, id, at, step.len, step).map_err(error)?,
+                stream,
+            },
+            other => other,
+        };
+        ops.push(op);
+    }
+    for op in &trace.ops[end..] {
+        // A block the last step made and the tail frees is now the one the
+        // last copy made.
+        let at = ops.len();
+        let inside = |id: AllocId| {
+            made_at
+                .get(&id)
+                .is_some_and(|&made| made >= step.start && made < end)
+        };
+        let op = match *op {
+            Op::Free { id } if inside(id) => Op::Free {
+                id: counterpart(&ops, &made_at, id, at, added, step).map_err(error)?,
+            },
+            Op::RecordStream { id, stream } if inside(id) => Op::RecordStream {
+                id: counterpart(&ops, &made_at, id, at, added, step).map_err(error)?,
+                stream,
+            },
+            ref other => other.clone(),
+        };
+        if let Op::Alloc { id, .. } = op {
+            made_at.insert(id, at);
+        }
+        ops.push(op);
+    }
+    check_lifetimes(initial_ids().collect(), &ops).map_err(error)?;
+    let repeated = DeviceTrace {
+        ops,
+        recorded: None,
+        ..trace.clone()
+    };
+    Ok((repeated, step))
+}
+
+/// The allocation made `shift` operations after allocation `id`, for the
+/// operation at `at`. Only a block made in the step, or in the step before
+/// it, has one: the copies repeat the step and nothing earlier.
+fn counterpart(
+    ops: &[Op],
+    made_at: &HashMap<AllocId, usize>,
+    id: AllocId,
+    at: usize,
+    shift: usize,
+    step: Step,
+) -> Result<AllocId, String> {
+    let Some(&made) = made_at.get(&id) else {
+        return Err(format!(
+            "operation {at} names allocation {id}, made before the trace began: the step \
+             does not repeat its frees"
+        ));
+    };
+    match ops.get(made + shift) {
+        Some(Op::Alloc { id, .. }) if made + step.len >= step.start && made + shift < at => Ok(*id),
+        _ => Err(format!(
+            "operation {at} frees or uses allocation {id}, made at operation {made}, before \
+             the step it repeats: the step does not repeat its frees"
+        )),
+    }
+}
+
+/// Every free and record_stream names a live allocation, and no id is made twice.
+fn check_lifetimes(mut live: HashSet<AllocId>, ops: &[Op]) -> Result<(), String> {
+    for (at, op) in ops.iter().enumerate() {
+        match *op {
+            Op::Alloc { id, .. } if !live.insert(id) => {
+                return Err(format!("operation {at} allocates {id} twice"));
+            }
+            Op::Free { id } if !live.remove(&id) => {
+                return Err(format!(
+                    "operation {at} frees allocation {id}, which is not live: the step does \
+                     not repeat its frees"
+                ));
+            }
+            Op::RecordStream { id, .. } if !live.contains(&id) => {
+                return Err(format!(
+                    "operation {at} uses allocation {id}, which is not live"
+                ));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn alloc(id: AllocId, size: u64) -> Op {
+        Op::Alloc {
+            id,
+            size,
+            stream: 0,
+        }
+    }
+
+    fn free(id: AllocId) -> Op {
+        Op::Free { id }
+    }
+
+    /// A training loop in miniature: weights (id 1), then three steps that
+    /// each make activations and gradients and free the step before's
+    /// gradients, then a tail that frees what is left.
+    fn training(steps: usize) -> DeviceTrace {
+        let mut ops = vec![alloc(1, 4096)];
+        let mut id = 10;
+        let mut previous_grads: Vec<AllocId> = Vec::new();
+        for _ in 0..steps {
+            let activations: Vec<AllocId> = (0..8).map(|k| id + k).collect();
+            for (k, &a) in activations.iter().enumerate() {
+                ops.push(alloc(a, 1024 * (k as u64 + 1)));
+            }
+            id += 8;
+            for &g in &previous_grads {
+                ops.push(free(g));
+            }
+            let grads: Vec<AllocId> = (0..4).map(|k| id + k).collect();
+            for &g in &grads {
+                ops.push(alloc(g, 512));
+            }
+            id += 4;
+            for &a in activations.iter().rev() {
+                ops.push(free(a));
+            }
+            previous_grads = grads;
+        }
+        for &g in &previous_grads {
+            ops.push(free(g));
+        }
+        ops.push(free(1));
+        DeviceTrace {
+            ops,
+            ..DeviceTrace::default()
+        }
+    }
+
+    #[test]
+    fn finds_the_step_and_runs_it_again() {
+        let trace = training(3);
+        let step = find_last_step(&trace.ops).expect("a step");
+        // The first step frees no gradients: steps 2 and 3 repeat, 24 ops each.
+        assert_eq!(step.len, 24);
+        assert_eq!(step.start + step.len, trace.ops.len() - 5);
+
+        let (longer, found) = repeat_last_step(&trace, 5).expect("repeats");
+        assert_eq!(found, step);
+        // Five more steps: the same program as recording eight.
+        let eight = training(8);
+        assert_eq!(longer.ops.len(), eight.ops.len());
+        let shapes = |t: &DeviceTrace| shapes(&t.ops);
+        assert!(shapes(&longer) == shapes(&eight));
+        check_lifetimes(HashSet::new(), &longer.ops).expect("every free names a live block");
+        // And every allocation is freed by the end, as in the original.
+        let allocs = longer
+            .ops
+            .iter()
+            .filter(|op| matches!(op, Op::Alloc { .. }))
+            .count();
+        let frees = longer
+            .ops
+            .iter()
+            .filter(|op| matches!(op, Op::Free { .. }))
+            .count();
+        assert_eq!(allocs, frees);
+    }
+
+    #[test]
+    fn no_copies_is_the_same_trace() {
+        let trace = training(3);
+        let (same, _) = repeat_last_step(&trace, 0).expect("repeats");
+        assert_eq!(same.ops, trace.ops);
+    }
+
+    #[test]
+    fn a_trace_without_a_step_is_refused() {
+        let ops: Vec<Op> = (0..100).map(|i| alloc(i, 512 * (i + 1))).collect();
+        let trace = DeviceTrace {
+            ops,
+            ..DeviceTrace::default()
+        };
+        let error = repeat_last_step(&trace, 3).expect_err("no step");
+        assert!(error.to_string().contains("no repeating step"), "{error}");
+    }
+
+    #[test]
+    fn a_step_freeing_what_it_did_not_make_is_refused() {
+        // Each "step" frees one of 40 blocks made up front: the shapes repeat,
+        // but a copy would have to free a block made before the step that the
+        // original step already freed.
+        let mut ops: Vec<Op> = (0..40).map(|i| alloc(i, 512)).collect();
+        for round in 0..3u64 {
+            for k in 0..20u64 {
+                ops.push(alloc(100 + round * 20 + k, 2048));
+                ops.push(free(round * 10 + k % 10));
+                ops.push(free(100 + round * 20 + k));
+            }
+        }
+        let trace = DeviceTrace {
+            ops,
+            ..DeviceTrace::default()
+        };
+        let error = repeat_last_step(&trace, 2).expect_err("frees do not line up");
+        assert!(
+            error.to_string().contains("does not repeat its frees"),
+            "{error}"
+        );
+    }
+}
