@@ -71,9 +71,9 @@
 //! ../shared/traces/profiler-cpu/* --json` (release build).
 //!
 //! Hot path (a cache hit): one lookup for best fit in the stream's size
-//! index (size bins, each a small ordered map keyed by size, then address;
-//! see `hbm/size_index.rs`; the first fit is one descent of one bin's
-//! map), a remove and an insert there to split, one hash insert, and a
+//! index (size bins, each a short sorted vector keyed by size, then
+//! address; see `hbm/size_index.rs`; the first fit is one binary search of
+//! one bin), a remove and an insert there to split, one hash insert, and a
 //! bitmap test that the granules are mapped and one that none is aliased
 //! (granules found by shifting: the granularity is a power of two; if some
 //! are aliased, one ordered search for the alias groups under the block,
@@ -82,10 +82,10 @@
 //! (no search) and makes the size-index updates; a block placed on plain
 //! memory skips the alias groups. No device call, `O(log n)`. Measured with
 //! `scripts/bench-instructions` (callgrind, replayed operations only): on
-//! `gpt2_train` 1,155 instructions per malloc or free against 1,014 for
+//! `gpt2_train` 967 instructions per malloc or free against 1,014 for
 //! policy `pytorch`, misses included (1,396 with one ordered map of every
-//! range, 1,262 with an iterator over the bins for the first fit); most of
-//! the rest is the alias checks and misses that stitch memory.
+//! range, 1,124 with a B-tree per bin); most of the rest is the alias
+//! checks and misses that stitch memory.
 //!
 //! # Code map
 //!
