@@ -356,7 +356,13 @@ impl HbmPolicy {
     /// (region, first, end), highest address first; ranges smaller than a
     /// granule (not in `large_free`) hold none.
     pub(super) fn free_granules(&self, granule: u64) -> impl Iterator<Item = (u32, u64, u64)> + '_ {
-        self.large_free.values().rev().filter_map(move |&id| {
+        let mut by_end: Vec<(DevicePtr, u32)> = self
+            .large_free
+            .iter()
+            .map(|(&end, &id)| (end, id))
+            .collect();
+        by_end.sort_unstable_by_key(|&(end, _)| std::cmp::Reverse(end));
+        by_end.into_iter().filter_map(move |(_, id)| {
             let range = self.span(id);
             let base = self.region(range.region).base;
             let first = (range.start - base).div_ceil(granule);
