@@ -115,6 +115,7 @@
 //! `hbm` has no segments to split.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::ops::ControlFlow;
 
 use crate::config::ConfigError;
 use crate::device::{Device, DevicePtr, EventId, PhysicalHandle, StreamId};
@@ -814,12 +815,24 @@ impl HbmPolicy {
         let mut blocked = [NO_SPAN; MAX_CANDIDATES];
         blocked[0] = id;
         let mut count = 1;
-        for (_, ptr, id) in index.best_fit(size).skip(1).take(MAX_CANDIDATES - 1) {
+        let mut first = true;
+        let unblocked = index.walk_best_fit(size, |_, ptr, id| {
+            if std::mem::take(&mut first) {
+                return ControlFlow::Continue(()); // tried above
+            }
             if !self.blocked(self.span(id).region, ptr, size) {
-                return Some((id, ptr));
+                return ControlFlow::Break(Some((id, ptr)));
             }
             blocked[count] = id;
             count += 1;
+            if count == MAX_CANDIDATES {
+                ControlFlow::Break(None)
+            } else {
+                ControlFlow::Continue(())
+            }
+        });
+        if let Some(Some(found)) = unblocked {
+            return Some(found);
         }
         // Every candidate is blocked at its start: slide past the memory in
         // use elsewhere, within the range.
