@@ -383,6 +383,10 @@ struct Region {
     /// `map` call) of a sub-range of one physical handle; a run of granules
     /// may be stitched together from several chunks.
     chunks: BTreeMap<u64, Chunk>,
+    /// The first granule of each chunk: a run of mapped granules lies in
+    /// one chunk when no chunk starts inside it (one bitmap test, where a
+    /// search of `chunks` cost some 500 instructions per alias-group merge).
+    chunk_starts: Bitmap,
     /// Mapped granules. Lets the hot path test a whole block's granules 64
     /// at a time.
     mapped: Bitmap,
@@ -425,6 +429,7 @@ impl Region {
             segment: granules == 0,
             granules,
             chunks: BTreeMap::new(),
+            chunk_starts: Bitmap::default(),
             mapped: Bitmap::default(),
             aliased: Bitmap::default(),
             group_views: BTreeMap::new(),

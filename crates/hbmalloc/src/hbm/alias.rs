@@ -286,14 +286,9 @@ impl HbmPolicy {
             && b.user == (a.user.0, a.user.1 + a.count)
             && a.views.iter().all(|&(r, s)| {
                 // A view lies inside one chunk: one unmap removes it whole.
+                // Both views are mapped, so no chunk may start past `s`.
                 let end = s + a.count + b.count;
-                b.views.contains(&(r, s + a.count))
-                    && self
-                        .region(r)
-                        .chunks
-                        .range(..=s)
-                        .next_back()
-                        .is_some_and(|(&start, chunk)| start + chunk.count >= end)
+                b.views.contains(&(r, s + a.count)) && !self.region(r).chunk_starts.any(s + 1, end)
             })
     }
 

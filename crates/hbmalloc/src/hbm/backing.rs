@@ -92,6 +92,7 @@ impl HbmPolicy {
                 offset,
             },
         );
+        region.chunk_starts.set(first, 1, true);
         region.mapped.set(first, count, true);
         self.history.record(Action::SegmentMap, va, bytes, stream);
         Ok(())
@@ -454,6 +455,7 @@ impl HbmPolicy {
                 info.mapped -= bytes;
             }
             let region = self.region_mut(region_index);
+            region.chunk_starts.set(start, 1, false);
             region.mapped.set(start, chunk.count, false);
             if !region.aliased.any(start, start + chunk.count) {
                 self.spare.push(Piece {

@@ -256,9 +256,12 @@ impl HbmPolicy {
                     if start < next_free_granule || start + count > region.granules {
                         return Err(format!("region {:#x}: chunks overlap", region.base));
                     }
-                    if !region.all_mapped(start, start + count) {
+                    if !region.all_mapped(start, start + count)
+                        || !region.chunk_starts.get(start)
+                        || region.chunk_starts.any(start + 1, start + count)
+                    {
                         return Err(format!(
-                            "region {:#x}: chunk not in the bitmap",
+                            "region {:#x}: chunk not in the bitmaps",
                             region.base
                         ));
                     }
@@ -266,6 +269,12 @@ impl HbmPolicy {
                     counted += count;
                 }
                 let bits = region.mapped.count_ones();
+                if region.chunk_starts.count_ones() != region.chunks.len() as u64 {
+                    return Err(format!(
+                        "region {:#x}: chunk-start bitmap disagrees",
+                        region.base
+                    ));
+                }
                 if counted != bits {
                     return Err(format!(
                         "region {:#x}: mapped bitmap disagrees",
