@@ -1,8 +1,14 @@
-//! Any byte string given to the trace importers is a trace or an error, never a panic.
+//! Any byte string given to the trace importers is a trace or an error, never
+//! a panic; so is running an imported trace's last step again
+//! (`--repeat-step`).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let _ = hbmalloc_trace::parse_bytes("fuzz", data);
+    if let Ok(trace) = hbmalloc_trace::parse_bytes("fuzz", data) {
+        for device in &trace.devices {
+            let _ = hbmalloc_trace::repeat_last_step(device, 2);
+        }
+    }
 });
