@@ -187,7 +187,9 @@ pub fn repeat_last_step(
         })
         .chain(initial_ids())
         .max()
-        .map_or(0, |id| id + 1);
+        .map_or(Some(0), |id| id.checked_add(1))
+        .filter(|next| next.checked_add(added as u64).is_some())
+        .ok_or_else(|| error("allocation ids run out: the trace uses ids up to 2^64".into()))?;
 
     // The original up to the step's end, the copies, then the tail; with
     // where each allocation was made, by position in the new operations.
@@ -384,6 +386,16 @@ mod tests {
             .filter(|op| matches!(op, Op::Free { .. }))
             .count();
         assert_eq!(allocs, frees);
+    }
+
+    #[test]
+    fn ids_that_would_overflow_are_refused() {
+        let mut trace = training(3);
+        trace.ops.insert(0, alloc(u64::MAX - 2, 512));
+        trace.ops.insert(1, free(u64::MAX - 2));
+        let error = repeat_last_step(&trace, 5).expect_err("ids run out");
+        assert!(error.to_string().contains("ids run out"), "{error}");
+        repeat_last_step(&training(3), 5).expect("small ids are fine");
     }
 
     #[test]

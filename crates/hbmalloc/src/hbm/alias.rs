@@ -3,36 +3,12 @@
 //! releasing groups, groups cut and merged back, and finding idle memory to
 //! donate.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use crate::device::{Device, DevicePtr, StreamId};
 use crate::error::AllocError;
 
 use super::{granules_under, AliasGroup, Donor, GranuleSpan, HbmPolicy, View, MAX_VIEWS};
-
-/// The views in `views` (a region's view index) overlapping granules
-/// `[first, end)`, as (first granule, group), highest first. Borrows only
-/// the index, so the caller may change `groups` while it walks.
-///
-/// One descent: a region's views are disjoint (an address maps one granule),
-/// so sorted by start they are sorted by end too, and the walk down from
-/// `end` stops at the first view that ends at or before `first`.
-fn views_overlapping<'a>(
-    views: &'a BTreeMap<u64, u32>,
-    groups: &'a [Option<AliasGroup>],
-    first: u64,
-    end: u64,
-) -> impl Iterator<Item = (u64, u32)> + 'a {
-    views
-        .range(..end)
-        .rev()
-        .map(|(&start, &id)| (start, id))
-        .take_while(move |&(start, id)| {
-            groups[id as usize]
-                .as_ref()
-                .is_some_and(|group| start + group.count > first)
-        })
-}
 
 impl HbmPolicy {
     pub(super) fn group(&self, id: u32) -> &AliasGroup {
@@ -79,19 +55,24 @@ impl HbmPolicy {
     }
 
     /// The alias-group views of region `region_index` overlapping granules
-    /// `[first, end)`, as (first granule of the view, group).
+    /// `[first, end)`, as (first granule of the view, group), highest first.
+    ///
+    /// One descent: a region's views are disjoint (an address maps one
+    /// granule), so sorted by start they are sorted by end too, and the walk
+    /// down from `end` stops at the first view that ends at or before
+    /// `first`.
     fn views_in(
         &self,
         region_index: u32,
         first: u64,
         end: u64,
     ) -> impl Iterator<Item = (u64, u32)> + '_ {
-        views_overlapping(
-            &self.region(region_index).group_views,
-            &self.groups,
-            first,
-            end,
-        )
+        self.region(region_index)
+            .group_views
+            .range(..end)
+            .rev()
+            .map(|(&start, &id)| (start, id))
+            .take_while(move |&(start, id)| start + self.group(id).count > first)
     }
 
     /// Whether a block may not lie at `[ptr, ptr + size)` of region
@@ -162,7 +143,8 @@ impl HbmPolicy {
         let mut views = std::mem::take(&mut self.scratch_views);
         views.clear();
         views.extend(self.views_in(region_index, first, end));
-        views.reverse(); // lowest first, so groups are cut in address order
+        // Lowest first, so groups are cut in address order.
+        views.reverse();
         let other_stream = |this: &Self, id: u32| {
             let user_stream = this.region(this.group(id).user.0).stream;
             (user_stream != stream).then_some(user_stream)
@@ -337,8 +319,9 @@ impl HbmPolicy {
             }
         }
         self.scratch_views = views;
-        idle.reverse(); // lowest first: groups merge in address order
-                        // Groups cut apart when blocks claimed them grow back together.
+        // Groups cut apart when blocks claimed them grow back together,
+        // lowest first (the walk above was highest first).
+        idle.reverse();
         for &id in &idle {
             self.set_lent(id, false);
         }
