@@ -76,13 +76,13 @@
 //! one bin), a remove and an insert there to split, one hash insert, and a
 //! bitmap test that the granules are mapped and one that none is aliased
 //! (granules found by shifting: the granularity is a power of two; if some
-//! are aliased, one ordered search for the alias groups under the block,
+//! are aliased, the groups under the block read from a per-granule map,
 //! and a counter per group). Blocks and free ranges are [`Span`]s linked to
 //! their neighbours, so a free finds what to merge with through the links
 //! (no search) and makes the size-index updates; a block placed on plain
 //! memory skips the alias groups. No device call, `O(log n)`. Measured with
 //! `scripts/bench-instructions` (callgrind, replayed operations only): on
-//! `gpt2_train` 934 instructions per malloc or free against 1,014 for
+//! `gpt2_train` 898 instructions per malloc or free against 1,014 for
 //! policy `pytorch`, misses included (1,396 with one ordered map of every
 //! range, 1,124 with a B-tree per bin); most of the rest is the alias
 //! checks and misses that stitch memory.
@@ -131,7 +131,7 @@ mod inspect;
 mod size_index;
 mod spans;
 
-use bitmap::Bitmap;
+use bitmap::{Bitmap, GranuleMap};
 use size_index::SizeIndex;
 
 /// Deliberately broken behaviour, for proving that the simulation harness
@@ -394,8 +394,8 @@ struct Region {
     /// stitched alias, see [`AliasGroup`]): a block placed over them must
     /// first check that no live block uses that memory elsewhere.
     aliased: Bitmap,
-    /// The alias-group views in this region, by first granule.
-    group_views: BTreeMap<u64, u32>,
+    /// The alias group whose view covers each aliased granule.
+    group_at: GranuleMap,
     /// Aliased granules whose group is in use at another view: no block may
     /// be placed on them (one bitmap test instead of a walk of the groups).
     lent: Bitmap,
@@ -432,7 +432,7 @@ impl Region {
             chunk_starts: Bitmap::default(),
             mapped: Bitmap::default(),
             aliased: Bitmap::default(),
-            group_views: BTreeMap::new(),
+            group_at: GranuleMap::default(),
             lent: Bitmap::default(),
         }
     }

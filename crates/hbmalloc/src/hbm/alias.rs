@@ -8,7 +8,9 @@ use std::collections::BTreeSet;
 use crate::device::{Device, DevicePtr, StreamId};
 use crate::error::AllocError;
 
-use super::{granules_under, AliasGroup, Donor, GranuleSpan, HbmPolicy, View, MAX_VIEWS};
+use super::{
+    granules_under, AliasGroup, Donor, GranuleMap, GranuleSpan, HbmPolicy, View, MAX_VIEWS,
+};
 
 impl HbmPolicy {
     pub(super) fn group(&self, id: u32) -> &AliasGroup {
@@ -54,25 +56,49 @@ impl HbmPolicy {
         aliased.any(first, end).then_some((first, end))
     }
 
+    /// The first granule of the view of group `id` in region
+    /// `region_index` that covers `granule`.
+    pub(super) fn view_start(&self, id: u32, region_index: u32, granule: u64) -> u64 {
+        let group = self.group(id);
+        group
+            .views
+            .iter()
+            .find(|&&(r, s)| r == region_index && s <= granule && granule < s + group.count)
+            .expect("an indexed granule lies in a view of its group")
+            .1
+    }
+
+    /// The view covering aliased granule `granule` of region
+    /// `region_index`, as (its first granule, group).
+    pub(super) fn view_at(&self, region_index: u32, granule: u64) -> (u64, u32) {
+        let id = self
+            .region(region_index)
+            .group_at
+            .get(granule)
+            .expect("an aliased granule lies in a group view");
+        (self.view_start(id, region_index, granule), id)
+    }
+
     /// The alias-group views of region `region_index` overlapping granules
-    /// `[first, end)`, as (first granule of the view, group), highest first.
-    ///
-    /// One descent: a region's views are disjoint (an address maps one
-    /// granule), so sorted by start they are sorted by end too, and the walk
-    /// down from `end` stops at the first view that ends at or before
-    /// `first`.
-    fn views_in(
+    /// `[first, end)`, as (first granule of the view, group), lowest first:
+    /// the aliased bitmap finds each view's first granule in the range, the
+    /// granule map its group.
+    pub(super) fn views_in(
         &self,
         region_index: u32,
         first: u64,
         end: u64,
     ) -> impl Iterator<Item = (u64, u32)> + '_ {
-        self.region(region_index)
-            .group_views
-            .range(..end)
-            .rev()
-            .map(|(&start, &id)| (start, id))
-            .take_while(move |&(start, id)| start + self.group(id).count > first)
+        let aliased = &self.region(region_index).aliased;
+        let mut at = aliased.next_with(first, end, true);
+        std::iter::from_fn(move || {
+            if at >= end {
+                return None;
+            }
+            let (start, id) = self.view_at(region_index, at);
+            at = aliased.next_with(start + self.group(id).count, end, true);
+            Some((start, id))
+        })
     }
 
     /// Whether a block may not lie at `[ptr, ptr + size)` of region
@@ -113,17 +139,17 @@ impl HbmPolicy {
 
     /// The end (a granule index) of the last group view under granules
     /// `[first, end)` of region `region_index` whose group lies under them
-    /// twice, if any. The walk is highest first: the first such view found
-    /// ends last.
+    /// twice, if any.
     fn twice_end(&self, region_index: u32, first: u64, end: u64) -> Option<u64> {
         self.views_in(region_index, first, end)
-            .find(|&(start, id)| {
+            .filter(|&(start, id)| {
                 let group = self.group(id);
                 group.views.iter().any(|&(r, s)| {
                     r == region_index && s != start && s < end && s + group.count > first
                 })
             })
             .map(|(start, id)| start + self.group(id).count)
+            .last()
     }
 
     /// A block now lies on `[ptr, ptr + size)`: it takes over the groups
@@ -143,8 +169,6 @@ impl HbmPolicy {
         let mut views = std::mem::take(&mut self.scratch_views);
         views.clear();
         views.extend(self.views_in(region_index, first, end));
-        // Lowest first, so groups are cut in address order.
-        views.reverse();
         let other_stream = |this: &Self, id: u32| {
             let user_stream = this.region(this.group(id).user.0).stream;
             (user_stream != stream).then_some(user_stream)
@@ -177,11 +201,11 @@ impl HbmPolicy {
             // rest stays free to use at the other views.
             if self.group(id).blocks == 0 {
                 if start < first {
-                    id = self.split_group(id, first - start);
+                    id = self.split_group(id, first - start).1;
                     start = first;
                 }
                 if start + self.group(id).count > end {
-                    self.split_group(id, end - start);
+                    id = self.split_group(id, end - start).0;
                 }
             }
             let group = self.group_mut(id);
@@ -209,8 +233,10 @@ impl HbmPolicy {
     }
 
     /// Cuts idle group `id` after its first `at` granules; returns the
-    /// group of the rest.
-    fn split_group(&mut self, id: u32, at: u64) -> u32 {
+    /// groups of the two parts. The smaller part takes a new id, so the
+    /// granule map is rewritten under it only: a small block cut from a
+    /// large idle group costs its own granules, not the group's.
+    fn split_group(&mut self, id: u32, at: u64) -> (u32, u32) {
         let granule = self.granule.unwrap_or(0);
         let group = self.group_mut(id);
         debug_assert!(group.blocks == 0 && at > 0 && at < group.count);
@@ -223,36 +249,44 @@ impl HbmPolicy {
             blocks: 0,
         };
         group.count = at;
-        let views = rest.views.clone();
-        let rest_id = self.new_group(rest);
+        let head_moves = at < rest.count;
+        let moving = if head_moves {
+            std::mem::replace(group, rest)
+        } else {
+            rest
+        };
+        let (views, count) = (moving.views.clone(), moving.count);
+        let new_id = self.new_group(moving);
         for (r, s) in views {
-            self.region_mut(r).group_views.insert(s, rest_id);
+            self.region_mut(r).group_at.set(s, count, new_id);
         }
-        rest_id
+        if head_moves {
+            (new_id, id)
+        } else {
+            (id, new_id)
+        }
     }
 
     /// Merges idle group `id` with the idle groups just before and after it
     /// that continue it at every view (what [`HbmPolicy::split_group`] cut),
-    /// so that groups do not stay small.
-    fn merge_idle(&mut self, id: u32) {
-        if self.groups[id as usize].is_none() {
-            return; // merged into its neighbour already
-        }
+    /// so that groups do not stay small. Returns the group after it, if
+    /// that one was merged in.
+    fn merge_idle(&mut self, id: u32) -> Option<u32> {
         let (region, start, count) = {
             let group = self.group(id);
             (group.user.0, group.user.1, group.count)
         };
-        let views = &self.region(region).group_views;
-        let next = views.get(&(start + count)).copied();
-        let previous = views.range(..start).next_back().map(|(_, &before)| before);
+        // Neighbours continue a view only where they touch it.
+        let group_at = &self.region(region).group_at;
+        let next = group_at.get(start + count);
+        let previous = start.checked_sub(1).and_then(|before| group_at.get(before));
         let mut id = id;
         if let Some(before) = previous.filter(|&before| self.continues(before, id)) {
-            self.absorb(before, id);
-            id = before;
+            id = self.absorb(before, id);
         }
-        if let Some(after) = next.filter(|&after| self.continues(id, after)) {
-            self.absorb(id, after);
-        }
+        let after = next.filter(|&after| self.continues(id, after))?;
+        self.absorb(id, after);
+        Some(after)
     }
 
     /// Whether idle group `after` continues idle group `first` at every view.
@@ -274,16 +308,31 @@ impl HbmPolicy {
             })
     }
 
-    /// Appends group `after` to group `first` (see [`HbmPolicy::continues`]).
-    fn absorb(&mut self, first: u32, after: u32) {
-        let gone = self.groups[after as usize]
+    /// Joins idle group `after` to idle group `first` (see
+    /// [`HbmPolicy::continues`]); returns the id of the joined group: the
+    /// larger one's, so the granule map is rewritten under the smaller.
+    fn absorb(&mut self, first: u32, after: u32) -> u32 {
+        let (keep, gone) = if self.group(after).count > self.group(first).count {
+            (after, first)
+        } else {
+            (first, after)
+        };
+        let gone_group = self.groups[gone as usize]
             .take()
             .expect("a live alias group");
-        self.free_group_ids.push(after);
-        for (r, s) in gone.views {
-            self.region_mut(r).group_views.remove(&s);
+        self.free_group_ids.push(gone);
+        for &(r, s) in &gone_group.views {
+            self.region_mut(r).group_at.set(s, gone_group.count, keep);
         }
-        self.group_mut(first).count += gone.count;
+        let group = self.group_mut(keep);
+        if gone == first {
+            // The joined group starts where `first` did.
+            group.offset = gone_group.offset;
+            group.views = gone_group.views;
+            group.user = gone_group.user;
+        }
+        group.count += gone_group.count;
+        keep
     }
 
     fn new_group(&mut self, group: AliasGroup) -> u32 {
@@ -319,14 +368,16 @@ impl HbmPolicy {
             }
         }
         self.scratch_views = views;
-        // Groups cut apart when blocks claimed them grow back together,
-        // lowest first (the walk above was highest first).
-        idle.reverse();
+        // Groups cut apart when blocks claimed them grow back together.
         for &id in &idle {
             self.set_lent(id, false);
         }
+        // Lowest first; a group merged into the one before it is done.
+        let mut merged: Option<u32> = None;
         for &id in &idle {
-            self.merge_idle(id);
+            if merged != Some(id) {
+                merged = self.merge_idle(id);
+            }
         }
         self.scratch_idle = idle;
     }
@@ -358,11 +409,7 @@ impl HbmPolicy {
             let mut i = region.next_unlent(first, end);
             while i < end && found < bytes {
                 if region.aliased.get(i) {
-                    let (&start, &id) = region
-                        .group_views
-                        .range(..=i)
-                        .next_back()
-                        .expect("an aliased granule lies in a group view");
+                    let (start, id) = self.view_at(region_index, i);
                     let group = self.group(id);
                     if start >= first && start + group.count <= end && Self::group_idle(group, span)
                     {
@@ -464,9 +511,13 @@ impl HbmPolicy {
                     if !Self::group_idle(group, span) {
                         continue;
                     }
-                    if group.count > end - cursor {
-                        self.split_group(id, end - cursor);
-                    }
+                    // A cut leaves the rest idle and ends the walk: the
+                    // span is then backed to its end.
+                    let id = if group.count > end - cursor {
+                        self.split_group(id, end - cursor).0
+                    } else {
+                        id
+                    };
                     let group = self.group(id);
                     let (handle, offset, count) = (group.handle, group.offset, group.count);
                     self.map_chunk(
@@ -492,7 +543,7 @@ impl HbmPolicy {
     fn add_view(&mut self, id: u32, view: View) {
         let count = self.group(id).count;
         let region = self.region_mut(view.0);
-        region.group_views.insert(view.1, id);
+        region.group_at.set(view.1, count, id);
         region.aliased.set(view.1, count, true);
     }
 
@@ -501,7 +552,7 @@ impl HbmPolicy {
     pub(super) fn drop_view(&mut self, id: u32, view: View) {
         let count = self.group(id).count;
         let region = self.region_mut(view.0);
-        region.group_views.remove(&view.1);
+        region.group_at.set(view.1, count, GranuleMap::NONE);
         region.aliased.set(view.1, count, false);
         region.lent.set(view.1, count, false);
         let group = self.group_mut(id);
@@ -513,7 +564,7 @@ impl HbmPolicy {
         if group.views.len() == 1 {
             let last = group.views[0];
             let region = self.region_mut(last.0);
-            region.group_views.remove(&last.1);
+            region.group_at.set(last.1, count, GranuleMap::NONE);
             region.aliased.set(last.1, count, false);
             self.groups[id as usize] = None;
             self.free_group_ids.push(id);

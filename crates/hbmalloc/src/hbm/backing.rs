@@ -468,11 +468,7 @@ impl HbmPolicy {
             // Views of alias groups stay held at their other views; the rest
             // of the chunk becomes spare pieces.
             let end = start + chunk.count;
-            let views: Vec<(u64, u32)> = region
-                .group_views
-                .range(start..end)
-                .map(|(&s, &id)| (s, id))
-                .collect();
+            let views: Vec<(u64, u32)> = self.views_in(region_index, start, end).collect();
             let mut cursor = start;
             for (view_start, id) in views {
                 if view_start > cursor {

@@ -123,9 +123,68 @@ impl Bitmap {
     }
 }
 
+/// One group id per granule (`NONE` where no view lies), growing with the
+/// highest granule ever written, like [`Bitmap`]: which alias group's view
+/// covers a granule is one read, where a map of views by first granule took
+/// a B-tree search on every block placed on, or freed from, aliased memory.
+#[derive(Debug, Default)]
+pub(super) struct GranuleMap(Vec<u32>);
+
+impl GranuleMap {
+    /// The value of a granule no view covers.
+    pub(super) const NONE: u32 = u32::MAX;
+
+    /// The group whose view covers `granule`, if any.
+    #[inline]
+    pub(super) fn get(&self, granule: u64) -> Option<u32> {
+        self.0
+            .get(granule as usize)
+            .copied()
+            .filter(|&id| id != Self::NONE)
+    }
+
+    /// Records group `id` (or [`GranuleMap::NONE`]) at granules
+    /// `[first, first + count)`.
+    pub(super) fn set(&mut self, first: u64, count: u64, id: u32) {
+        let end = (first + count) as usize;
+        if self.0.len() < end {
+            if id == Self::NONE {
+                // Clearing past the end: already clear there.
+                let stop = end.min(self.0.len());
+                if (first as usize) < stop {
+                    self.0[first as usize..stop].fill(Self::NONE);
+                }
+                return;
+            }
+            self.0.resize(end, Self::NONE);
+        }
+        self.0[first as usize..end].fill(id);
+    }
+
+    /// Granules some view covers.
+    pub(super) fn count_set(&self) -> u64 {
+        self.0.iter().filter(|&&id| id != Self::NONE).count() as u64
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::Bitmap;
+    use super::{Bitmap, GranuleMap};
+
+    #[test]
+    fn granule_map_grows_and_clears() {
+        let mut m = GranuleMap::default();
+        assert_eq!(m.get(5), None);
+        m.set(3, 4, 9);
+        assert_eq!(
+            (m.get(2), m.get(3), m.get(6), m.get(7)),
+            (None, Some(9), Some(9), None)
+        );
+        m.set(5, 10, GranuleMap::NONE);
+        assert_eq!((m.get(4), m.get(5)), (Some(9), None));
+        assert_eq!(m.0.len(), 7, "clearing does not grow the map");
+        assert_eq!(m.count_set(), 2);
+    }
 
     #[test]
     fn bitmap_queries() {

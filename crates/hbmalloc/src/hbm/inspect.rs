@@ -35,11 +35,10 @@ impl HbmPolicy {
                     let shown = |index: u64| {
                         region.is_mapped(index)
                             && (!region.aliased.get(index)
-                                || region.group_views.range(..=index).next_back().is_some_and(
-                                    |(&start, &id)| {
-                                        self.group(id).user == (region_index as u32, start)
-                                    },
-                                ))
+                                || region.group_at.get(index).is_some_and(|id| {
+                                    let start = self.view_start(id, region_index as u32, index);
+                                    self.group(id).user == (region_index as u32, start)
+                                }))
                     };
                     let mut index = region.next_with(0, region.granules, true);
                     while index < region.granules {
@@ -368,7 +367,7 @@ impl HbmPolicy {
             }
             for &(r, s) in &group.views {
                 let region = self.region(r);
-                if region.group_views.get(&s) != Some(&(id as u32))
+                if (s..s + group.count).any(|k| region.group_at.get(k) != Some(id as u32))
                     || !region.aliased.all(s, s + group.count)
                 {
                     return Err(format!(
@@ -406,20 +405,23 @@ impl HbmPolicy {
         if per_region(|r| r.lent.count_ones()) != lent_bits {
             return Err("lent bits outside busy alias groups".into());
         }
-        let indexed_views = per_region(|r| r.group_views.len() as u64);
-        let group_views: u64 = self
-            .groups
-            .iter()
-            .flatten()
-            .map(|g| g.views.len() as u64)
-            .sum();
-        if per_region(|r| r.aliased.count_ones()) != aliased_bits || indexed_views != group_views {
+        // Every view's granules name its group (checked above), and no other
+        // granule names any.
+        if per_region(|r| r.aliased.count_ones()) != aliased_bits
+            || per_region(|r| r.group_at.count_set()) != aliased_bits
+        {
             return Err("aliased bits or view index disagree with the alias groups".into());
         }
         // Each group counts the live blocks on its user view, and no group is
         // used through two views. Blocks are matched to views granule by
         // granule here, apart from the hot path's view index.
         let mut users: BTreeMap<u32, (View, u32)> = BTreeMap::new();
+        let mut views_of_region: BTreeMap<u32, Vec<(u64, u32)>> = BTreeMap::new();
+        for (id, group) in self.groups.iter().enumerate() {
+            for &(r, s) in group.iter().flat_map(|g| &g.views) {
+                views_of_region.entry(r).or_default().push((s, id as u32));
+            }
+        }
         for (&ptr, block) in &self.live {
             let Span {
                 size,
@@ -432,7 +434,7 @@ impl HbmPolicy {
             }
             let (first, end) = granules_under(granule, region.base, ptr, size);
             let mut seen: BTreeSet<u32> = BTreeSet::new();
-            for (&s, &id) in &region.group_views {
+            for &(s, id) in views_of_region.get(&region_index).into_iter().flatten() {
                 let count = self.group(id).count;
                 if s < end && s + count > first && seen.insert(id) {
                     let entry = users.entry(id).or_insert(((region_index, s), 0));
