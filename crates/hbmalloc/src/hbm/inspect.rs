@@ -19,7 +19,7 @@ impl HbmPolicy {
         let mut free: Vec<(DevicePtr, u64)> = self
             .free_by_size
             .iter()
-            .flat_map(|index| index.iter())
+            .flat_map(|index| index.ranges())
             .map(|(size, p, _)| (p, size))
             .collect();
         free.sort_unstable();
@@ -129,7 +129,7 @@ impl HbmPolicy {
         }
         let mut large = 0usize;
         for (slot, index) in self.free_by_size.iter().enumerate() {
-            for (size, p, id) in index.iter() {
+            for (size, p, id) in index.ranges() {
                 let span = self
                     .spans
                     .get(id as usize)

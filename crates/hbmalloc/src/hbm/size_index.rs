@@ -10,8 +10,8 @@
 //!
 //! A bin is a sorted vector while it is small, which is almost always: a
 //! binary search and a short shift, where a B-tree's remove cost about 180
-//! instructions even in a one-node map (measured with
-//! `scripts/bench-instructions` on gpt2_train). A bin that grows past
+//! instructions even in a one-node map (callgrind over `hbmalloc bench` on
+//! gpt2_train, as `scripts/bench-instructions` runs it). A bin that grows past
 //! [`BIN_VEC_MAX`] ranges (many free ranges of one size: the synthetic
 //! scaling benchmark) becomes a B-tree for good, so no operation costs more
 //! than a shift of that many entries.
@@ -162,6 +162,21 @@ fn entry((key, id): (u128, u32)) -> (u64, DevicePtr, u32) {
     ((key >> 64) as u64, key as u64, id)
 }
 
+/// Calls `visit` on bin entries until it breaks; what it broke with.
+#[inline]
+fn visit_entries<B>(
+    entries: impl Iterator<Item = (u128, u32)>,
+    visit: &mut impl FnMut(u64, DevicePtr, u32) -> ControlFlow<B>,
+) -> Option<B> {
+    for found in entries {
+        let (size, ptr, id) = entry(found);
+        if let ControlFlow::Break(value) = visit(size, ptr, id) {
+            return Some(value);
+        }
+    }
+    None
+}
+
 /// The bin of a range of `size` bytes; larger sizes never get a smaller bin.
 #[inline]
 fn bin(size: u64) -> usize {
@@ -213,25 +228,11 @@ impl SizeIndex {
         self.bins[bin(size)].get(key(size, ptr))
     }
 
-    /// The ranges of at least `size` bytes, smallest first and lowest
-    /// address on ties, as (size, address, span id).
-    #[inline]
-    pub(super) fn best_fit(&self, size: u64) -> impl Iterator<Item = (u64, DevicePtr, u32)> + '_ {
-        let first = bin(size);
-        self.occupied_from(first)
-            .flat_map(move |b| {
-                // Only the first bin may hold ranges smaller than `size`.
-                let from = if b == first { key(size, 0) } else { 0 };
-                self.bins[b].range_from(from)
-            })
-            .map(entry)
-    }
-
     /// Calls `visit` with (size, address, span id) on the ranges of at
-    /// least `size` bytes in [`SizeIndex::best_fit`] order until it breaks;
-    /// returns what it broke with. The loop form of `best_fit`, for the
-    /// search past blocked candidates: an iterator chain over the bins cost
-    /// about 60 instructions per range (callgrind on cranberrii).
+    /// least `size` bytes, smallest first and lowest address on ties (best
+    /// fit), until it breaks; returns what it broke with. A loop over the
+    /// bins, not an iterator chain: a `flat_map` over them cost about 60
+    /// instructions per range (callgrind on cranberrii).
     #[inline]
     pub(super) fn walk_best_fit<B>(
         &self,
@@ -242,31 +243,27 @@ impl SizeIndex {
         for b in self.occupied_from(first) {
             // Only the first bin may hold ranges smaller than `size`.
             let from = if b == first { key(size, 0) } else { 0 };
-            match &self.bins[b] {
+            // Each bin kind walked by its own loop: the enum iterator's match
+            // per range cost 1.0-1.5% more instructions on resnet and
+            // cranberrii (callgrind).
+            let found = match &self.bins[b] {
                 Bin::Sorted(entries) => {
                     let at = entries.partition_point(|&(k, _)| k < from);
-                    for &(k, id) in &entries[at..] {
-                        let (size, ptr, id) = entry((k, id));
-                        if let ControlFlow::Break(value) = visit(size, ptr, id) {
-                            return Some(value);
-                        }
-                    }
+                    visit_entries(entries[at..].iter().copied(), &mut visit)
                 }
                 Bin::Tree(tree) => {
-                    for (&k, &id) in tree.range(from..) {
-                        let (size, ptr, id) = entry((k, id));
-                        if let ControlFlow::Break(value) = visit(size, ptr, id) {
-                            return Some(value);
-                        }
-                    }
+                    visit_entries(tree.range(from..).map(|(&k, &id)| (k, id)), &mut visit)
                 }
+            };
+            if found.is_some() {
+                return found;
             }
         }
         None
     }
 
-    /// The first of [`SizeIndex::best_fit`], without building the iterator:
-    /// the hot path's usual answer. Later bins hold only larger ranges, and
+    /// The first range [`SizeIndex::walk_best_fit`] visits, without the
+    /// walk: the hot path's usual answer. Later bins hold only larger ranges, and
     /// `size`'s own bin, if it is a bin of one size (up to 1 MiB), only
     /// ranges of `size`: the first entry of the first bin that has one is
     /// the answer, one descent of a small map. Only `size`'s own bin above
@@ -286,9 +283,14 @@ impl SizeIndex {
         self.bins[b].first().map(entry)
     }
 
-    /// Every range, in best-fit order.
-    pub(super) fn iter(&self) -> impl Iterator<Item = (u64, DevicePtr, u32)> + '_ {
-        self.best_fit(0)
+    /// Every range, in best-fit order (for snapshots and invariant checks).
+    pub(super) fn ranges(&self) -> Vec<(u64, DevicePtr, u32)> {
+        let mut ranges = Vec::new();
+        self.walk_best_fit(0, |size, ptr, id| {
+            ranges.push((size, ptr, id));
+            ControlFlow::<()>::Continue(())
+        });
+        ranges
     }
 
     /// The last range in best-fit order: the largest, highest address on ties.
@@ -334,48 +336,66 @@ mod tests {
         }
     }
 
+    type Reference = BTreeMap<(u64, u64), u32>;
+
+    /// Removes range `(size, ptr)` from both, or adds it to both where the
+    /// map lacks it, as span `step`.
+    fn mirror(
+        index: &mut SizeIndex,
+        reference: &mut Reference,
+        (size, ptr): (u64, u64),
+        remove: bool,
+        step: u32,
+    ) {
+        if remove {
+            assert_eq!(index.remove(size, ptr), reference.remove(&(size, ptr)));
+        } else if let std::collections::btree_map::Entry::Vacant(slot) =
+            reference.entry((size, ptr))
+        {
+            slot.insert(step);
+            index.insert(size, ptr, step);
+        }
+    }
+
+    /// The first `limit` ranges of the index's best-fit walk for `query`
+    /// are the map's from `(query, 0)` on, and `first_fit` is the first.
+    fn assert_best_fit(index: &SizeIndex, reference: &Reference, query: u64, limit: usize) {
+        let mut ours = Vec::new();
+        index.walk_best_fit(query, |s, p, id| {
+            ours.push((s, p, id));
+            if ours.len() == limit {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        });
+        let theirs: Vec<_> = reference
+            .range((query, 0)..)
+            .take(limit)
+            .map(|(&(s, p), &id)| (s, p, id))
+            .collect();
+        assert_eq!(ours, theirs, "best fit for {query}");
+        assert_eq!(index.first_fit(query), theirs.first().copied());
+    }
+
     /// The bins give exactly the order of one map keyed by (size, address),
     /// under random inserts and removes of sizes from 512 bytes to 64 MiB;
     /// `first_fit` is the first of that order.
     #[test]
     fn order_matches_one_map_by_size_then_address() {
         let mut index = SizeIndex::new(StreamId(0));
-        let mut reference: BTreeMap<(u64, u64), u32> = BTreeMap::new();
+        let mut reference = Reference::new();
         let mut random = Random(0x5eed);
         for step in 0..20_000u32 {
             // Sizes on both sides of the exact bins, up to 64 MiB.
             let magnitude = 1 << random.below(18);
             let size = BIN_BYTES * (1 + random.below(magnitude));
             let ptr = BIN_BYTES * random.below(512);
-            if random.below(3) == 0 {
-                assert_eq!(index.remove(size, ptr), reference.remove(&(size, ptr)));
-            } else if let std::collections::btree_map::Entry::Vacant(slot) =
-                reference.entry((size, ptr))
-            {
-                slot.insert(step);
-                index.insert(size, ptr, step);
-            }
+            let remove = random.below(3) == 0;
+            mirror(&mut index, &mut reference, (size, ptr), remove, step);
             if step % 97 == 0 {
                 let magnitude = 1 << random.below(18);
-                let query = BIN_BYTES * random.below(magnitude);
-                let ours: Vec<_> = index.best_fit(query).take(40).collect();
-                let theirs: Vec<_> = reference
-                    .range((query, 0)..)
-                    .take(40)
-                    .map(|(&(s, p), &id)| (s, p, id))
-                    .collect();
-                assert_eq!(ours, theirs, "best fit for {query} at step {step}");
-                assert_eq!(index.first_fit(query), theirs.first().copied());
-                let mut walked = Vec::new();
-                index.walk_best_fit(query, |s, p, id| {
-                    walked.push((s, p, id));
-                    if walked.len() == 40 {
-                        ControlFlow::Break(())
-                    } else {
-                        ControlFlow::Continue(())
-                    }
-                });
-                assert_eq!(walked, theirs, "walk for {query} at step {step}");
+                assert_best_fit(&index, &reference, BIN_BYTES * random.below(magnitude), 40);
                 assert_eq!(
                     index.largest(),
                     reference
@@ -386,7 +406,7 @@ mod tests {
                 assert_eq!(index.get(size, ptr), reference.get(&(size, ptr)).copied());
             }
         }
-        assert_eq!(index.iter().count(), reference.len());
+        assert_eq!(index.ranges().len(), reference.len());
     }
 
     /// Bins that outgrow their vector (hundreds of ranges of a few sizes)
@@ -394,7 +414,7 @@ mod tests {
     #[test]
     fn crowded_bins_keep_the_order() {
         let mut index = SizeIndex::new(StreamId(0));
-        let mut reference: BTreeMap<(u64, u64), u32> = BTreeMap::new();
+        let mut reference = Reference::new();
         let mut random = Random(0xb1b);
         let sizes = [512, 4096, 3 << 20, (3 << 20) + 512];
         for step in 0..20_000u32 {
@@ -402,24 +422,10 @@ mod tests {
             let ptr = BIN_BYTES * random.below(4 * BIN_VEC_MAX as u64);
             // Mostly inserts at first, then mostly removes.
             let remove_one_in = if step < 10_000 { 4 } else { 2 };
-            if random.below(remove_one_in) == 0 {
-                assert_eq!(index.remove(size, ptr), reference.remove(&(size, ptr)));
-            } else if let std::collections::btree_map::Entry::Vacant(slot) =
-                reference.entry((size, ptr))
-            {
-                slot.insert(step);
-                index.insert(size, ptr, step);
-            }
+            let remove = random.below(remove_one_in) == 0;
+            mirror(&mut index, &mut reference, (size, ptr), remove, step);
             if step % 101 == 0 {
-                let query = sizes[random.below(4) as usize];
-                let ours: Vec<_> = index.best_fit(query).take(300).collect();
-                let theirs: Vec<_> = reference
-                    .range((query, 0)..)
-                    .take(300)
-                    .map(|(&(s, p), &id)| (s, p, id))
-                    .collect();
-                assert_eq!(ours, theirs, "best fit for {query} at step {step}");
-                assert_eq!(index.first_fit(query), theirs.first().copied());
+                assert_best_fit(&index, &reference, sizes[random.below(4) as usize], 300);
                 assert_eq!(index.get(size, ptr), reference.get(&(size, ptr)).copied());
             }
         }
@@ -427,6 +433,6 @@ mod tests {
             index.bins.iter().any(|bin| matches!(bin, Bin::Tree(_))),
             "some bin outgrew its vector"
         );
-        assert_eq!(index.iter().count(), reference.len());
+        assert_eq!(index.ranges().len(), reference.len());
     }
 }
