@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use hbmalloc::format::format_bytes;
 use hbmalloc::PolicyConfig;
 use hbmalloc_replay::{evaluate, fidelity, snapshot_at_peak, EvalOptions, Metrics};
@@ -37,6 +37,18 @@ struct Cli {
     command: Command,
 }
 
+/// What-if options of `compare` and `replay`.
+#[derive(Args)]
+struct WhatIf {
+    /// What if the program ran N more steps: find each trace's last
+    /// repeating step (a stretch of operations, sizes and streams alike, that
+    /// repeats the one before it: a training iteration) and run it N more
+    /// times before the trace's tail. The steady state of a long run, from a
+    /// trace of a few steps; a trace without one is refused.
+    #[arg(long, value_name = "N")]
+    repeat_step: Option<usize>,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Replay traces under each configuration and print them side by side.
@@ -58,13 +70,8 @@ enum Command {
         /// Print one JSON object per line instead of the table.
         #[arg(long)]
         json: bool,
-        /// What if the program ran N more steps: find each trace's last
-        /// repeating step (a stretch of operations, sizes and streams alike,
-        /// that repeats the one before it: a training iteration) and run it
-        /// N more times before the trace's tail. The steady state of a long
-        /// run, from a trace of a few steps; a trace without one is refused.
-        #[arg(long, value_name = "N")]
-        repeat_step: Option<usize>,
+        #[command(flatten)]
+        what_if: WhatIf,
     },
     /// Replay traces under one policy and print the metrics.
     Replay {
@@ -102,13 +109,8 @@ enum Command {
         /// the extension. One trace file only.
         #[arg(long, value_name = "PATH")]
         snapshot_at_peak: Option<PathBuf>,
-        /// What if the program ran N more steps: find each trace's last
-        /// repeating step (a stretch of operations, sizes and streams alike,
-        /// that repeats the one before it: a training iteration) and run it
-        /// N more times before the trace's tail. The steady state of a long
-        /// run, from a trace of a few steps; a trace without one is refused.
-        #[arg(long, value_name = "N")]
-        repeat_step: Option<usize>,
+        #[command(flatten)]
+        what_if: WhatIf,
     },
     /// Check that policy pytorch reproduces the segment decisions recorded in PyTorch snapshots.
     Fidelity {
@@ -193,10 +195,10 @@ fn run(command: Command) -> Result<(), String> {
             capacity,
             no_min_capacity,
             json,
-            repeat_step,
+            what_if,
         } => {
             let runs = parse_runs(&runs)?;
-            let traces = repeat_steps(load_or_bundled(&traces)?, repeat_step)?;
+            let traces = repeat_steps(load_or_bundled(&traces)?, what_if.repeat_step)?;
             let mut rows = Vec::new();
             for trace in &traces {
                 for device in &trace.devices {
@@ -234,7 +236,7 @@ fn run(command: Command) -> Result<(), String> {
             ignore_recorded_ooms,
             json,
             snapshot_at_peak: snapshot_path,
-            repeat_step,
+            what_if,
         } => {
             let policy = PolicyConfig::parse(&policy, &config).map_err(|e| e.to_string())?;
             if snapshot_path.is_some() && traces.len() > 1 {
@@ -243,7 +245,7 @@ fn run(command: Command) -> Result<(), String> {
                     traces.len()
                 ));
             }
-            for trace in repeat_steps(load_all(&traces)?, repeat_step)? {
+            for trace in repeat_steps(load_all(&traces)?, what_if.repeat_step)? {
                 for device in &trace.devices {
                     let options = EvalOptions {
                         policy: policy.clone(),
