@@ -282,7 +282,10 @@ fn counterpart(
     }
 }
 
-/// Every free and record_stream names a live allocation, and no id is made twice.
+/// Every free and record_stream names a live allocation, and no id is made
+/// twice: the rule `hbmalloc-replay` applies when it prepares a trace,
+/// checked here so that a copy that breaks it is refused where it is made,
+/// with the step's operation named.
 fn check_lifetimes(mut live: HashSet<AllocId>, ops: &[Op]) -> Result<(), String> {
     for (at, op) in ops.iter().enumerate() {
         match *op {
@@ -375,17 +378,43 @@ mod tests {
         assert!(shapes(&longer) == shapes(&eight));
         check_lifetimes(HashSet::new(), &longer.ops).expect("every free names a live block");
         // And every allocation is freed by the end, as in the original.
-        let allocs = longer
-            .ops
-            .iter()
-            .filter(|op| matches!(op, Op::Alloc { .. }))
-            .count();
-        let frees = longer
-            .ops
-            .iter()
-            .filter(|op| matches!(op, Op::Free { .. }))
-            .count();
+        let (allocs, frees) = longer.ops.iter().fold((0, 0), |(a, f), op| match op {
+            Op::Alloc { .. } => (a + 1, f),
+            Op::Free { .. } => (a, f + 1),
+            _ => (a, f),
+        });
         assert_eq!(allocs, frees);
+    }
+
+    #[test]
+    fn a_copy_that_would_free_a_freed_block_is_refused() {
+        // Steps 2 and 3 have the same shape, but step 3 frees the block it
+        // made itself where step 2 freed one made before: a copy of step 3
+        // would free step 3's block, which step 3 already freed.
+        let (s, t) = (4096, 512);
+        let mut ops = vec![alloc(1, s)];
+        let mut next = 100;
+        for step in 1..=3u64 {
+            let y = 10 + step;
+            ops.push(alloc(y, s));
+            for _ in 0..16 {
+                ops.push(alloc(next, t));
+                ops.push(free(next));
+                next += 1;
+            }
+            match step {
+                1 => {}
+                2 => ops.extend([free(y - 1), free(1)]),
+                _ => ops.extend([free(y - 1), free(y)]),
+            }
+        }
+        let trace = DeviceTrace {
+            ops,
+            ..DeviceTrace::default()
+        };
+        assert_eq!(find_last_step(&trace.ops).map(|step| step.len), Some(35));
+        let error = repeat_last_step(&trace, 1).expect_err("a double free");
+        assert!(error.to_string().contains("which is not live"), "{error}");
     }
 
     #[test]
