@@ -2,8 +2,22 @@
 //!
 //! The profiler logs one `[memory]` instant event per allocation and free:
 //! `args.Addr`, `args.Bytes` (negative for a free), `args["Device Type"]`
-//! (0 CPU, 1 CUDA) and `args["Device Id"]`. Events are replayed in timestamp
-//! order; it knows nothing of segments or streams, so every op is on stream 0.
+//! (c10's `DeviceType`: 0 CPU, 1 CUDA, also on ROCm) and `args["Device Id"]`,
+//! and one `[OutOfMemory]` event (no `Addr`) per failed allocation, which
+//! becomes [`Op::Oom`]. Events are replayed in timestamp order; the trace
+//! knows nothing of segments or streams, so every op is on stream 0.
+//!
+//! Devices: a GPU run logs host (CPU) and device memory in the same file.
+//! CPU events become device `-1`; every other device type keeps its
+//! `Device Id` (a CUDA device 0 is device 0). Two device types sharing an id
+//! (rare) stay separate traces with the same number.
+//!
+//! The document is `{"traceEvents": [...], ...}` with any other keys
+//! (`deviceProperties`, `distributedInfo`, `baseTimeNanoseconds`, ...) or a
+//! bare event array; `ts` is a number (a numeric string is also read). A
+//! document with no `[memory]` event at all is refused: it was recorded
+//! without `profile_memory=True` (or is another JSON file), and has nothing
+//! to replay.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -40,9 +54,17 @@ pub fn parse_chrome_trace(bytes: &[u8]) -> Result<Trace, TraceError> {
 
     let mut memory_events = Vec::new();
     for (index, event) in events.iter().enumerate() {
-        if event.get("name").and_then(Json::as_str) == Some("[memory]") {
-            memory_events.push(MemoryEvent::parse(index, event)?);
+        match event.get("name").and_then(Json::as_str) {
+            Some("[memory]") => memory_events.push(MemoryEvent::parse(index, event, false)?),
+            Some("[OutOfMemory]") => memory_events.push(MemoryEvent::parse(index, event, true)?),
+            _ => {}
         }
+    }
+    if memory_events.is_empty() {
+        return Err(entry_error(
+            "traceEvents",
+            "no [memory] events (record with torch.profiler.profile(profile_memory=True))",
+        ));
     }
     // Stable, so events with equal timestamps keep their file order.
     memory_events.sort_by(|a, b| a.ts.total_cmp(&b.ts));
@@ -73,22 +95,29 @@ fn entry_error(path: &str, message: &str) -> TraceError {
     )
 }
 
-/// One `[memory]` event.
+/// One `[memory]` or `[OutOfMemory]` event.
 struct MemoryEvent {
     ts: f64,
     addr: u64,
     bytes: i64,
     device_type: i64,
     device_id: i64,
+    /// `[OutOfMemory]`: `bytes` is the request that failed.
+    out_of_memory: bool,
 }
 
 impl MemoryEvent {
-    fn parse(index: usize, event: &Json) -> Result<Self, TraceError> {
+    fn parse(index: usize, event: &Json, out_of_memory: bool) -> Result<Self, TraceError> {
         let path = format!("traceEvents[{index}]");
+        let name = if out_of_memory {
+            "[OutOfMemory]"
+        } else {
+            "[memory]"
+        };
         let args = event
             .get("args")
             .filter(|a| a.is_object())
-            .ok_or_else(|| entry_error(&path, "[memory] event without an 'args' object"))?;
+            .ok_or_else(|| entry_error(&path, &format!("{name} event without an 'args' object")))?;
         let int = |key: &str, default: Option<i64>| -> Result<i64, TraceError> {
             match args.get(key) {
                 None => default.ok_or_else(|| entry_error(&path, &format!("missing args.{key}"))),
@@ -102,17 +131,21 @@ impl MemoryEvent {
             }
         };
         let ts = match event.get("ts") {
-            None => 0.0,
-            Some(ts) => ts
-                .as_f64()
-                .ok_or_else(|| entry_error(&path, &format!("ts is not a number: {ts}")))?,
+            None => Some(0.0),
+            Some(Json::String(text)) => text.trim().parse::<f64>().ok(),
+            Some(ts) => ts.as_f64(),
         };
+        let ts = ts
+            .filter(|ts| ts.is_finite())
+            .ok_or_else(|| entry_error(&path, "ts is not a number"))?;
         Ok(MemoryEvent {
             ts,
-            addr: int("Addr", None)? as u64,
+            // An OOM names no address.
+            addr: int("Addr", out_of_memory.then_some(0))? as u64,
             bytes: int("Bytes", None)?,
             device_type: int("Device Type", Some(DEVICE_TYPE_CPU))?,
             device_id: int("Device Id", Some(-1))?,
+            out_of_memory,
         })
     }
 }
@@ -141,6 +174,15 @@ impl DeviceBuilder {
     }
 
     fn apply(&mut self, event: &MemoryEvent) {
+        if event.out_of_memory {
+            // The profiler logs no free device memory for an OOM.
+            self.trace.ops.push(Op::Oom {
+                size: event.bytes.unsigned_abs(),
+                stream: 0,
+                device_free: 0,
+            });
+            return;
+        }
         match event.bytes {
             0 => self.skip("zero-byte event"),
             bytes if bytes > 0 => {

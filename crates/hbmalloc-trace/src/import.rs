@@ -35,11 +35,11 @@ pub fn parse_bytes(name: &str, bytes: &[u8]) -> Result<Trace, TraceError> {
             if inner.starts_with(&[0x1f, 0x8b]) {
                 Err(TraceError::new("gzip", Location::File, "gzip inside gzip"))
             } else {
-                parse_plain(&inner)
+                parse_plain(name, &inner)
             }
         })
     } else {
-        parse_plain(bytes)
+        parse_plain(name, bytes)
     };
     match result {
         Ok(mut trace) => {
@@ -50,7 +50,7 @@ pub fn parse_bytes(name: &str, bytes: &[u8]) -> Result<Trace, TraceError> {
     }
 }
 
-fn parse_plain(bytes: &[u8]) -> Result<Trace, TraceError> {
+fn parse_plain(name: &str, bytes: &[u8]) -> Result<Trace, TraceError> {
     let text_start = bytes
         .strip_prefix("\u{feff}".as_bytes())
         .unwrap_or(bytes)
@@ -61,7 +61,7 @@ fn parse_plain(bytes: &[u8]) -> Result<Trace, TraceError> {
     } else if text_start.starts_with(b"{") || text_start.starts_with(b"[") {
         parse_chrome_trace(bytes)
     } else if text_start.starts_with(RMM_HEADER.as_bytes()) {
-        parse_rmm_csv(bytes)
+        parse_rmm_csv(name, bytes)
     } else {
         Err(TraceError::new(
             "detect",

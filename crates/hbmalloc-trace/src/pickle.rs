@@ -289,15 +289,13 @@ impl Parser<'_> {
             .map_err(|_| self.error(format!("bad memo key {line:?}")))
     }
 
+    /// A text string. Python writes `str` with `surrogatepass`, so a lone
+    /// surrogate (say, in a frame's file name) arrives as bytes that are not
+    /// UTF-8; such strings are decoded with replacement characters rather
+    /// than refusing the file.
     fn push_str(&mut self, len: usize) -> Result<(), TraceError> {
-        let bytes = self.take(len)?;
-        match std::str::from_utf8(bytes) {
-            Ok(text) => {
-                let text = text.to_string();
-                self.push_value(Value::Str(text))
-            }
-            Err(_) => Err(self.error("string is not valid UTF-8")),
-        }
+        let text = String::from_utf8_lossy(self.take(len)?).into_owned();
+        self.push_value(Value::Str(text))
     }
 
     fn push_bytes(&mut self, len: usize) -> Result<(), TraceError> {

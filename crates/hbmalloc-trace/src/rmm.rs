@@ -1,6 +1,14 @@
 //! RMM logging-adaptor CSV (`rmm::mr::logging_resource_adaptor`) → [`Trace`].
 //!
-//! Lines are `Thread,Time,Action,Pointer,Size,Stream`, one device (0).
+//! The header is `Thread,Time,Action,Pointer,Size,Stream` in every RMM
+//! version; each line is `thread,HH:MM:SS.micros,action,pointer,size,stream`
+//! with action `allocate`, `free` or `allocate failure`. Pointers and
+//! streams are hex: `0x7f..` (fmt, spdlog-era RMM) or bare `7f..`
+//! (`%llx`, rapids-logger-era RMM); a null one is `0x0` or `0`.
+//!
+//! One file is one device. `rmm.reinitialize(logging=True, devices=[...])`
+//! writes one log per device and names it `<name>.dev<N><ext>`; that `N` is
+//! the device, otherwise 0.
 
 use std::collections::HashMap;
 
@@ -10,8 +18,8 @@ use crate::model::{AllocId, DeviceTrace, Op, Trace};
 /// The header line RMM writes.
 pub const RMM_HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream";
 
-/// Parses an RMM log.
-pub fn parse_rmm_csv(bytes: &[u8]) -> Result<Trace, TraceError> {
+/// Parses an RMM log; `name` (the file name) may say the device.
+pub fn parse_rmm_csv(name: &str, bytes: &[u8]) -> Result<Trace, TraceError> {
     let text = std::str::from_utf8(bytes).map_err(|e| {
         TraceError::new(
             "rmm-csv",
@@ -25,7 +33,10 @@ pub fn parse_rmm_csv(bytes: &[u8]) -> Result<Trace, TraceError> {
         _ => return Err(line_error(0, format!("expected the header '{RMM_HEADER}'"))),
     }
 
-    let mut trace = DeviceTrace::default();
+    let mut trace = DeviceTrace {
+        device: device_from_file_name(name),
+        ..DeviceTrace::default()
+    };
     let mut live: HashMap<u64, AllocId> = HashMap::new();
     let mut next_id: AllocId = 0;
     for (index, line) in lines {
@@ -103,4 +114,19 @@ fn parse_hex(text: &str) -> Option<u64> {
         .or_else(|| text.strip_prefix("0X"))
         .unwrap_or(text);
     u64::from_str_radix(digits, 16).ok()
+}
+
+/// The `N` of a `.dev<N>` that RMM's Python package (`_append_id`) puts
+/// before the extension of a per-device log name, e.g. `rmm_log.dev1.csv`
+/// (the last such part wins; `.gz` and other suffixes may follow).
+fn device_from_file_name(name: &str) -> i64 {
+    name.split('.')
+        .skip(1) // the stem: `dev1.csv` is not a `.dev1` suffix
+        .filter_map(|part| part.strip_prefix("dev"))
+        .filter(|digits| {
+            (1..=9).contains(&digits.len()) && digits.bytes().all(|b| b.is_ascii_digit())
+        })
+        .filter_map(|digits| digits.parse().ok())
+        .last()
+        .unwrap_or(0)
 }

@@ -5,6 +5,15 @@
 //! start long after the program did, so the state at the window start is
 //! rebuilt by walking the history backwards from the dumped state, as
 //! PyTorch's own viewer (`torch/cuda/_memory_viz.py`, `MemoryViz.js`) does.
+//!
+//! Accepted variants, from torch 2.0 on (and ROCm builds, which write the
+//! same format): entries with or without `time_us`, `frames`,
+//! `compile_context` or `user_metadata`; blocks without `address` (they tile
+//! their segment) or without `requested_size` (taken from `history[0]`);
+//! `snapshot`, `annotate` and `user_defined` entries (markers, skipped); and
+//! `free`, MemoryViz.js's name for a free that completed at once. Keys this
+//! importer does not use (`segment_pool_id`, `external_annotations`,
+//! `host_segments`, ...) are ignored.
 
 use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -28,23 +37,33 @@ const SMALL_SEGMENT_SIZE: u64 = 2 << 20;
 const MIN_BLOCK_SIZE: u64 = 512;
 
 /// Converts a decoded snapshot pickle into a trace.
+///
+/// The root is the dict `torch.cuda.memory._snapshot()` returns or, as
+/// `torch/cuda/_memory_viz.py` also accepts, the bare list of segments
+/// `torch.cuda.memory_snapshot()` returns. A snapshot without allocation
+/// history (no `device_traces`, or only empty ones: recorded without
+/// `_record_memory_history`) is not refused: each device with segments gets
+/// its dumped state as the window start and no ops, so a replay holds that
+/// state and nothing more.
 pub fn snapshot_to_trace(doc: &Document) -> Result<Trace, TraceError> {
     let reader = Reader {
         doc,
         budget: Cell::new(doc.len()),
     };
     let root = doc.root();
-    if !matches!(doc.get(root), Value::Dict(_)) {
-        return Err(reader.wrong_type("snapshot", root, "a dict"));
-    }
-    let segments = match doc.dict_get(root, "segments") {
-        Some(id) => reader.list(id, "segments")?,
-        None => Vec::new(),
+    let (segments, segments_path) = match doc.get(root) {
+        Value::Dict(_) => match doc.dict_get(root, "segments") {
+            Some(id) => (reader.list(id, "segments")?, "segments"),
+            None => (Vec::new(), "segments"),
+        },
+        // `torch.cuda.memory_snapshot()`: segments only.
+        Value::List(items) => (items.clone(), ""),
+        _ => return Err(reader.wrong_type("snapshot", root, "a dict or a list of segments")),
     };
     let segments = segments
         .iter()
         .enumerate()
-        .map(|(i, &id)| reader.segment(id, &format!("segments[{i}]")))
+        .map(|(i, &id)| reader.segment(id, &format!("{segments_path}[{i}]")))
         .collect::<Result<Vec<_>, _>>()?;
 
     let mut traces: BTreeMap<i64, Vec<Entry>> = BTreeMap::new();
@@ -124,11 +143,14 @@ struct Block {
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum Action {
     Alloc,
+    /// A free that completed at once: `free_requested` directly followed by
+    /// its `free_completed`, as MemoryViz.js writes the pair.
+    Free,
     FreeRequested,
     FreeCompleted,
     Segment(SegmentEventKind),
     Oom,
-    /// `snapshot`, `annotate`: markers with no allocator effect.
+    /// `snapshot`, `annotate`, `user_defined`: markers with no allocator effect.
     Marker,
     Unknown,
 }
@@ -282,12 +304,18 @@ impl Reader<'_> {
                     .ok_or_else(|| self.error(&block_path, "missing 'state'".to_string()))?;
                 let (live, pending_free) = match state {
                     "active_allocated" => (true, false),
-                    "active_pending_free" => (true, true),
+                    // `active_awaiting_free` is the name the `_snapshot()`
+                    // docstring gives the state PyTorch writes as
+                    // `active_pending_free`.
+                    "active_pending_free" | "active_awaiting_free" => (true, true),
                     _ => (false, false),
                 };
-                let requested_size = self
-                    .word_field(block, "requested_size", &block_path)?
-                    .unwrap_or(size);
+                let requested_size = match self.word_field(block, "requested_size", &block_path)? {
+                    Some(requested) => requested,
+                    None => self
+                        .legacy_requested_size(block, &block_path)?
+                        .unwrap_or(size),
+                };
                 blocks.push(Block {
                     address: block_address,
                     size,
@@ -308,6 +336,28 @@ impl Reader<'_> {
         })
     }
 
+    /// Older snapshots (torch 2.0) give a block no `requested_size`; its
+    /// latest allocation's size is `history[0].real_size`, as PyTorch's
+    /// viewers read it (`_block_extra_legacy` in `torch/cuda/_memory_viz.py`).
+    fn legacy_requested_size(&self, block: ValueId, path: &str) -> Result<Option<u64>, TraceError> {
+        let Some(history) = self.field(block, "history") else {
+            return Ok(None);
+        };
+        let path = format!("{path}.history");
+        // Only the first item is read, so the list is not copied: a history
+        // shared by every block through the memo costs nothing extra.
+        let latest = match self.doc.get(history) {
+            Value::List(items) | Value::Tuple(items) => items.first().copied(),
+            _ => return Err(self.wrong_type(&path, history, "a list")),
+        };
+        let Some(latest) = latest else {
+            return Ok(None);
+        };
+        let path = format!("{path}[0]");
+        self.dict(latest, &path)?;
+        self.word_field(latest, "real_size", &path)
+    }
+
     fn entry(&self, id: ValueId, path: &str) -> Result<Entry, TraceError> {
         self.dict(id, path)?;
         self.spend(path)?;
@@ -316,6 +366,8 @@ impl Reader<'_> {
             .ok_or_else(|| self.error(path, "missing 'action'".to_string()))?;
         let action = match name {
             "alloc" => Action::Alloc,
+            // MemoryViz.js's name for a free_requested that completed at once.
+            "free" => Action::Free,
             "free_requested" => Action::FreeRequested,
             "free_completed" => Action::FreeCompleted,
             "segment_alloc" => Action::Segment(SegmentEventKind::Alloc),
@@ -323,7 +375,7 @@ impl Reader<'_> {
             "segment_map" => Action::Segment(SegmentEventKind::Map),
             "segment_unmap" => Action::Segment(SegmentEventKind::Unmap),
             "oom" => Action::Oom,
-            "snapshot" | "annotate" => Action::Marker,
+            "snapshot" | "annotate" | "user_defined" => Action::Marker,
             _ => Action::Unknown,
         };
         let stream = self.word_field(id, "stream", path)?.unwrap_or(0);
@@ -562,7 +614,7 @@ fn rebuild_device(device: i64, segments: &[&Segment], entries: &[Entry]) -> Devi
                     skip("alloc of a block the dump does not show");
                 }
             }
-            Action::FreeRequested => {
+            Action::Free | Action::FreeRequested => {
                 live.entry(entry.addr)
                     .or_insert_with(|| LiveBlock {
                         size: rounded_block_size(entry.size),
@@ -737,6 +789,10 @@ fn rebuild_device(device: i64, segments: &[&Segment], entries: &[Entry]) -> Devi
                         pending_streams.insert(entry.addr, stream);
                     }
                 }
+                None => skip("free of an unknown address"),
+            },
+            Action::Free => match addr_to_id.remove(&entry.addr) {
+                Some(id) => ops.push(Op::Free { id }),
                 None => skip("free of an unknown address"),
             },
             Action::FreeCompleted => match pending_streams.remove(&entry.addr) {

@@ -450,6 +450,277 @@ fn snapshot_devices_are_ordered_and_torch_npu_is_detected() {
     );
 }
 
+/// `torch.cuda.memory_snapshot()` returns the segment list alone, and
+/// `torch/cuda/_memory_viz.py` reads such a pickle as a snapshot without history.
+#[test]
+fn snapshot_root_list_is_segments_without_history() {
+    let base = 0x1000_0000;
+    let segments = Py::List(vec![segment(
+        base,
+        2 * MIB,
+        false,
+        vec![
+            block(base, 512, 100, "active_allocated"),
+            block(base + 512, 2 * MIB - 512, 0, "inactive"),
+        ],
+    )]);
+    let trace = import("segments.pickle", &segments.dump());
+    assert_eq!(trace.devices.len(), 1);
+    let device = &trace.devices[0];
+    assert!(device.ops.is_empty());
+    assert_eq!(device.initial_segments[0].total_size(), 2 * MIB);
+    assert_eq!(
+        device.initial_segments[0].blocks[0].state,
+        InitialBlockState::Allocated(0)
+    );
+    assert!(import_error(&Py::Int(3).dump()).contains("expected a dict or a list of segments"));
+}
+
+/// A snapshot dumped without `_record_memory_history` has segments and no
+/// `device_traces`: it imports as the dumped state with no ops (documented
+/// in `snapshot_to_trace`), not as an error.
+#[test]
+fn snapshot_without_history_keeps_the_dumped_state_and_no_ops() {
+    let base = 0x1000_0000;
+    let root = Py::Dict(vec![(
+        "segments",
+        Py::List(vec![segment(
+            base,
+            20 * MIB,
+            false,
+            vec![block(base, 20 * MIB, 0, "inactive")],
+        )]),
+    )]);
+    let trace = import("state.pickle", &root.dump());
+    let device = &trace.devices[0];
+    assert!(device.ops.is_empty());
+    assert_eq!(device.initial_segments[0].blocks, vec![free(20 * MIB)]);
+    let recorded = device.recorded.as_ref().unwrap();
+    assert_eq!(recorded.initial_reserved_bytes, 20 * MIB);
+    assert!(recorded.segment_events.is_empty());
+}
+
+/// torch 2.0's format (`THCPModule_memorySnapshot` with `History`): blocks
+/// carry `size`, `state` and `history` (`addr`, `real_size`, `frames`) but no
+/// `address` or `requested_size`; entries have no `time_us`.
+#[test]
+fn snapshot_legacy_blocks_take_the_requested_size_from_history() {
+    let base = 0x1000_0000;
+    let legacy_block = |size, state, real_size: Option<u64>| {
+        let mut pairs = vec![("size", Py::int(size)), ("state", Py::Str(state))];
+        if let Some(real_size) = real_size {
+            pairs.push((
+                "history",
+                Py::List(vec![Py::Dict(vec![
+                    ("addr", Py::int(base)),
+                    ("real_size", Py::int(real_size)),
+                    ("frames", Py::List(vec![])),
+                ])]),
+            ));
+        }
+        Py::Dict(pairs)
+    };
+    let legacy_segment = Py::Dict(vec![
+        ("device", Py::int(0)),
+        ("address", Py::int(base)),
+        ("total_size", Py::int(2 * MIB)),
+        ("allocated_size", Py::int(1024)),
+        ("active_size", Py::int(1536)),
+        ("stream", Py::int(0)),
+        ("segment_type", Py::Str("small")),
+        (
+            "blocks",
+            Py::List(vec![
+                legacy_block(1024, "active_allocated", Some(1000)),
+                // The docstring's name for active_pending_free.
+                legacy_block(512, "active_awaiting_free", Some(300)),
+                legacy_block(2 * MIB - 1536, "inactive", None),
+            ]),
+        ),
+    ]);
+    let trace_entry = Py::Dict(vec![
+        ("action", Py::Str("free_completed")),
+        ("addr", Py::int(base + 1024)),
+        ("size", Py::int(300)),
+        ("stream", Py::int(0)),
+    ]);
+    let device = &import(
+        "legacy.pickle",
+        &snapshot(vec![legacy_segment], vec![trace_entry]).dump(),
+    )
+    .devices[0];
+    let blocks = &device.initial_segments[0].blocks;
+    assert_eq!(blocks[0].requested_size, 1000);
+    assert_eq!(blocks[1].requested_size, 300);
+    // The pending block's free completes in the window.
+    let stream = DEFERRED_FREE_STREAM_BASE | 1;
+    assert_eq!(
+        device.ops,
+        vec![
+            Op::RecordStream { id: 1, stream },
+            Op::Free { id: 1 },
+            Op::StreamComplete { stream },
+        ]
+    );
+    assert!(device.skipped.is_empty(), "{:?}", device.skipped);
+}
+
+/// `user_defined` entries (torch 2.4-era `TraceEntry::USER_DEFINED`) are
+/// markers, and `free` (MemoryViz.js's name for a free that completed at
+/// once) frees; neither is an unknown action.
+#[test]
+fn snapshot_user_defined_is_skipped_and_free_frees() {
+    let trace = vec![
+        entry("alloc", 0x100, 8),
+        entry("user_defined", 0, 0),
+        entry("free", 0x100, 8),
+        entry("free", 0x900, 8),
+    ];
+    let device = &import("actions.pickle", &snapshot(vec![], trace).dump()).devices[0];
+    assert_eq!(
+        device.ops,
+        vec![
+            Op::Alloc {
+                id: 1,
+                size: 8,
+                stream: 0
+            },
+            Op::Free { id: 1 },
+            // Allocated before the window (outside any dumped segment).
+            Op::Free { id: 0 },
+        ]
+    );
+    assert!(
+        !device
+            .skipped
+            .keys()
+            .any(|k| k.starts_with("unknown action")),
+        "{:?}",
+        device.skipped
+    );
+}
+
+/// Writes `value` the way torch's C++ `Pickler` does for
+/// `torch::cuda::_memory_snapshot_pickled` (protocol 2, `tag_aggregates`
+/// off): `BINPUT` after every container and new string, `BINGET` for a
+/// repeated string, `BININT1`/`BININT2`/`BININT`/8-byte `LONG1` ints.
+fn dump_like_torch_jit(value: &Py) -> Vec<u8> {
+    fn put(out: &mut Vec<u8>, memo: &mut u32) {
+        out.extend([b'r']);
+        out.extend(memo.to_le_bytes());
+        *memo += 1;
+    }
+    fn write(
+        value: &Py,
+        out: &mut Vec<u8>,
+        memo: &mut u32,
+        strings: &mut Vec<(&'static str, u32)>,
+    ) {
+        match value {
+            Py::Int(n) => match i64::try_from(*n).unwrap() {
+                n @ 0..=255 => out.extend([b'K', n as u8]),
+                n @ 256..=65535 => {
+                    out.push(b'M');
+                    out.extend((n as u16).to_le_bytes());
+                }
+                n if i32::try_from(n).is_ok() => {
+                    out.push(b'J');
+                    out.extend((n as i32).to_le_bytes());
+                }
+                n => {
+                    out.extend([0x8a, 8]);
+                    out.extend(n.to_le_bytes());
+                }
+            },
+            Py::Str(s) => match strings.iter().find(|(t, _)| t == s) {
+                Some(&(_, id)) => {
+                    out.push(b'j');
+                    out.extend(id.to_le_bytes());
+                }
+                None => {
+                    out.push(b'X');
+                    out.extend((s.len() as u32).to_le_bytes());
+                    out.extend(s.as_bytes());
+                    strings.push((s, *memo));
+                    put(out, memo);
+                }
+            },
+            Py::List(items) => {
+                out.extend([b']', b'(']);
+                items.iter().for_each(|i| write(i, out, memo, strings));
+                out.push(b'e');
+                put(out, memo);
+            }
+            Py::Dict(pairs) => {
+                out.extend([b'}', b'(']);
+                for (k, v) in pairs {
+                    write(&Py::Str(k), out, memo, strings);
+                    write(v, out, memo, strings);
+                }
+                out.push(b'u');
+                put(out, memo);
+            }
+            Py::Tuple(items) if items.len() == 2 => {
+                items.iter().for_each(|i| write(i, out, memo, strings));
+                out.push(0x86);
+            }
+            other => other.write(out),
+        }
+    }
+    let mut out = vec![0x80, 2];
+    write(value, &mut out, &mut 0, &mut Vec::new());
+    out.push(b'.');
+    out
+}
+
+#[test]
+fn snapshot_pickles_of_every_writer_read_the_same() {
+    let base = 0x7f12_3400_0000;
+    let mut seg = segment(
+        base,
+        20 * MIB,
+        false,
+        vec![block(base, 20 * MIB, 0, "inactive")],
+    );
+    if let Py::Dict(pairs) = &mut seg {
+        pairs.push(("segment_pool_id", Py::Tuple(vec![Py::int(0), Py::int(0)])));
+    }
+    let mut alloc = entry("alloc", base, 70_000);
+    if let Py::Dict(pairs) = &mut alloc {
+        pairs.push(("time_us", Py::Int(1_700_000_000_000_000)));
+        pairs.push(("compile_context", Py::Str("N/A")));
+        pairs.push(("user_metadata", Py::Str("")));
+    }
+    let value = snapshot(
+        vec![seg],
+        vec![alloc, entry("free_requested", base, 70_000)],
+    );
+    let expected = import("p4.pickle", &value.dump());
+    assert_eq!(expected.devices[0].ops.len(), 3);
+    // torch's C++ pickler (protocol 2).
+    assert_eq!(import("p4.pickle", &dump_like_torch_jit(&value)), expected);
+    // Python 3.8+ with protocol 5: PROTO 5, then one FRAME around the body.
+    let body = &value.dump()[2..];
+    let mut framed = vec![0x80, 5, 0x95];
+    framed.extend((body.len() as u64).to_le_bytes());
+    framed.extend(body);
+    assert_eq!(import("p4.pickle", &framed), expected);
+}
+
+/// Python pickles `str` with `surrogatepass`: a lone surrogate in, say, a
+/// frame's file name arrives as bytes that are not UTF-8.
+#[test]
+fn pickle_string_with_a_lone_surrogate_is_read() {
+    let mut bytes = vec![0x80, 4, 0x8c, 5, b'a'];
+    bytes.extend([0xed, 0xa0, 0x80]); // U+D800, surrogatepass-encoded
+    bytes.extend([b'b', b'.']);
+    let doc = pickle::parse(&bytes).unwrap();
+    let Value::Str(text) = doc.get(doc.root()) else {
+        panic!("not a str")
+    };
+    assert!(text.starts_with('a') && text.ends_with('b'), "{text:?}");
+}
+
 fn memory_event(ts: f64, addr: u64, bytes: i64, device_type: i64, device_id: i64) -> String {
     format!(
         r#"{{"ph": "i", "name": "[memory]", "ts": {ts}, "args": {{"Addr": {addr}, "Bytes": {bytes}, "Device Type": {device_type}, "Device Id": {device_id}}}}}"#
@@ -539,6 +810,102 @@ fn chrome_trace_alloc_at_a_live_address_frees_the_old_one() {
     );
 }
 
+/// A GPU run: host and CUDA memory in one file (CPU → device -1, CUDA →
+/// its Device Id), an `[OutOfMemory]` event, Kineto's extra top-level keys,
+/// `Addr` written as a signed `intptr_t`, and a `ts` given as a string.
+#[test]
+fn chrome_trace_gpu_run_splits_devices_and_keeps_out_of_memory() {
+    let events = [
+        memory_event(1.0, 4096, 64, 0, -1),
+        memory_event(2.0, 0x7f00_0000_0000, 512, 1, 0),
+        memory_event(3.0, 0x7e00_0000_0000, 1024, 1, 1),
+        r#"{"ph": "i", "cat": "cpu_instant_event", "s": "t", "name": "[OutOfMemory]", "pid": 1, "tid": 1, "ts": 4.5, "args": {"Device Type": 1, "Device Id": 0, "Bytes": 1073741824, "Total Allocated": 512, "Total Reserved": 2097152}}"#.to_string(),
+        r#"{"ph": "i", "name": "[memory]", "ts": "5.25", "args": {"Device Type": 0, "Device Id": -1, "Addr": -8, "Bytes": 16}}"#.to_string(),
+        memory_event(6.0, 0x7f00_0000_0000, -512, 1, 0),
+    ];
+    let json = format!(
+        r#"{{"schemaVersion": 1, "deviceProperties": [{{"id": 0, "name": "NVIDIA H100"}}], "distributedInfo": {{"rank": 0}}, "baseTimeNanoseconds": 1700000000000000000, "traceEvents": [{}], "traceName": "x.json"}}"#,
+        events.join(",")
+    );
+    let trace = import("gpu.json", json.as_bytes());
+    let devices: Vec<i64> = trace.devices.iter().map(|d| d.device).collect();
+    assert_eq!(devices, vec![-1, 0, 1]);
+    let alloc = |id, size| Op::Alloc {
+        id,
+        size,
+        stream: 0,
+    };
+    assert_eq!(trace.devices[0].ops, vec![alloc(0, 64), alloc(1, 16)]);
+    assert_eq!(
+        trace.devices[1].ops,
+        vec![
+            alloc(0, 512),
+            Op::Oom {
+                size: 1 << 30,
+                stream: 0,
+                device_free: 0
+            },
+            Op::Free { id: 0 },
+        ]
+    );
+    assert_eq!(trace.devices[2].ops, vec![alloc(0, 1024)]);
+
+    let bad_ts = r#"[{"name": "[memory]", "ts": "soon", "args": {"Addr": 1, "Bytes": 8}}]"#;
+    assert!(import_error(bad_ts.as_bytes()).contains("traceEvents[0]: ts is not a number"));
+}
+
+/// A chrome trace recorded without `profile_memory=True` (or the legacy
+/// profiler's bare array, which never has memory events) has nothing to replay.
+#[test]
+fn chrome_trace_without_memory_events_is_refused() {
+    for json in [
+        &br#"{"traceEvents": [{"ph": "X", "name": "aten::mm", "ts": 1, "dur": 2}]}"#[..],
+        br#"[{"name": "aten::mm", "ph": "X", "ts": 1, "dur": 2, "tid": 1, "pid": "CPU functions", "args": {}}]"#,
+        b"[]",
+    ] {
+        let message = import_error(json);
+        assert!(
+            message.contains("no [memory] events") && message.contains("profile_memory=True"),
+            "{message}"
+        );
+    }
+}
+
+/// rapids-logger-era RMM (`%llx`) writes hex without `0x`, and a null
+/// pointer as `0`; `rmm.reinitialize` names per-device logs `<name>.dev<N><ext>`.
+#[test]
+fn rmm_csv_bare_hex_and_device_from_the_file_name() {
+    let csv = "Thread,Time,Action,Pointer,Size,Stream\n\
+               140,10:00:00.000001,allocate,7f0000000000,256,0\n\
+               140,10:00:00.000002,allocate failure,0,1073741824,2\n\
+               140,10:00:00.000003,free,7f0000000000,256,0\n";
+    let trace = import("rmm_log.dev1.csv", csv.as_bytes());
+    let device = &trace.devices[0];
+    assert_eq!(device.device, 1);
+    assert_eq!(
+        device.ops,
+        vec![
+            Op::Alloc {
+                id: 0,
+                size: 256,
+                stream: 0
+            },
+            Op::Oom {
+                size: 1 << 30,
+                stream: 2,
+                device_free: 0
+            },
+            Op::Free { id: 0 },
+        ]
+    );
+    let device_of = |name| import(name, csv.as_bytes()).devices[0].device;
+    assert_eq!(device_of("rmm_log.dev12.csv.gz"), 12);
+    assert_eq!(device_of("rmm_log.dev3"), 3);
+    assert_eq!(device_of("dev2.csv"), 0);
+    assert_eq!(device_of("rmm_log.device.csv"), 0);
+    assert_eq!(device_of("log.csv"), 0);
+}
+
 #[test]
 fn rmm_csv_parses_allocations_frees_and_failures() {
     let csv = "Thread,Time,Action,Pointer,Size,Stream\n\
@@ -585,6 +952,10 @@ fn refuses_a_global_with_a_one_line_message() {
     );
     let stack_global = b"\x80\x04\x8c\x02os\x8c\x06system\x93.";
     assert!(import_error(stack_global).contains("refused global 'os.system'"));
+    // torch.save-style pickles name torch globals and persistent ids.
+    let torch_global = b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nq\x00.";
+    assert!(import_error(torch_global).contains("refused global 'torch._utils._rebuild_tensor_v2'"));
+    assert!(import_error(b"\x80\x02X\x01\x00\x00\x000Q.").contains("refused opcode BINPERSID"));
 }
 
 #[test]
@@ -638,7 +1009,12 @@ fn bounds_nesting_and_stack_depth() {
         nested.extend((i + 1).to_le_bytes());
     }
     nested.push(b'.');
-    assert!(import_error(&nested).contains("snapshot: expected a dict, found list"));
+    // A root list is read as a list of segments; its item is not a dict.
+    let message = import_error(&nested);
+    assert!(
+        message.contains("snapshot: [0]: expected a dict, found list"),
+        "{message}"
+    );
 }
 
 #[test]
