@@ -416,6 +416,8 @@ impl HbmPolicy {
         // used through two views. Blocks are matched to views granule by
         // granule here, apart from the hot path's view index.
         let mut users: BTreeMap<u32, (View, u32)> = BTreeMap::new();
+        // The first and last granule of each group that a block touches.
+        let mut touched: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
         let mut views_of_region: BTreeMap<u32, Vec<(u64, u32)>> = BTreeMap::new();
         for (id, group) in self.groups.iter().enumerate() {
             for &(r, s) in group.iter().flat_map(|g| &g.views) {
@@ -442,6 +444,9 @@ impl HbmPolicy {
                         return Err(format!("alias group {id} is used through two views"));
                     }
                     entry.1 += 1;
+                    let (lo, hi) = (first.max(s), end.min(s + count) - 1);
+                    let span = touched.entry(id).or_insert((lo, hi));
+                    *span = (span.0.min(lo), span.1.max(hi));
                 } else if s < end && s + count > first {
                     return Err(format!("block {ptr:#x} lies on two views of group {id}"));
                 }
@@ -455,6 +460,16 @@ impl HbmPolicy {
                 return Err(format!(
                     "alias group {id}: counts {} blocks on its user, found {count}",
                     group.blocks
+                ));
+            }
+            // A group in use has no idle granules at either end: those are
+            // cut off when the block on them goes (`cut_unused`), so that they
+            // are not lent elsewhere for nothing.
+            let ends = (group.user.1, group.user.1 + group.count - 1);
+            if group.blocks > 0 && touched.get(&(id as u32)) != Some(&ends) {
+                return Err(format!(
+                    "alias group {id} is in use but no block lies on granules {:?} of its ends {ends:?}",
+                    touched.get(&(id as u32))
                 ));
             }
         }

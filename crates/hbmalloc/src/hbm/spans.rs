@@ -76,8 +76,8 @@ impl HbmPolicy {
     /// Span `id` (a block just given back) becomes free, merged with free
     /// neighbours: found through its links, no search. Merged into a free
     /// next span, it takes that span's id and end, so the large-range entry
-    /// stays as it is.
-    pub(super) fn release_span(&mut self, id: u32) {
+    /// stays as it is. Returns the id of the free span it is now part of.
+    pub(super) fn release_span(&mut self, id: u32) -> u32 {
         let Span {
             start,
             size,
@@ -115,6 +115,7 @@ impl HbmPolicy {
         if size >= large && !indexed_large {
             self.large_free.insert(end, keep);
         }
+        keep
     }
 
     /// Cuts a live span of `size` bytes at `ptr` out of free span `id`; the
