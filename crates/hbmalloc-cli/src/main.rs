@@ -47,6 +47,30 @@ struct WhatIf {
     /// trace of a few steps; a trace without one is refused.
     #[arg(long, value_name = "N")]
     repeat_step: Option<usize>,
+    /// What if the program's tensors were slightly different sizes: scale
+    /// each distinct request size by its own factor within 5%, drawn from
+    /// SEED (the same factor for every request of that size), keeping the
+    /// order, streams and lifetimes. A few seeds show how much a result owes
+    /// to the exact sizes recorded.
+    #[arg(long, value_name = "SEED")]
+    jitter_sizes: Option<u64>,
+}
+
+impl WhatIf {
+    /// `traces` as the options change them: steps repeated, then sizes
+    /// jittered.
+    fn apply(&self, traces: Vec<Trace>) -> Result<Vec<Trace>, String> {
+        let mut traces = repeat_steps(traces, self.repeat_step)?;
+        if let Some(seed) = self.jitter_sizes {
+            for trace in &mut traces {
+                for device in &mut trace.devices {
+                    *device = hbmalloc_trace::jitter_sizes(device, seed);
+                }
+                trace.source = format!("{} ~sizes{seed}", trace.source);
+            }
+        }
+        Ok(traces)
+    }
 }
 
 #[derive(Subcommand)]
@@ -198,7 +222,7 @@ fn run(command: Command) -> Result<(), String> {
             what_if,
         } => {
             let runs = parse_runs(&runs)?;
-            let traces = repeat_steps(load_or_bundled(&traces)?, what_if.repeat_step)?;
+            let traces = what_if.apply(load_or_bundled(&traces)?)?;
             let mut rows = Vec::new();
             for trace in &traces {
                 for device in &trace.devices {
@@ -245,7 +269,7 @@ fn run(command: Command) -> Result<(), String> {
                     traces.len()
                 ));
             }
-            for trace in repeat_steps(load_all(&traces)?, what_if.repeat_step)? {
+            for trace in what_if.apply(load_all(&traces)?)? {
                 for device in &trace.devices {
                     let options = EvalOptions {
                         policy: policy.clone(),

@@ -298,3 +298,42 @@ fn repeat_step_runs_the_last_training_step_again() {
     std::fs::remove_file(&path).unwrap();
     assert_clear_error(&out, "no repeating step found in 100 operations");
 }
+
+/// `--jitter-sizes`: the bundled trace with every request size scaled by
+/// its own factor within 5%: the same operations, a different peak, the same
+/// figures for the same seed, and other figures for another seed.
+#[test]
+fn jitter_sizes_replays_the_trace_with_other_sizes() {
+    let row = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "compare",
+            "--run",
+            "policy:hbm",
+            "--no-min-capacity",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let out = hbmalloc(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let recorded = row(&[]);
+    let jittered = row(&["--jitter-sizes", "7"]);
+    assert_eq!(jittered["trace"], "gpt2_train.json.gz (bundled) ~sizes7");
+    assert_eq!(jittered["ops"], recorded["ops"]);
+    let live = |r: &serde_json::Value| r["peak_live_bytes"].as_f64().unwrap();
+    assert_ne!(live(&jittered), live(&recorded));
+    assert!((live(&jittered) / live(&recorded) - 1.0).abs() < 0.05);
+    let again = row(&["--jitter-sizes", "7"]);
+    assert_eq!(
+        again["peak_reserved_bytes"],
+        jittered["peak_reserved_bytes"]
+    );
+    assert_eq!(again["device_calls"], jittered["device_calls"]);
+    let other = row(&["--jitter-sizes", "8"]);
+    assert_ne!(live(&other), live(&jittered));
+}

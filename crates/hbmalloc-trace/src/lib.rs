@@ -7,6 +7,7 @@
 mod chrome;
 mod error;
 mod import;
+mod jitter;
 pub mod model;
 pub mod pickle;
 mod repeat;
@@ -15,6 +16,7 @@ mod snapshot;
 
 pub use error::{Location, TraceError};
 pub use import::{load, parse_bytes, MAX_DECOMPRESSED_BYTES};
+pub use jitter::{jitter_sizes, JITTER_PERCENT};
 pub use model::*;
 pub use repeat::{find_last_step, repeat_last_step, Step, MIN_STEP_OPS};
 pub use snapshot::DEFERRED_FREE_STREAM_BASE;
