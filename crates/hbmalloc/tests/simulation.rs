@@ -16,13 +16,16 @@ use hbmalloc::{
 
 /// The configurations every seed runs under. The second `hbm` one maps far
 /// ahead (a 5% allowance, so a growing heap maps 12 MiB ahead at once)
-/// under a hard limit below the device's memory.
-const SETTINGS: [&str; 5] = [
+/// under a hard limit below the device's memory; the third lets a granule
+/// be mapped at two addresses only, so that idle memory at the cap is moved
+/// (the default cap, 16, is rarely reached by these programs).
+const SETTINGS: [&str; 6] = [
     "policy:pytorch",
     "policy:pytorch,expandable_segments:True",
     "policy:pytorch,max_split_size_mb:40,garbage_collection_threshold:0.6,per_process_memory_fraction:0.9",
     "policy:hbm",
     "policy:hbm,max_waste_percent:5,per_process_memory_fraction:0.8",
+    "policy:hbm,max_views:2",
 ];
 
 /// Seeds per configuration in CI mode.
@@ -91,6 +94,12 @@ fn simulation_hbm() {
 #[test]
 fn simulation_hbm_ahead_fraction() {
     let total = run(SETTINGS[4], seeds());
+    assert!(total.ops > 0);
+}
+
+#[test]
+fn simulation_hbm_two_views() {
+    let total = run(SETTINGS[5], seeds());
     assert!(total.ops > 0);
 }
 

@@ -8,9 +8,7 @@ use std::collections::BTreeSet;
 use crate::device::{Device, DevicePtr, StreamId};
 use crate::error::AllocError;
 
-use super::{
-    granules_under, AliasGroup, Donor, GranuleMap, GranuleSpan, HbmPolicy, View, MAX_VIEWS,
-};
+use super::{granules_under, AliasGroup, Donor, GranuleMap, GranuleSpan, HbmPolicy, View};
 
 impl HbmPolicy {
     pub(super) fn group(&self, id: u32) -> &AliasGroup {
@@ -435,10 +433,10 @@ impl HbmPolicy {
 
     /// Whether `group` is idle at every view and may be mapped into `span`
     /// as well (a range being backed: memory already stitched into it must
-    /// not be mapped there twice).
-    fn group_idle(group: &AliasGroup, span: GranuleSpan) -> bool {
+    /// not be mapped there twice), below the most views a group may have.
+    fn group_idle(&self, group: &AliasGroup, span: GranuleSpan) -> bool {
         group.blocks == 0
-            && group.views.len() < MAX_VIEWS
+            && group.views.len() < self.config.max_views
             && !group
                 .views
                 .iter()
@@ -462,7 +460,7 @@ impl HbmPolicy {
                 if region.aliased.get(i) {
                     let (start, id) = self.view_at(region_index, i);
                     let group = self.group(id);
-                    if start >= first && start + group.count <= end && Self::group_idle(group, span)
+                    if start >= first && start + group.count <= end && self.group_idle(group, span)
                     {
                         donors.push(Donor::Group(id));
                         found += group.count * granule;
@@ -559,7 +557,7 @@ impl HbmPolicy {
                     // A group is listed once per free view; the first use
                     // puts a view in the span and makes it ineligible.
                     let group = self.group(id);
-                    if !Self::group_idle(group, span) {
+                    if !self.group_idle(group, span) {
                         continue;
                     }
                     // A cut leaves the rest idle and ends the walk: the

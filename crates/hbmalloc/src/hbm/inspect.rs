@@ -6,9 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::device::DevicePtr;
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 
-use super::{
-    granules_under, HbmPolicy, LiveBlock, PhysicalGranule, Region, Span, View, MAX_VIEWS, NO_SPAN,
-};
+use super::{granules_under, HbmPolicy, LiveBlock, PhysicalGranule, Region, Span, View, NO_SPAN};
 
 impl HbmPolicy {
     /// Each contiguous mapped range (or fallback segment) as a segment.
@@ -342,7 +340,7 @@ impl HbmPolicy {
         let mut aliased_bits = 0u64;
         for (id, group) in self.groups.iter().enumerate() {
             let Some(group) = group else { continue };
-            if group.views.len() < 2 || group.views.len() > MAX_VIEWS {
+            if group.views.len() < 2 || group.views.len() > self.config.max_views {
                 return Err(format!("alias group {id} has {} views", group.views.len()));
             }
             if !group.views.contains(&group.user) {
