@@ -40,7 +40,8 @@
 //!   idle group: kept in the busy group, they stayed lent at every other
 //!   view, idle memory that nothing could use or stitch elsewhere
 //!   (`HbmPolicy::cut_unused`; measured with `hbmalloc compare --jitter-sizes
-//!   1..5` over the shared traces, 105 rows: waste 7.43 -> 7.28 GiB).
+//!   1..5` over the shared traces, 105 rows, at commit 2fff2a3 against its
+//!   parent: waste 7.43 -> 7.28 GiB).
 //! * **On a miss** a run gets physical memory from, in order: spare pieces
 //!   (held, unmapped; the smallest that covers the run, else the largest,
 //!   split as needed); one new handle within the allowance; idle memory,
@@ -87,7 +88,7 @@
 //! (no search) and makes the size-index updates; a block placed on plain
 //! memory skips the alias groups. No device call, `O(log n)`. Measured with
 //! `scripts/bench-instructions` (callgrind, replayed operations only): on
-//! `gpt2_train` 917 instructions per malloc or free against 1,014 for
+//! `gpt2_train` 918 instructions per malloc or free against 1,014 for
 //! policy `pytorch`, misses included (1,396 with one ordered map of every
 //! range, 1,124 with a B-tree per bin); most of the rest is the alias
 //! checks and misses that stitch memory.
@@ -216,8 +217,8 @@ const SHORT_LIVED_NEAR_PEAK_PERCENT: u64 = 90;
 /// this often is moved (unmapped) rather than mapped once more. Idle memory
 /// in groups at the cap cannot be stitched until a wholly free chunk under
 /// one of its views is stolen, and where none is, a miss creates memory
-/// beside it. Measured with `hbmalloc compare --jitter-sizes 1..5` over the
-/// shared traces (105 rows), against 4: waste 7.28 -> 6.77 GiB, driver calls
+/// beside it. Measured with `hbmalloc compare --run policy:hbm,max_views:N
+/// --jitter-sizes S` for S in 1..5 over the shared traces (105 rows), against 4: waste 7.28 -> 6.77 GiB, driver calls
 /// 87,941 -> 82,225, efficiency misses 9 -> 7 (select_n's jittered copies
 /// 0.89 and 0.91 -> 0.999); 8: 6.74 GiB, 84,848 calls; 32: 6.82 GiB, 80,606
 /// calls. The traces as recorded never reach 4 views but on ec5be11 (4,723
@@ -636,9 +637,6 @@ pub(crate) struct HbmPolicy {
     scratch_views: Vec<(u64, u32)>,
     /// Reused by `unclaim`, for the same reason.
     scratch_idle: Vec<u32>,
-    /// Groups a freed block left still in use (by other blocks), for
-    /// [`HbmPolicy::cut_unused`] once the freed range has merged.
-    scratch_busy: Vec<u32>,
     /// Pending end-of-use events, per stream, in record order.
     pending_events: BTreeMap<StreamId, VecDeque<(EventId, DevicePtr)>>,
     /// Events whose synchronization failed: retired at the next full
@@ -698,7 +696,6 @@ impl HbmPolicy {
             free_group_ids: Vec::new(),
             scratch_views: Vec::new(),
             scratch_idle: Vec::new(),
-            scratch_busy: Vec::new(),
             pending_events: BTreeMap::new(),
             stray_events: Vec::new(),
             held_bytes: 0,
@@ -1061,9 +1058,8 @@ impl HbmPolicy {
         self.history
             .record(Action::FreeCompleted, ptr, block.requested, block.stream);
         if block.on_aliased {
-            self.unclaim(region, ptr, size);
             let free = self.release_span(block.span);
-            self.cut_unused(free);
+            self.unclaim(region, ptr, size, free);
         } else {
             debug_assert!(self.aliased_span(region, ptr, size).is_none());
             self.release_span(block.span);

@@ -346,10 +346,11 @@ impl HbmPolicy {
         }
     }
 
-    /// A block on `[ptr, ptr + size)` is gone: the groups under it are idle
-    /// unless other blocks lie on them.
-    pub(super) fn unclaim(&mut self, region_index: u32, ptr: DevicePtr, size: u64) {
-        self.scratch_busy.clear();
+    /// A block on `[ptr, ptr + size)` is gone, its range now part of free
+    /// span `free`: the groups under it are idle unless other blocks lie on
+    /// them, and those that stay in use shed what lies wholly under `free`
+    /// ([`HbmPolicy::cut_unused`]).
+    pub(super) fn unclaim(&mut self, region_index: u32, ptr: DevicePtr, size: u64, free: u32) {
         let Some((first, end)) = self.aliased_span(region_index, ptr, size) else {
             return;
         };
@@ -364,11 +365,11 @@ impl HbmPolicy {
             group.blocks -= 1;
             if group.blocks == 0 {
                 idle.push(id);
-            } else {
-                self.scratch_busy.push(id);
             }
         }
-        self.scratch_views = views;
+        // `views` keeps the groups still in use: merging idle groups never
+        // retires their ids.
+        views.retain(|&(_, id)| self.group(id).blocks > 0);
         // Groups cut apart when blocks claimed them grow back together.
         for &id in &idle {
             self.set_lent(id, false);
@@ -381,54 +382,53 @@ impl HbmPolicy {
             }
         }
         self.scratch_idle = idle;
+        if !views.is_empty() {
+            // The whole granules of the free range.
+            let granule = self.granule.expect("aliased memory has granules");
+            let span = *self.span(free);
+            let base = self.region(region_index).base;
+            let free_granules = (
+                (span.start - base).div_ceil(granule),
+                (span.end() - base) / granule,
+            );
+            for &(_, id) in &views {
+                self.cut_unused(id, free_granules);
+            }
+        }
+        self.scratch_views = views;
     }
 
-    /// After a block left groups that other blocks still use (see
-    /// [`HbmPolicy::unclaim`]) and its range merged into free span `free`:
-    /// cuts from each such group the granules now wholly under `free`, at
-    /// its front or its end, into an idle group. No block lies on them, and
-    /// while they stayed in the busy group they were lent at every other
-    /// view and could be neither used there nor stitched anywhere: idle
-    /// memory held for nothing. (A group still used on both sides of the
-    /// free range keeps its middle: which blocks lie on which side is not
-    /// tracked.)
-    pub(super) fn cut_unused(&mut self, free: u32) {
-        let Some(granule) = self.granule else {
+    /// Cuts from group `id`, still in use, its granules that lie wholly in a
+    /// free range (whole granules `[first, end)`) at its front or its end,
+    /// into an idle group. No block
+    /// lies on them, and while they stayed in the busy group they were lent
+    /// at every other view and could be neither used there nor stitched
+    /// anywhere: idle memory held for nothing. (A group still used on both
+    /// sides of the free range keeps its middle: which blocks lie on which
+    /// side is not tracked.)
+    fn cut_unused(&mut self, id: u32, (first, end): (u64, u64)) {
+        let group = self.group(id);
+        let (start, count, blocks) = (group.user.1, group.count, group.blocks);
+        debug_assert!(blocks > 0);
+        let (lo, hi) = (start.max(first), (start + count).min(end));
+        let unused_front = lo == start && hi > lo && hi < start + count;
+        let unused_end = hi == start + count && lo > start && lo < hi;
+        if !unused_front && !unused_end {
             return;
-        };
-        let span = *self.span(free);
-        let region_index = span.region;
-        let base = self.region(region_index).base;
-        // The whole granules of the free range.
-        let first = (span.start - base).div_ceil(granule);
-        let end = (span.end() - base) / granule;
-        let mut busy = std::mem::take(&mut self.scratch_busy);
-        for &id in &busy {
-            let group = self.group(id);
-            let (start, count, blocks) = (group.user.1, group.count, group.blocks);
-            debug_assert!(group.user.0 == region_index && blocks > 0);
-            let (lo, hi) = (start.max(first), (start + count).min(end));
-            let unused_front = lo == start && hi > lo && hi < start + count;
-            let unused_end = hi == start + count && lo > start && lo < hi;
-            if !unused_front && !unused_end {
-                continue;
-            }
-            // Cut as an idle group would be, then give the blocks back to
-            // the part they lie on.
-            self.group_mut(id).blocks = 0;
-            let at = if unused_front { hi - start } else { lo - start };
-            let (head, tail) = self.split_group(id, at);
-            let (used, unused) = if unused_front {
-                (tail, head)
-            } else {
-                (head, tail)
-            };
-            self.group_mut(used).blocks = blocks;
-            self.set_lent(unused, false);
-            self.merge_idle(unused);
         }
-        busy.clear();
-        self.scratch_busy = busy;
+        // Cut as an idle group would be, then give the blocks back to the
+        // part they lie on.
+        self.group_mut(id).blocks = 0;
+        let at = if unused_front { hi - start } else { lo - start };
+        let (head, tail) = self.split_group(id, at);
+        let (used, unused) = if unused_front {
+            (tail, head)
+        } else {
+            (head, tail)
+        };
+        self.group_mut(used).blocks = blocks;
+        self.set_lent(unused, false);
+        self.merge_idle(unused);
     }
 
     /// Whether `group` is idle at every view and may be mapped into `span`
