@@ -871,6 +871,20 @@ fn chrome_trace_without_memory_events_is_refused() {
     }
 }
 
+/// An RMM `allocate` as the importer reads it.
+fn rmm_alloc(id: u64, size: u64, stream: u64) -> Op {
+    Op::Alloc { id, size, stream }
+}
+
+/// An RMM `allocate failure`: RMM logs no free memory with it.
+fn rmm_failure(size: u64, stream: u64) -> Op {
+    Op::Oom {
+        size,
+        stream,
+        device_free: 0,
+    }
+}
+
 /// rapids-logger-era RMM (`%llx`) writes hex without `0x`, and a null
 /// pointer as `0`; `rmm.reinitialize` names per-device logs `<name>.dev<N><ext>`.
 #[test]
@@ -885,16 +899,8 @@ fn rmm_csv_bare_hex_and_device_from_the_file_name() {
     assert_eq!(
         device.ops,
         vec![
-            Op::Alloc {
-                id: 0,
-                size: 256,
-                stream: 0
-            },
-            Op::Oom {
-                size: 1 << 30,
-                stream: 2,
-                device_free: 0
-            },
+            rmm_alloc(0, 256, 0),
+            rmm_failure(1 << 30, 2),
             Op::Free { id: 0 },
         ]
     );
@@ -920,22 +926,10 @@ fn rmm_csv_parses_allocations_frees_and_failures() {
     assert_eq!(
         device.ops,
         vec![
-            Op::Alloc {
-                id: 0,
-                size: 256,
-                stream: 0
-            },
-            Op::Alloc {
-                id: 1,
-                size: 512,
-                stream: 0x5a
-            },
+            rmm_alloc(0, 256, 0),
+            rmm_alloc(1, 512, 0x5a),
             Op::Free { id: 0 },
-            Op::Oom {
-                size: 1 << 30,
-                stream: 0,
-                device_free: 0
-            },
+            rmm_failure(1 << 30, 0),
         ]
     );
     assert_eq!(device.skipped.get("free of an unknown address"), Some(&1));
