@@ -129,7 +129,9 @@ enum Command {
         /// Also write the allocator's snapshot at the moment its reserved
         /// memory first peaked (or at its out-of-memory error) to PATH, as a
         /// PyTorch memory snapshot that pytorch.org/memory_viz opens: where
-        /// the waste is. For a trace of several devices, `.devN` goes before
+        /// the waste is (a second line splits the free memory there into idle
+        /// granules, edges of mapped ranges and holes between live blocks).
+        /// For a trace of several devices, `.devN` goes before
         /// the extension. One trace file only.
         #[arg(long, value_name = "PATH")]
         snapshot_at_peak: Option<PathBuf>,
@@ -420,15 +422,21 @@ fn write_peak_snapshot(
         Some(op) => format!("at the out-of-memory error (op {op} of {})", peak.ops),
         None => format!("at peak, after op {} of {}", peak.ops_replayed, peak.ops),
     };
+    let free = peak.free_breakdown;
     Ok(format!(
         "snapshot                   {moment}: {} reserved, {} in use, {} free in {} blocks \
-         (largest {}) -> {} (open it at pytorch.org/memory_viz)",
+         (largest {}) -> {} (open it at pytorch.org/memory_viz)\n  \
+         free there                 {} idle (whole granules or segments), {} at the edges of \
+         segments (parts of granules beside a live block), {} between live blocks",
         human(peak.reserved_bytes),
         human(peak.active_bytes),
         human(peak.free_bytes),
         peak.free_blocks,
         human(peak.largest_free_block_bytes),
-        path.display()
+        path.display(),
+        human(free.idle_bytes),
+        human(free.segment_edge_bytes),
+        human(free.between_blocks_bytes),
     ))
 }
 

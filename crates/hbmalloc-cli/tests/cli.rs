@@ -217,6 +217,12 @@ fn replay_writes_the_snapshot_at_peak_for_memory_viz() {
             stdout.contains("at peak, after op 2 of 5") && stdout.contains("96.00 MiB in use"),
             "{stdout}"
         );
+        // Where the free memory lies: none is free at this peak.
+        assert!(
+            stdout.contains("free there                 0 B idle")
+                && stdout.contains("0 B between live blocks"),
+            "{stdout}"
+        );
         // Our own snapshot reader takes it back: the two live blocks, and
         // the history that led there.
         let written = hbmalloc_trace::load(&path).unwrap();

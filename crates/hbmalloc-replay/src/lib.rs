@@ -22,7 +22,7 @@ pub use fidelity::{
     fidelity, Divergence, FidelityReport, SegmentEvent, CONTEXT_AFTER, CONTEXT_BEFORE,
 };
 pub use metrics::{
-    evaluate, peak_live_bytes, snapshot_at_peak, EvalOptions, Metrics, PeakSnapshot,
+    evaluate, peak_live_bytes, snapshot_at_peak, EvalOptions, FreeBreakdown, Metrics, PeakSnapshot,
     RecordedMetrics,
 };
 

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use hbmalloc::{BlockState, CallKind, LatencyModel, PolicyConfig, Snapshot};
+use hbmalloc::{BlockState, CallKind, LatencyModel, PolicyConfig, SimConfig, Snapshot};
 use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op};
 use serde::Serialize;
 
@@ -218,10 +218,68 @@ pub struct PeakSnapshot {
     /// The largest free block: the largest request it can serve without
     /// more memory.
     pub largest_free_block_bytes: u64,
+    /// Its free bytes by what keeps them from serving requests.
+    pub free_breakdown: FreeBreakdown,
     /// The replay's `peak_reserved_bytes`: above `reserved_bytes` only when
     /// the peak lasted less than one op (memory taken and given back within
     /// one malloc, as an out-of-memory retry does).
     pub peak_reserved_bytes: u64,
+}
+
+/// A snapshot's free memory by what keeps it from serving requests: where
+/// `waste_bytes` lies at the peak. The three parts add up to the free
+/// blocks' bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct FreeBreakdown {
+    /// Memory no live block pins: the whole granules inside the free blocks
+    /// of virtual-memory segments, and plain segments with no active block.
+    /// A miss can stitch it anywhere, or `empty_cache` give it back.
+    pub idle_bytes: u64,
+    /// The rest of the free blocks at the start or the end of a segment
+    /// (for virtual memory, a contiguous mapped range): the free part of a
+    /// granule (or of a plain segment) whose other part holds the live block
+    /// beside it. Only requests small enough for that part can use it.
+    pub segment_edge_bytes: u64,
+    /// The rest of the free blocks between two active blocks: holes.
+    pub between_blocks_bytes: u64,
+}
+
+impl FreeBreakdown {
+    /// Classifies the free blocks of `snapshot`; `granule` is the device's
+    /// virtual-memory granularity (whole granules of a virtual-memory
+    /// segment are idle).
+    pub fn of(snapshot: &Snapshot, granule: Option<u64>) -> Self {
+        let mut breakdown = FreeBreakdown::default();
+        for segment in &snapshot.segments {
+            let active = segment
+                .blocks
+                .iter()
+                .any(|b| b.state != BlockState::Inactive);
+            let last = segment.blocks.len().saturating_sub(1);
+            for (i, block) in segment.blocks.iter().enumerate() {
+                if block.state != BlockState::Inactive {
+                    continue;
+                }
+                let idle = match granule {
+                    _ if !active => block.size,
+                    Some(g) if segment.expandable => {
+                        let first = block.address.div_ceil(g);
+                        let end = (block.address + block.size) / g;
+                        end.saturating_sub(first) * g
+                    }
+                    _ => 0,
+                };
+                breakdown.idle_bytes += idle;
+                let rest = block.size - idle;
+                if i == 0 || i == last {
+                    breakdown.segment_edge_bytes += rest;
+                } else {
+                    breakdown.between_blocks_bytes += rest;
+                }
+            }
+        }
+        breakdown
+    }
 }
 
 /// Replays `trace` under `options` to find the op after which reserved
@@ -259,6 +317,7 @@ pub fn snapshot_at_peak(
         free_blocks: free().count(),
         free_bytes: free().map(|b| b.size).sum(),
         largest_free_block_bytes: free().map(|b| b.size).max().unwrap_or(0),
+        free_breakdown: FreeBreakdown::of(&snapshot, SimConfig::default().granularity),
         snapshot,
         peak_reserved_bytes: first.peak_reserved_bytes,
     })
@@ -354,6 +413,110 @@ mod tests {
             capacity_bytes,
             find_min_capacity: false,
             reproduce_recorded_ooms: false,
+        }
+    }
+
+    /// A segment at `address` of the given (state, size) blocks, in order.
+    fn segment(
+        address: u64,
+        expandable: bool,
+        blocks: &[(BlockState, u64)],
+    ) -> hbmalloc::SegmentSnapshot {
+        let mut at = address;
+        let blocks = blocks
+            .iter()
+            .map(|&(state, size)| {
+                let block = hbmalloc::BlockSnapshot {
+                    address: at,
+                    size,
+                    requested_size: if state == BlockState::Inactive {
+                        0
+                    } else {
+                        size
+                    },
+                    state,
+                };
+                at += size;
+                block
+            })
+            .collect();
+        hbmalloc::SegmentSnapshot {
+            address,
+            total_size: at - address,
+            stream: hbmalloc::StreamId(0),
+            small_pool: false,
+            expandable,
+            blocks,
+        }
+    }
+
+    #[test]
+    fn free_memory_is_split_into_idle_granules_segment_edges_and_holes() {
+        use BlockState::{ActiveAllocated as Live, ActivePendingFree as Pending, Inactive as Free};
+        let g = 2 * MIB;
+        let snapshot = Snapshot {
+            segments: vec![
+                // A mapped range of 5 granules: a free front part, a hole
+                // holding one whole granule, a free end part.
+                segment(
+                    8 * g,
+                    true,
+                    &[
+                        (Free, MIB),
+                        (Live, MIB + MIB / 2),
+                        (Free, 4 * MIB),
+                        (Pending, 2 * MIB + MIB / 2),
+                        (Free, MIB),
+                    ],
+                ),
+                // A plain segment in use: its free end is an edge, and its
+                // whole granules are not idle (a segment is freed whole).
+                segment(64 * g, false, &[(Live, MIB), (Free, 5 * MIB)]),
+                // A plain segment with nothing active: idle.
+                segment(80 * g, false, &[(Free, 20 * MIB)]),
+            ],
+            history: Vec::new(),
+            settings: String::new(),
+        };
+        let breakdown = FreeBreakdown::of(&snapshot, Some(g));
+        assert_eq!(
+            breakdown,
+            FreeBreakdown {
+                // The hole [2.5, 6.5) MiB into the first range holds the
+                // granule [4, 6) MiB.
+                idle_bytes: 2 * MIB + 20 * MIB,
+                segment_edge_bytes: MIB + MIB + 5 * MIB,
+                between_blocks_bytes: 2 * MIB,
+            }
+        );
+        let free: u64 = snapshot
+            .segments
+            .iter()
+            .flat_map(|s| &s.blocks)
+            .filter(|b| b.state == Free)
+            .map(|b| b.size)
+            .sum();
+        assert_eq!(
+            breakdown.idle_bytes + breakdown.segment_edge_bytes + breakdown.between_blocks_bytes,
+            free
+        );
+        // Without a granularity no part of a segment in use is idle.
+        let plain = FreeBreakdown::of(&snapshot, None);
+        assert_eq!(plain.idle_bytes, 20 * MIB);
+        assert_eq!(plain.between_blocks_bytes, 4 * MIB);
+    }
+
+    #[test]
+    fn the_peak_snapshot_says_where_its_free_memory_lies() {
+        let trace = peak_in_the_middle();
+        for settings in ["policy:pytorch", "policy:hbm"] {
+            let peak = snapshot_at_peak(&trace, &options(settings, None)).unwrap();
+            let free = peak.free_breakdown;
+            assert_eq!(
+                free.idle_bytes + free.segment_edge_bytes + free.between_blocks_bytes,
+                peak.free_bytes,
+                "{settings}"
+            );
         }
     }
 
