@@ -208,6 +208,9 @@ pub struct PeakSnapshot {
     pub snapshot: Snapshot,
     /// Bytes the snapshot's segments hold.
     pub reserved_bytes: u64,
+    /// Its segments (for virtual memory, contiguous mapped ranges): each
+    /// has two edges, where part of a granule may lie free.
+    pub segments: usize,
     /// Bytes of its active blocks (allocated or waiting for other streams).
     pub active_bytes: u64,
     /// Its free blocks: what `reserved_bytes` holds beyond the active
@@ -313,6 +316,7 @@ pub fn snapshot_at_peak(
         out_of_memory_op,
         ops: prepared.len(),
         reserved_bytes: snapshot.segments.iter().map(|s| s.total_size).sum(),
+        segments: snapshot.segments.len(),
         active_bytes: snapshot.segments.iter().map(|s| s.active_size()).sum(),
         free_blocks: free().count(),
         free_bytes: free().map(|b| b.size).sum(),
@@ -512,6 +516,8 @@ mod tests {
         for settings in ["policy:pytorch", "policy:hbm"] {
             let peak = snapshot_at_peak(&trace, &options(settings, None)).unwrap();
             let free = peak.free_breakdown;
+            assert_eq!(peak.segments, peak.snapshot.segments.len(), "{settings}");
+            assert!(peak.segments >= 1, "{settings}");
             assert_eq!(
                 free.idle_bytes + free.segment_edge_bytes + free.between_blocks_bytes,
                 peak.free_bytes,
