@@ -6,10 +6,16 @@
 
 use libfuzzer_sys::fuzz_target;
 
-const SETTINGS: [&str; 3] = [
+/// The configurations `tests/simulation.rs` runs: both policies, `hbm` with
+/// its defaults, with a wide allowance under a limit, and with two views
+/// per granule at most.
+const SETTINGS: [&str; 6] = [
     "policy:pytorch",
     "policy:pytorch,expandable_segments:True",
     "policy:pytorch,max_split_size_mb:40,garbage_collection_threshold:0.6,per_process_memory_fraction:0.9",
+    "policy:hbm",
+    "policy:hbm,max_waste_percent:5,per_process_memory_fraction:0.8",
+    "policy:hbm,max_views:2",
 ];
 
 fuzz_target!(|data: &[u8]| {
