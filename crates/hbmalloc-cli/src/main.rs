@@ -427,7 +427,7 @@ fn write_peak_snapshot(
         "snapshot                   {moment}: {} reserved, {} in use, {} free in {} blocks \
          (largest {}) -> {} (open it at pytorch.org/memory_viz)\n  \
          free there                 {} idle (whole granules or segments), {} at the edges of \
-         the {} segments (parts of granules beside a live block), {} between live blocks",
+         the {} segments (in a granule or segment a live block pins), {} between live blocks",
         human(peak.reserved_bytes),
         human(peak.active_bytes),
         human(peak.free_bytes),
