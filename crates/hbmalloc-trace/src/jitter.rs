@@ -46,7 +46,9 @@ fn jittered_size(size: u64, seed: u64) -> u64 {
     ((size as f64 * factor).round() as u64).max(1)
 }
 
-/// SplitMix64's output function: a well-mixed 64-bit hash of `x`.
+/// SplitMix64's output function: a well-mixed 64-bit hash of `x`. (The
+/// engine's `simtest::SplitMix64` is the same generator; this crate must not
+/// depend on the engine.)
 fn splitmix64(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);

@@ -774,14 +774,17 @@ fn rebuild_device(device: i64, segments: &[&Segment], entries: &[Entry]) -> Devi
                     stream: entry.stream,
                 });
             }
-            Action::FreeRequested => match addr_to_id.remove(&entry.addr) {
+            Action::Free | Action::FreeRequested => match addr_to_id.remove(&entry.addr) {
                 Some(id) => {
-                    let completes_now = entries.get(i + 1).is_some_and(|next| {
-                        next.action == Action::FreeCompleted && next.addr == entry.addr
-                    });
-                    if completes_now {
+                    // A `free_requested` whose `free_completed` follows at
+                    // once is a `free` (taken together with it).
+                    let completed_next = entry.action == Action::FreeRequested
+                        && entries.get(i + 1).is_some_and(|next| {
+                            next.action == Action::FreeCompleted && next.addr == entry.addr
+                        });
+                    if entry.action == Action::Free || completed_next {
                         ops.push(Op::Free { id });
-                        i += 1;
+                        i += usize::from(completed_next);
                     } else {
                         let stream = DEFERRED_FREE_STREAM_BASE | id;
                         ops.push(Op::RecordStream { id, stream });
@@ -789,10 +792,6 @@ fn rebuild_device(device: i64, segments: &[&Segment], entries: &[Entry]) -> Devi
                         pending_streams.insert(entry.addr, stream);
                     }
                 }
-                None => skip("free of an unknown address"),
-            },
-            Action::Free => match addr_to_id.remove(&entry.addr) {
-                Some(id) => ops.push(Op::Free { id }),
                 None => skip("free of an unknown address"),
             },
             Action::FreeCompleted => match pending_streams.remove(&entry.addr) {

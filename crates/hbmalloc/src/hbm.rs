@@ -39,9 +39,9 @@
 //!   blocks sheds the granules now wholly free at its front or end into an
 //!   idle group: kept in the busy group, they stayed lent at every other
 //!   view, idle memory that nothing could use or stitch elsewhere
-//!   (`HbmPolicy::cut_unused`; measured with `hbmalloc compare --jitter-sizes
-//!   1..5` over the shared traces, 105 rows, at commit 2fff2a3 against its
-//!   parent: waste 7.43 -> 7.28 GiB).
+//!   (`HbmPolicy::cut_unused`; measured with `scripts/compare-builds` on the
+//!   builds of commit 2fff2a3's parent and of 2fff2a3, sizes jittered with
+//!   seeds 1-5 over the shared traces, 105 rows: waste 7.43 -> 7.28 GiB).
 //! * **On a miss** a run gets physical memory from, in order: spare pieces
 //!   (held, unmapped; the smallest that covers the run, else the largest,
 //!   split as needed); one new handle within the allowance; idle memory,
@@ -234,12 +234,15 @@ const SHORT_LIVED_NEAR_PEAK_PERCENT: u64 = 90;
 /// this often is moved (unmapped) rather than mapped once more. Idle memory
 /// in groups at the cap cannot be stitched until a wholly free chunk under
 /// one of its views is stolen, and where none is, a miss creates memory
-/// beside it. Measured with `hbmalloc compare --run policy:hbm,max_views:N
-/// --jitter-sizes S` for S in 1..5 over the shared traces (105 rows), against 4: waste 7.28 -> 6.77 GiB, driver calls
-/// 87,941 -> 82,225, efficiency misses 9 -> 7 (select_n's jittered copies
-/// 0.89 and 0.91 -> 0.999); 8: 6.74 GiB, 84,848 calls; 32: 6.82 GiB, 80,606
-/// calls. The traces as recorded never reach 4 views but on ec5be11 (4,723
-/// -> 4,840 calls); instructions per op unchanged there and on gpt2.
+/// beside it. Measured with `scripts/compare-builds B B --old-hbm
+/// policy:hbm,max_views:4 [--new-hbm policy:hbm,max_views:N]` (`B` the
+/// release build), sizes jittered with seeds 1-5 over the shared traces (105
+/// rows), against 4: waste 7.28 -> 6.77 GiB, driver calls 87,941 -> 82,225,
+/// efficiency misses 9 -> 7 (select_n's jittered copies 0.89 and 0.91 ->
+/// 0.999); 8: 6.74 GiB, 84,848 calls; 32: 6.82 GiB, 80,606 calls. The traces
+/// as recorded reach 4 views only on ec5be11 (12,862 -> 12,979 calls over
+/// the 21 rows, all of them there); instructions per op unchanged there and
+/// on gpt2.
 /// Configurable (`max_views`), so that tests can reach the cap.
 const DEFAULT_MAX_VIEWS: usize = 16;
 /// The `max_views` a configuration may set: a group is two views at least.

@@ -383,14 +383,8 @@ impl HbmPolicy {
         }
         self.scratch_idle = idle;
         if !views.is_empty() {
-            // The whole granules of the free range.
             let granule = self.granule.expect("aliased memory has granules");
-            let span = *self.span(free);
-            let base = self.region(region_index).base;
-            let free_granules = (
-                (span.start - base).div_ceil(granule),
-                (span.end() - base) / granule,
-            );
+            let free_granules = self.whole_granules(granule, free);
             for &(_, id) in &views {
                 self.cut_unused(id, free_granules);
             }
@@ -400,10 +394,10 @@ impl HbmPolicy {
 
     /// Cuts from group `id`, still in use, its granules that lie wholly in a
     /// free range (whole granules `[first, end)`) at its front or its end,
-    /// into an idle group. No block
-    /// lies on them, and while they stayed in the busy group they were lent
-    /// at every other view and could be neither used there nor stitched
-    /// anywhere: idle memory held for nothing. (A group still used on both
+    /// into an idle group. No block lies on them, and while they stayed in
+    /// the busy group they were lent at every other view and could be
+    /// neither used there nor stitched anywhere: idle memory held for
+    /// nothing. (A group still used on both
     /// sides of the free range keeps its middle: which blocks lie on which
     /// side is not tracked.)
     fn cut_unused(&mut self, id: u32, (first, end): (u64, u64)) {

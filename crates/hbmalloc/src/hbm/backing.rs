@@ -364,11 +364,8 @@ impl HbmPolicy {
             .collect();
         by_end.sort_unstable_by_key(|&(end, _)| std::cmp::Reverse(end));
         by_end.into_iter().filter_map(move |(_, id)| {
-            let range = self.span(id);
-            let base = self.region(range.region).base;
-            let first = (range.start - base).div_ceil(granule);
-            let end = (range.end() - base) / granule;
-            (first < end).then_some((range.region, first, end))
+            let (first, end) = self.whole_granules(granule, id);
+            (first < end).then_some((self.span(id).region, first, end))
         })
     }
 

@@ -19,6 +19,17 @@ impl HbmPolicy {
         &self.spans[id as usize]
     }
 
+    /// The granules `[first, end)` of its region lying wholly inside span
+    /// `id` (none, `first >= end`, for a span smaller than a granule).
+    pub(super) fn whole_granules(&self, granule: u64, id: u32) -> (u64, u64) {
+        let span = self.span(id);
+        let base = self.region(span.region).base;
+        (
+            (span.start - base).div_ceil(granule),
+            (span.end() - base) / granule,
+        )
+    }
+
     fn span_mut(&mut self, id: u32) -> &mut Span {
         &mut self.spans[id as usize]
     }
