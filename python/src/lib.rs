@@ -81,6 +81,8 @@ fn replay_json(
             capacity_bytes: capacity,
             find_min_capacity,
             reproduce_recorded_ooms: false,
+            // As `hbmalloc replay` by default: a driver that maps parts of handles.
+            maps_handle_parts: true,
         };
         let mut rows = Vec::new();
         for device in &trace.devices {

@@ -221,6 +221,8 @@ struct State {
     events: BTreeMap<u64, bool>,
     next_event: u64,
     events_complete: bool,
+    /// `cuMemMap` refuses an offset other than 0, as its documentation allows.
+    whole_handle_maps: bool,
     calls: BTreeMap<String, u64>,
     faults: Vec<Fault>,
 }
@@ -241,6 +243,7 @@ impl State {
             events: BTreeMap::new(),
             next_event: EVENT_BASE,
             events_complete: true,
+            whole_handle_maps: false,
             calls: BTreeMap::new(),
             faults: Vec::new(),
         }
@@ -808,6 +811,9 @@ pub extern "C" fn cuMemMap(
         if flags != 0 || !granular(size) || ptr % GRANULARITY != 0 || offset % GRANULARITY != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        if s.whole_handle_maps && offset != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
         let physical_size = s
             .physical
             .get(&handle)
@@ -1054,6 +1060,14 @@ pub unsafe extern "C" fn hbm_double_fail_nth(
 #[no_mangle]
 pub extern "C" fn hbm_double_set_events_complete(complete: bool) {
     control((), |s| s.events_complete = complete);
+}
+
+/// With `true`, `cuMemMap` refuses any offset but 0 (its documentation
+/// says the offset "currently must be zero"); with `false` (the default),
+/// it maps any granule-aligned part of a handle.
+#[no_mangle]
+pub extern "C" fn hbm_double_set_whole_handle_maps(whole: bool) {
+    control((), |s| s.whole_handle_maps = whole);
 }
 
 /// Completes every pending event.

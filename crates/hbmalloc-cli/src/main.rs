@@ -54,6 +54,13 @@ struct WhatIf {
     /// to the exact sizes recorded.
     #[arg(long, value_name = "SEED")]
     jitter_sizes: Option<u64>,
+    /// What if the driver mapped whole physical handles only: `cuMemMap`'s
+    /// documentation says its offset "currently must be zero" (the CUDA
+    /// backend asks the driver when it opens a device). Policy hbm then
+    /// creates one handle per granule; by default the simulated driver maps
+    /// any granule-aligned part of a handle.
+    #[arg(long)]
+    whole_handle_maps: bool,
 }
 
 impl WhatIf {
@@ -67,6 +74,11 @@ impl WhatIf {
                     *device = hbmalloc_trace::jitter_sizes(device, seed);
                 }
                 trace.source = format!("{} ~sizes{seed}", trace.source);
+            }
+        }
+        if self.whole_handle_maps {
+            for trace in &mut traces {
+                trace.source = format!("{} ~whole-handle-maps", trace.source);
             }
         }
         Ok(traces)
@@ -235,6 +247,7 @@ fn run(command: Command) -> Result<(), String> {
                             capacity_bytes: capacity.map(|c| c.bytes(device)),
                             find_min_capacity: !no_min_capacity,
                             reproduce_recorded_ooms: false,
+                            maps_handle_parts: !what_if.whole_handle_maps,
                         };
                         let m = evaluate(&trace.source, device, &options).map_err(|e| {
                             format!("{} device {}: {e}", trace.source, device.device)
@@ -278,6 +291,7 @@ fn run(command: Command) -> Result<(), String> {
                         capacity_bytes: capacity.map(|c| c.bytes(device)),
                         find_min_capacity: min_capacity,
                         reproduce_recorded_ooms: !ignore_recorded_ooms,
+                        maps_handle_parts: !what_if.whole_handle_maps,
                     };
                     let m = evaluate(&trace.source, device, &options)
                         .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
@@ -287,7 +301,10 @@ fn run(command: Command) -> Result<(), String> {
                         print!("{}", table::metrics_text(&m));
                     }
                     if !json && (m.out_of_memory.is_some() || !m.reproduced_ooms.is_empty()) {
-                        print!("{}", what_would_help(&trace.source, device, &policy)?);
+                        print!(
+                            "{}",
+                            what_would_help(&trace.source, device, &policy, &options)?
+                        );
                     }
                     if summary {
                         println!(
@@ -367,6 +384,7 @@ fn what_would_help(
     source: &str,
     device: &hbmalloc_trace::DeviceTrace,
     current: &PolicyConfig,
+    replayed: &EvalOptions,
 ) -> Result<String, String> {
     let mut candidates = vec![current.clone()];
     for settings in DEFAULT_RUNS {
@@ -382,6 +400,7 @@ fn what_would_help(
             capacity_bytes: None,
             find_min_capacity: true,
             reproduce_recorded_ooms: false,
+            maps_handle_parts: replayed.maps_handle_parts,
         };
         let m = evaluate(source, device, &options).map_err(|e| e.to_string())?;
         let needed = m.min_capacity_bytes.map_or("unknown".to_string(), human);

@@ -343,3 +343,40 @@ fn jitter_sizes_replays_the_trace_with_other_sizes() {
     let other = row(&["--jitter-sizes", "8"]);
     assert_ne!(live(&other), live(&jittered));
 }
+
+/// `--whole-handle-maps`: a driver whose `cuMemMap` maps whole handles only.
+/// Policy hbm replays the bundled trace without a refused map, creating a
+/// handle per granule (as many creates as granules mapped, so more than on
+/// a driver that maps parts), and the row says which driver it ran on.
+#[test]
+fn whole_handle_maps_replays_hbm_on_a_handle_per_granule() {
+    let row = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "compare",
+            "--run",
+            "policy:hbm",
+            "--no-min-capacity",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let out = hbmalloc(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let parts = row(&[]);
+    let whole = row(&["--whole-handle-maps"]);
+    assert!(whole["trace"]
+        .as_str()
+        .unwrap()
+        .ends_with("~whole-handle-maps"));
+    assert!(whole["out_of_memory"].is_null(), "{whole}");
+    let creates = |r: &serde_json::Value| r["device_calls"]["physical_create"].as_u64().unwrap();
+    assert!(creates(&whole) > creates(&parts), "{whole} {parts}");
+    // Every create is one granule: the peak held is at most that many granules.
+    let peak = whole["peak_reserved_bytes"].as_u64().unwrap();
+    assert!(creates(&whole) * (2 << 20) >= peak);
+}

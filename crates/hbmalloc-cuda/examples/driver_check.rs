@@ -1,6 +1,10 @@
 //! Hardware check: loads the real CUDA driver, opens every device, runs the
 //! same exercise sequence the tests run on the driver double, and prints
-//! what it saw.
+//! what it saw. Then it checks what policy `hbm`'s stitching rests on and no
+//! double can show: bytes written through one mapping of a handle read back
+//! through a second mapping of it, and, where the driver maps part of a
+//! handle (`maps_handle_parts`), through a mapping of that part (cudarc's
+//! memset and copy, on the device's primary context).
 //!
 //! ```text
 //! cargo run -p hbmalloc-cuda --example driver_check
@@ -11,6 +15,7 @@
 
 use std::process::ExitCode;
 
+use cudarc::driver::{result, CudaContext};
 use hbmalloc::Device;
 use hbmalloc_cuda::exercise::exercise_device;
 use hbmalloc_cuda::{CudaDevice, CudaDriver};
@@ -71,10 +76,87 @@ fn main() -> ExitCode {
                 healthy = false;
             }
         }
+        println!(
+            "device {ordinal}: maps part of a handle: {}",
+            device.maps_handle_parts()
+        );
+        match check_aliases(&device, ordinal) {
+            Ok(()) => println!("device {ordinal}: aliased mappings share their bytes"),
+            Err(e) => {
+                println!("device {ordinal}: FAILED: aliased mappings: {e}");
+                healthy = false;
+            }
+        }
     }
     if healthy {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
     }
+}
+
+/// Maps one handle at two addresses (and, where the driver maps parts, its
+/// second granule alone at a third) and checks that a byte pattern written
+/// through one address reads back through the others. Everything made is
+/// released, whatever fails.
+fn check_aliases(device: &CudaDevice, ordinal: i32) -> Result<(), Box<dyn std::error::Error>> {
+    let Some(g) = device.granularity() else {
+        return Ok(()); // No virtual-memory API: nothing is aliased.
+    };
+    let context = CudaContext::new(usize::try_from(ordinal)?)?;
+    context.bind_to_thread()?;
+    let parts = device.maps_handle_parts();
+    let handle_bytes = if parts { 2 * g } else { g };
+    let base = device.address_reserve(6 * g)?;
+    let handle = match device.physical_create(handle_bytes) {
+        Ok(handle) => handle,
+        Err(e) => {
+            device.address_free(base, 6 * g)?;
+            return Err(e.into());
+        }
+    };
+    // Whole at `base` and at `base + 3g`; its second granule alone at `base + 5g`.
+    let mut mapped: Vec<(u64, u64)> = Vec::new();
+    let outcome = (|| -> Result<(), Box<dyn std::error::Error>> {
+        for (va, size, offset) in [(base, handle_bytes, 0), (base + 3 * g, handle_bytes, 0)]
+            .into_iter()
+            .chain(parts.then_some((base + 5 * g, g, g)))
+        {
+            device.map(va, size, handle, offset)?;
+            mapped.push((va, size));
+            device.set_access(va, size)?;
+        }
+        let mut seen = vec![0u8; 4096];
+        let mut expect =
+            |written: u64, read: u64, byte: u8| -> Result<(), Box<dyn std::error::Error>> {
+                // SAFETY: both addresses lie in ranges mapped above with access
+                // granted, at least `seen.len()` bytes before their ends; the
+                // primary context is current on this thread.
+                unsafe {
+                    result::memset_d8_sync(written, byte, seen.len())?;
+                    result::memcpy_dtoh_sync(&mut seen, read)?;
+                }
+                if seen.iter().all(|&b| b == byte) {
+                    Ok(())
+                } else {
+                    Err(
+                        format!("wrote {byte:#x} at {written:#x}, read other bytes at {read:#x}")
+                            .into(),
+                    )
+                }
+            };
+        expect(base, base + 3 * g, 0x5A)?;
+        expect(base + 3 * g, base, 0xC3)?;
+        if parts {
+            expect(base + g, base + 5 * g, 0x3C)?;
+            expect(base + 5 * g, base + 4 * g, 0xA5)?;
+        }
+        Ok(())
+    })();
+    for (va, size) in mapped {
+        device.unmap(va, size)?;
+    }
+    device.physical_release(handle)?;
+    device.address_free(base, 6 * g)?;
+    outcome
 }

@@ -44,6 +44,8 @@ pub struct CudaDevice {
     name: String,
     total_bytes: u64,
     granularity: Option<u64>,
+    /// This driver maps part of a handle (see [`CudaDevice::probe_handle_parts`]).
+    handle_parts: bool,
     /// Ordinals granted access by `set_access`: this device, then every
     /// peer that can access its memory.
     access_ordinals: Vec<i32>,
@@ -118,6 +120,7 @@ impl CudaDevice {
             name,
             total_bytes,
             granularity: None,
+            handle_parts: false,
             access_ordinals: vec![device_ordinal],
             events: Mutex::new(EventTable::default()),
             calls: std::array::from_fn(|_| AtomicU64::new(0)),
@@ -133,6 +136,13 @@ impl CudaDevice {
             }
         };
         cuda.granularity = granularity;
+        if let Some(g) = granularity {
+            let handle_parts = {
+                let _current = cuda.make_current(SETUP_CALL_KIND)?;
+                cuda.probe_handle_parts(g)
+            };
+            cuda.handle_parts = handle_parts;
+        }
         for peer_ordinal in (0..count).filter(|&p| p != device_ordinal) {
             let for_peer = format!("peer {peer_ordinal} of device {device_ordinal}");
             let peer = driver
@@ -146,6 +156,39 @@ impl CudaDevice {
             }
         }
         Ok(cuda)
+    }
+
+    /// Whether this driver maps the second granule of a two-granule handle
+    /// on its own (`cuMemMap` at an offset): what `Device::maps_handle_parts`
+    /// answers. CUDA documents that offset as one that "currently must be
+    /// zero"; a driver that refuses it gets whole maps only, one handle per
+    /// granule from policy `hbm`. Any failure on the way (out of memory
+    /// included) answers false, the safe side; everything made is released.
+    /// The context must be current.
+    fn probe_handle_parts(&self, granule: u64) -> bool {
+        let (Ok(granule), Ok(two)) = (usize::try_from(granule), usize::try_from(2 * granule))
+        else {
+            return false;
+        };
+        let driver = &self.driver;
+        let Ok(va) = driver.mem_address_reserve(two) else {
+            return false;
+        };
+        let mapped = match driver.mem_create(two, self.ordinal) {
+            Ok(handle) => {
+                let mapped = driver.mem_map(va, granule, handle, granule).is_ok();
+                // Cleanup failures leave nothing this device tracks: the
+                // answer stands either way.
+                if mapped {
+                    let _ = driver.mem_unmap(va, granule);
+                }
+                let _ = driver.mem_release(handle);
+                mapped
+            }
+            Err(_) => false,
+        };
+        let _ = driver.mem_address_free(va, two);
+        mapped
     }
 
     /// The device ordinal.
@@ -362,6 +405,16 @@ impl Device for CudaDevice {
                     &format!("handle {:#x}+{offset} at {va:#x}+{size}", handle.0),
                 )
             })
+    }
+
+    /// What the driver answered when the device was opened
+    /// ([`CudaDevice::probe_handle_parts`]). `cuMemMap`'s documentation says
+    /// its offset "currently must be zero" (PyTorch's expandable segments
+    /// and GMLake map each handle whole), so the answer is asked of the
+    /// driver, not assumed: a map refused in the middle of a run would fail
+    /// an allocation.
+    fn maps_handle_parts(&self) -> bool {
+        self.handle_parts
     }
 
     fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {

@@ -35,6 +35,12 @@ pub struct ExerciseReport {
     pub overlapping_map_rejected: bool,
     /// Unmapping part of a mapping fails (true without VMM).
     pub partial_unmap_rejected: bool,
+    /// What `Device::maps_handle_parts` said.
+    pub maps_handle_parts: bool,
+    /// Where the device says it maps part of a handle, the second granule
+    /// of a two-granule handle maps on its own, beside the whole handle
+    /// mapped elsewhere (true where it says it does not, or without VMM).
+    pub handle_part_mapped: bool,
     /// Map, set access, unmap, release and address free all succeeded, and
     /// free memory came back (true without VMM).
     pub vmm_round_trip: bool,
@@ -63,6 +69,7 @@ impl ExerciseReport {
             ("physical_reduced_free", self.physical_reduced_free),
             ("overlapping_map_rejected", self.overlapping_map_rejected),
             ("partial_unmap_rejected", self.partial_unmap_rejected),
+            ("handle_part_mapped", self.handle_part_mapped),
             ("vmm_round_trip", self.vmm_round_trip),
             ("event_synchronized", self.event_synchronized),
             (
@@ -115,6 +122,8 @@ pub fn exercise_device(device: &dyn Device) -> DeviceResult<ExerciseReport> {
         physical_reduced_free: true,
         overlapping_map_rejected: true,
         partial_unmap_rejected: true,
+        maps_handle_parts: device.maps_handle_parts(),
+        handle_part_mapped: true,
         vmm_round_trip: true,
         event_synchronized: false,
         event_done_after_device_sync: false,
@@ -134,6 +143,14 @@ pub fn exercise_device(device: &dyn Device) -> DeviceResult<ExerciseReport> {
         device.map(base + 2 * g, g, small, 0)?;
         device.set_access(base + 2 * g, g)?;
         report.partial_unmap_rejected = device.unmap(base, g).is_err();
+        if report.maps_handle_parts {
+            // Granule 3 of the range is free: the second half of `big`
+            // again, as policy `hbm` stitches memory.
+            report.handle_part_mapped = device.map(base + 3 * g, g, big, g).is_ok();
+            if report.handle_part_mapped {
+                device.unmap(base + 3 * g, g)?;
+            }
+        }
         device.unmap(base, 2 * g)?;
         device.unmap(base + 2 * g, g)?;
         device.physical_release(big)?;

@@ -6,7 +6,7 @@ mod support;
 use std::sync::Arc;
 
 use hbmalloc::{
-    CallKind, Device, DeviceErrorKind, DeviceResult, PhysicalHandle, SimDevice, StreamId,
+    CallKind, Device, DeviceErrorKind, DeviceResult, PhysicalHandle, SimConfig, SimDevice, StreamId,
 };
 use hbmalloc_cuda::exercise::exercise_device;
 use hbmalloc_cuda::{CudaDevice, CudaDriver, DRIVER_PATH_ENV, SETUP_CALL_KIND};
@@ -575,5 +575,38 @@ fn the_double_behaves_like_the_simulated_device() {
     assert_eq!(on_cuda.granularity, Some(GRANULE));
     // Both counted the same calls, failed ones included.
     assert_eq!(cuda.call_counts().by_kind, sim.call_counts().by_kind);
-    assert_eq!(cuda.call_counts().get(CallKind::Map), 3);
+    // Two whole maps, one refused over a mapping, one of part of a handle.
+    assert_eq!(cuda.call_counts().get(CallKind::Map), 4);
+}
+
+/// Whether `cuMemMap` maps part of a handle is asked of the driver when the
+/// device opens (its documentation says the offset "currently must be
+/// zero"), and the probe leaves nothing behind.
+#[test]
+fn whether_the_driver_maps_handle_parts_is_asked_not_assumed() {
+    let (_serial, double) = exclusive();
+    assert!(
+        open(0).maps_handle_parts(),
+        "the double maps parts by default"
+    );
+    double.set_whole_handle_maps(true);
+    let cuda = open(0);
+    assert!(!cuda.maps_handle_parts());
+    assert_eq!(double.live_bytes(), 0, "the probe released its memory");
+    assert_eq!(
+        cuda.call_counts().get(CallKind::Map),
+        0,
+        "the probe is no Device call"
+    );
+    let sim = SimDevice::with_config(SimConfig {
+        capacity_bytes: 1 << 30,
+        maps_handle_parts: false,
+        ..SimConfig::default()
+    });
+    let on_cuda = exercise_device(&cuda).expect("exercise on the double");
+    assert_eq!(
+        on_cuda,
+        exercise_device(&sim).expect("exercise on SimDevice")
+    );
+    assert_eq!(on_cuda.failures(), Vec::<&str>::new());
 }

@@ -85,3 +85,35 @@ fn out_of_memory_and_bad_settings_are_errors() {
     let err = CudaPool::new(0, "").unwrap_err();
     assert!(err.to_string().contains("/nonexistent/libcuda.so"), "{err}");
 }
+
+/// Policy `hbm` on a driver whose `cuMemMap` refuses part of a handle:
+/// memory freed in one place is stitched in at another (mapped a second
+/// time), a granule-sized handle at a time, and every map is whole.
+#[test]
+fn hbm_stitches_whole_handles_on_a_driver_that_maps_no_parts() {
+    let (_guard, double) = support::exclusive();
+    double.set_whole_handle_maps(true);
+    let pool = pool("policy:hbm,max_waste_percent:0");
+    // Opening the device asked the driver (one create, one refused map).
+    let (creates, maps) = (
+        double.call_count("cuMemCreate"),
+        double.call_count("cuMemMap"),
+    );
+    let stream = StreamId(0);
+    let first = pool.alloc(6 << 20, stream).unwrap();
+    let second = pool.alloc(6 << 20, stream).unwrap();
+    assert_eq!(
+        double.call_count("cuMemCreate") - creates,
+        6,
+        "a handle per granule"
+    );
+    drop(first);
+    // Needs 4 granules: the 3 idle ones first held, stitched in, and one new.
+    let third = pool.alloc(8 << 20, stream).unwrap();
+    assert_eq!(double.call_count("cuMemCreate") - creates, 7);
+    assert_eq!(double.call_count("cuMemMap") - maps, 6 + 4);
+    assert_eq!(pool.stats().reserved_bytes[0].current, 14 << 20);
+    drop((second, third));
+    pool.empty_cache().unwrap();
+    assert_eq!(double.live_bytes(), 0);
+}

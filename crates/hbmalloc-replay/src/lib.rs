@@ -39,6 +39,10 @@ pub struct ReplayOptions {
     pub capacity_bytes: u64,
     /// Latency charged per driver call (simulated time, never slept).
     pub latency: LatencyModel,
+    /// The simulated driver maps part of a physical handle
+    /// (`Device::maps_handle_parts`); false simulates one that maps whole
+    /// handles only, as `cuMemMap`'s documentation allows.
+    pub maps_handle_parts: bool,
     /// Reproduce the recorded allocator's out-of-memory failures (`Op::Oom`)
     /// by making the simulated device report the same free memory at that
     /// moment. Off: those requests are skipped.
@@ -68,6 +72,7 @@ impl ReplayOptions {
             policy,
             capacity_bytes: UNBOUNDED_CAPACITY_BYTES,
             latency: LatencyModel::realistic(),
+            maps_handle_parts: true,
             emulate_recorded_ooms: false,
             record_history: false,
             use_recorded_addresses: false,
@@ -313,6 +318,7 @@ impl PreparedTrace {
         let device = SimDevice::with_config(SimConfig {
             capacity_bytes: options.capacity_bytes,
             latency: options.latency.clone(),
+            maps_handle_parts: options.maps_handle_parts,
             ..SimConfig::default()
         });
         let config = AllocatorConfig {

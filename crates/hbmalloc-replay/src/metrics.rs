@@ -23,6 +23,9 @@ pub struct EvalOptions {
     /// Reproduce the out-of-memory errors the trace recorded (the device
     /// reports the free memory it reported then) and report them.
     pub reproduce_recorded_ooms: bool,
+    /// The simulated driver maps part of a physical handle (see
+    /// [`ReplayOptions::maps_handle_parts`]).
+    pub maps_handle_parts: bool,
 }
 
 impl EvalOptions {
@@ -32,6 +35,7 @@ impl EvalOptions {
         let mut replay = ReplayOptions::new(self.policy.clone());
         replay.capacity_bytes = self.capacity_bytes.unwrap_or(UNBOUNDED_CAPACITY_BYTES);
         replay.emulate_recorded_ooms = self.reproduce_recorded_ooms;
+        replay.maps_handle_parts = self.maps_handle_parts;
         replay
     }
 }
@@ -143,12 +147,7 @@ pub fn evaluate(
         )),
     };
     let min_capacity = if options.find_min_capacity {
-        min_capacity_bytes(
-            &prepared,
-            &options.policy,
-            peak_live,
-            run.peak_reserved_bytes,
-        )?
+        min_capacity_bytes(&prepared, &replay, peak_live, run.peak_reserved_bytes)?
     } else {
         None
     };
@@ -344,13 +343,16 @@ fn ratio(a: u64, b: u64) -> f64 {
 /// bisection finds, at [`MIN_CAPACITY_RESOLUTION_BYTES`].
 fn min_capacity_bytes(
     prepared: &PreparedTrace,
-    policy: &PolicyConfig,
+    replay: &ReplayOptions,
     peak_live: u64,
     unbounded_peak_reserved: u64,
 ) -> Result<Option<u64>, ReplayError> {
     let res = MIN_CAPACITY_RESOLUTION_BYTES;
     let completes = |capacity: u64| -> Result<bool, ReplayError> {
-        let mut options = ReplayOptions::new(policy.clone());
+        // The main run's policy and driver; no recorded out-of-memory error
+        // reproduced: those are the recorded device's, not this capacity's.
+        let mut options = ReplayOptions::new(replay.policy.clone());
+        options.maps_handle_parts = replay.maps_handle_parts;
         options.capacity_bytes = capacity;
         options.latency = LatencyModel::zero();
         Ok(prepared.run(&options)?.outcome == Outcome::Completed)
@@ -417,6 +419,7 @@ mod tests {
             capacity_bytes,
             find_min_capacity: false,
             reproduce_recorded_ooms: false,
+            maps_handle_parts: true,
         }
     }
 

@@ -139,6 +139,7 @@ fn compare_runs_on_every_trace_and_peak_live_is_exact() {
                         capacity_bytes: None,
                         find_min_capacity: false,
                         reproduce_recorded_ooms: false,
+                        maps_handle_parts: true,
                     };
                     let m = evaluate(&trace.source, device, &options)
                         .unwrap_or_else(|e| panic!("{}: {e}", trace.source));
@@ -182,6 +183,7 @@ fn min_capacity_is_tight() {
             capacity_bytes: None,
             find_min_capacity: true,
             reproduce_recorded_ooms: false,
+            maps_handle_parts: true,
         },
     )
     .unwrap();
@@ -196,6 +198,7 @@ fn min_capacity_is_tight() {
                 capacity_bytes: Some(capacity),
                 find_min_capacity: false,
                 reproduce_recorded_ooms: false,
+                maps_handle_parts: true,
             },
         )
         .unwrap()
@@ -226,6 +229,7 @@ fn the_recorded_oom_is_reproduced_and_explained() {
         capacity_bytes: None,
         find_min_capacity: false,
         reproduce_recorded_ooms: true,
+        maps_handle_parts: true,
     };
     let m = evaluate(&trace.source, device, &options).unwrap();
     assert_eq!(m.reproduced_ooms.len(), 1, "one recorded OOM, reproduced");

@@ -182,6 +182,9 @@ impl<D: Device> Device for LimitedDevice<D> {
     ) -> DeviceResult<()> {
         self.inner.map(va, size, handle, offset)
     }
+    fn maps_handle_parts(&self) -> bool {
+        self.inner.maps_handle_parts()
+    }
     fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
         self.inner.set_access(va, size)
     }

@@ -247,6 +247,14 @@ pub trait Device: Send + Sync {
         offset: u64,
     ) -> DeviceResult<()>;
 
+    /// Whether [`Device::map`] may map part of a handle: an offset other
+    /// than 0, or fewer bytes than the handle holds. CUDA documents
+    /// `cuMemMap`'s offset as one that "currently must be zero", so a
+    /// device that keeps to the documentation answers false, and policy
+    /// `hbm` then creates one handle per granule (each always mapped whole)
+    /// instead of one per run.
+    fn maps_handle_parts(&self) -> bool;
+
     /// Makes `[va, va + size)` readable and writable by this device (and its peers).
     fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()>;
 
@@ -306,6 +314,9 @@ impl<D: Device + ?Sized> Device for std::sync::Arc<D> {
         offset: u64,
     ) -> DeviceResult<()> {
         (**self).map(va, size, handle, offset)
+    }
+    fn maps_handle_parts(&self) -> bool {
+        (**self).maps_handle_parts()
     }
     fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
         (**self).set_access(va, size)

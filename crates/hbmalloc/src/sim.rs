@@ -95,6 +95,10 @@ pub struct SimConfig {
     pub granularity: Option<u64>,
     /// Latency charged for each call.
     pub latency: LatencyModel,
+    /// `map` accepts part of a handle (see [`Device::maps_handle_parts`]);
+    /// false rejects a map at an offset or of fewer bytes than the handle,
+    /// as CUDA's documentation of `cuMemMap` allows.
+    pub maps_handle_parts: bool,
 }
 
 impl Default for SimConfig {
@@ -103,6 +107,7 @@ impl Default for SimConfig {
             capacity_bytes: 80 * 1024 * MIB,
             granularity: Some(2 * MIB),
             latency: LatencyModel::realistic(),
+            maps_handle_parts: true,
         }
     }
 }
@@ -805,6 +810,10 @@ impl Device for SimDevice {
         self.lock().config.granularity
     }
 
+    fn maps_handle_parts(&self) -> bool {
+        self.lock().config.maps_handle_parts
+    }
+
     fn address_reserve(&self, size: u64) -> DeviceResult<DevicePtr> {
         let mut state = self.lock();
         state.enter(CallKind::AddressReserve)?;
@@ -892,6 +901,16 @@ impl Device for SimDevice {
                 return Err(invalid(
                     CallKind::Map,
                     format!("unknown handle {}", handle.0),
+                ))
+            }
+            Some(mem) if !state.config.maps_handle_parts && (offset != 0 || size != mem.size) => {
+                return Err(invalid(
+                    CallKind::Map,
+                    format!(
+                        "{size} bytes at offset {offset} are part of handle {} of {} bytes: \
+                         this device maps whole handles only",
+                        handle.0, mem.size
+                    ),
                 ))
             }
             Some(mem) if offset.checked_add(size).is_none_or(|end| end > mem.size) => {

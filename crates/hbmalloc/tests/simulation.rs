@@ -11,7 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use hbmalloc::simtest::{run_seed, run_seed_with, SeedReport, SimBacked, SimFailure, SimOptions};
 use hbmalloc::{
-    Device, DevicePtr, DeviceResult, EventId, MemoryInfo, PhysicalHandle, SimDevice, StreamId,
+    Device, DevicePtr, DeviceResult, EventId, MemoryInfo, PhysicalHandle, SimConfig, SimDevice,
+    StreamId,
 };
 
 /// The configurations every seed runs under. The second `hbm` one maps far
@@ -40,6 +41,15 @@ fn env_u64(name: &str) -> Option<u64> {
 }
 
 fn run(settings: &str, seeds: std::ops::Range<u64>) -> SeedReport {
+    run_on(settings, seeds, SimDevice::with_capacity)
+}
+
+/// [`run`] on the devices `make` builds for a capacity.
+fn run_on<D: SimBacked>(
+    settings: &str,
+    seeds: std::ops::Range<u64>,
+    make: impl Fn(u64) -> D,
+) -> SeedReport {
     let opts = SimOptions {
         trace: std::env::var_os("HBMALLOC_SIM_TRACE").is_some(),
         ..SimOptions::default()
@@ -47,7 +57,7 @@ fn run(settings: &str, seeds: std::ops::Range<u64>) -> SeedReport {
     let mut total = SeedReport::default();
     let count = seeds.end - seeds.start;
     for seed in seeds {
-        match run_seed(settings, seed, &opts) {
+        match run_seed_with(settings, seed, &opts, &make) {
             Ok(r) => total.add(&r),
             Err(failure) => panic!("{failure}"),
         }
@@ -101,6 +111,24 @@ fn simulation_hbm_ahead_fraction() {
 fn simulation_hbm_two_views() {
     let total = run(SETTINGS[5], seeds());
     assert!(total.ops > 0);
+}
+
+/// Policy `hbm` on a device that maps whole handles only (as CUDA's
+/// documentation of `cuMemMap` allows): one handle per granule, so every
+/// stitch, steal and spare maps a handle whole. The device refuses any
+/// other map, so a stray partial map fails the seed.
+#[test]
+fn simulation_hbm_whole_handle_maps() {
+    for settings in [SETTINGS[3], SETTINGS[5]] {
+        let total = run_on(settings, seeds(), |capacity| {
+            SimDevice::with_config(SimConfig {
+                capacity_bytes: capacity,
+                maps_handle_parts: false,
+                ..SimConfig::default()
+            })
+        });
+        assert!(total.ops > 0);
+    }
 }
 
 /// Seeds that found engine bugs in policy `pytorch` with expandable segments
@@ -168,6 +196,9 @@ macro_rules! forward_device {
         }
         fn physical_create(&self, size: u64) -> DeviceResult<PhysicalHandle> {
             self.sim.physical_create(size)
+        }
+        fn maps_handle_parts(&self) -> bool {
+            self.sim.maps_handle_parts()
         }
         fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
             self.sim.set_access(va, size)

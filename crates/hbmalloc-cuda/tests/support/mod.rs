@@ -78,6 +78,7 @@ pub struct Double {
     set_capacity: extern "C" fn(u64),
     fail_nth: unsafe extern "C" fn(*const c_char, u64, i32) -> i32,
     set_events_complete: extern "C" fn(bool),
+    set_whole_handle_maps: extern "C" fn(bool),
     complete_all_events: extern "C" fn(),
     call_count: unsafe extern "C" fn(*const c_char) -> u64,
     live_bytes: extern "C" fn() -> u64,
@@ -108,6 +109,7 @@ impl Double {
             set_capacity: symbol!(library, "hbm_double_set_capacity"),
             fail_nth: symbol!(library, "hbm_double_fail_nth"),
             set_events_complete: symbol!(library, "hbm_double_set_events_complete"),
+            set_whole_handle_maps: symbol!(library, "hbm_double_set_whole_handle_maps"),
             complete_all_events: symbol!(library, "hbm_double_complete_all_events"),
             call_count: symbol!(library, "hbm_double_call_count"),
             live_bytes: symbol!(library, "hbm_double_live_bytes"),
@@ -139,6 +141,11 @@ impl Double {
     /// With `false`, recorded events stay pending until completed.
     pub fn set_events_complete(&self, complete: bool) {
         (self.set_events_complete)(complete)
+    }
+
+    /// With `true`, `cuMemMap` refuses any offset but 0.
+    pub fn set_whole_handle_maps(&self, whole: bool) {
+        (self.set_whole_handle_maps)(whole)
     }
 
     /// Completes every pending event.

@@ -258,7 +258,8 @@ impl HbmPolicy {
                 return Ok(true);
             }
         }
-        if self.map_new_handle(dev, granule, region_index, cursor, end, soft_limit)? {
+        cursor = self.map_new_handle(dev, granule, region_index, cursor, end, soft_limit)?;
+        if cursor == end {
             return Ok(true);
         }
         let end = end.min(needed_end);
@@ -281,11 +282,19 @@ impl HbmPolicy {
                 return Ok(true);
             }
         }
-        self.map_new_handle(dev, granule, region_index, cursor, end, hard_limit)
+        Ok(self.map_new_handle(dev, granule, region_index, cursor, end, hard_limit)? == end)
     }
 
     /// Creates one handle for granules `[cursor, end)` (unless that would
-    /// hold more than `limit`) and maps it there. False: no memory.
+    /// hold more than `limit`) and maps it there; returns the first granule
+    /// still unmapped (`end` when done, `cursor` when there was no memory).
+    ///
+    /// On a device that maps whole handles only
+    /// ([`Device::maps_handle_parts`]), one handle per granule instead: a
+    /// stitch or a steal moves memory a granule at a time, and each granule
+    /// must then be a handle of its own to be mapped anywhere (GMLake's
+    /// choice too). It costs a create and a map per granule where one of
+    /// each did.
     fn map_new_handle(
         &mut self,
         dev: &dyn Device,
@@ -294,13 +303,28 @@ impl HbmPolicy {
         cursor: u64,
         end: u64,
         limit: u64,
-    ) -> Result<bool, AllocError> {
+    ) -> Result<u64, AllocError> {
         let count = end - cursor;
-        let Some(handle) = self.create(dev, count * granule, limit)? else {
-            return Ok(false);
-        };
-        self.map_chunk(dev, granule, region_index, cursor, count, handle, 0, false)?;
-        Ok(true)
+        if dev.maps_handle_parts() {
+            let Some(handle) = self.create(dev, count * granule, limit)? else {
+                return Ok(cursor);
+            };
+            self.map_chunk(dev, granule, region_index, cursor, count, handle, 0, false)?;
+            return Ok(end);
+        }
+        // All or nothing against the limit, as one handle would be.
+        if self.held_bytes + count * granule > limit {
+            return Ok(cursor);
+        }
+        for index in cursor..end {
+            let Some(handle) = self.create(dev, granule, limit)? else {
+                // The device ran out part way: what is mapped stays mapped
+                // (the caller grants it access).
+                return Ok(index);
+            };
+            self.map_chunk(dev, granule, region_index, index, 1, handle, 0, false)?;
+        }
+        Ok(end)
     }
 
     /// Maps spare pieces into `[cursor, end)`: the smallest piece that covers
