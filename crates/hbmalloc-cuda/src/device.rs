@@ -408,7 +408,7 @@ impl Device for CudaDevice {
     }
 
     /// What the driver answered when the device was opened
-    /// ([`CudaDevice::probe_handle_parts`]). `cuMemMap`'s documentation says
+    /// (`CudaDevice::probe_handle_parts`). `cuMemMap`'s documentation says
     /// its offset "currently must be zero" (PyTorch's expandable segments
     /// and GMLake map each handle whole), so the answer is asked of the
     /// driver, not assumed: a map refused in the middle of a run would fail

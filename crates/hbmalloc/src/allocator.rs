@@ -159,9 +159,13 @@ impl<D: Device> Allocator<D> {
         let settings = config.policy.to_settings();
         let engine = match config.policy {
             PolicyConfig::Pytorch(c) => Engine::Pytorch(PytorchPolicy::new(c, total, history)),
-            PolicyConfig::Hbm(c) => {
-                Engine::Hbm(HbmPolicy::new(c, total, device.granularity(), history))
-            }
+            PolicyConfig::Hbm(c) => Engine::Hbm(HbmPolicy::new(
+                c,
+                total,
+                device.granularity(),
+                device.maps_handle_parts(),
+                history,
+            )),
         };
         Ok(Allocator {
             device,

@@ -258,6 +258,19 @@ const SHORT_LIVED_NEAR_PEAK_PERCENT: u64 = 90;
 const DEFAULT_MAX_VIEWS: usize = 16;
 /// The `max_views` a configuration may set: a group is two views at least.
 const MAX_VIEWS_RANGE: std::ops::RangeInclusive<usize> = 2..=64;
+/// On a device that maps whole handles only, the most granules one handle
+/// holds (`whole_handle_granules`; see `map_new_handle` in
+/// `hbm/backing.rs`). There only whole handles move (stitched, stolen,
+/// spare), so larger handles trade memory for driver calls. Measured with
+/// `hbmalloc compare --whole-handle-maps --run
+/// policy:hbm,whole_handle_granules:N` over the shared traces (21 rows):
+/// 1: waste 1.04 GiB, 564,450 driver calls, 5.28 s of simulated driver
+/// time; 2: 1.05 GiB, 281,372 calls, 2.67 s (vit_train's efficiency 0.974,
+/// under 0.98); 4: 1.45 GiB, 142,420 calls, 1.38 s; 8: 1.97 GiB, 75,538
+/// calls, 0.74 s. With parts of handles: 1.07 GiB, 12,979 calls, 0.14 s.
+const DEFAULT_WHOLE_HANDLE_GRANULES: u64 = 1;
+/// The `whole_handle_granules` a configuration may set.
+const WHOLE_HANDLE_GRANULES_RANGE: std::ops::RangeInclusive<u64> = 1..=512;
 /// Free ranges a request looks at, in best-fit order, for one whose aliased
 /// granules are not in use elsewhere; if all are blocked, the block slides
 /// past the memory in use within them, then tries the stream's largest free
@@ -271,6 +284,7 @@ const MAX_CANDIDATES: usize = 32;
 /// | `max_waste_percent` | 1 | physical memory held may exceed the peak demand (live plus pending-free bytes) by this percentage before idle memory is stitched (mapped a second time) instead of new memory created; a heap growing to a new peak may map up to 4 times this (at most 12 MiB) ahead. Lower: tighter memory, more map calls when the workload shifts or grows (0: nothing mapped ahead); higher: fewer driver calls. |
 /// | `per_process_memory_fraction` | 1 | hard limit on memory held, as a fraction of device memory (as in PyTorch). |
 /// | `max_views` | 16 | most addresses one physical granule is mapped at (2 to 64): past it, idle memory is moved (unmapped, mapped elsewhere) instead of mapped once more. Each view is a page-table entry; lower: more map and unmap calls where memory moves around. |
+/// | `whole_handle_granules` | 1 | on a driver that maps whole handles only ([`Device::maps_handle_parts`] false), the most granules one physical handle holds (1 to 512). Only whole handles move there; higher: fewer create and map calls, more memory held. Ignored where the driver maps parts of handles. |
 #[derive(Clone, Debug, PartialEq)]
 pub struct HbmConfig {
     /// Allowance of held memory over peak demand, in percent, before granules are stolen.
@@ -279,6 +293,8 @@ pub struct HbmConfig {
     pub per_process_memory_fraction: f64,
     /// Most addresses one physical granule is mapped at.
     pub max_views: usize,
+    /// Most granules in one handle on a driver that maps whole handles only.
+    pub whole_handle_granules: u64,
 }
 
 impl Default for HbmConfig {
@@ -287,16 +303,18 @@ impl Default for HbmConfig {
             max_waste_percent: DEFAULT_MAX_WASTE_PERCENT,
             per_process_memory_fraction: 1.0,
             max_views: DEFAULT_MAX_VIEWS,
+            whole_handle_granules: DEFAULT_WHOLE_HANDLE_GRANULES,
         }
     }
 }
 
 impl HbmConfig {
     /// Every key this policy accepts.
-    pub const KEYS: [&'static str; 3] = [
+    pub const KEYS: [&'static str; 4] = [
         "max_waste_percent",
         "per_process_memory_fraction",
         "max_views",
+        "whole_handle_granules",
     ];
 
     /// Parses `key:value,key:value`; an empty string gives the defaults.
@@ -351,6 +369,23 @@ impl HbmConfig {
                         .filter(|v| MAX_VIEWS_RANGE.contains(v))
                         .ok_or_else(expected)?;
                 }
+                "whole_handle_granules" => {
+                    config.whole_handle_granules = value
+                        .parse::<u64>()
+                        .ok()
+                        .filter(|v| WHOLE_HANDLE_GRANULES_RANGE.contains(v))
+                        .ok_or_else(|| {
+                            ConfigError::new(
+                                key,
+                                value,
+                                format!(
+                                    "a whole number from {} to {}",
+                                    WHOLE_HANDLE_GRANULES_RANGE.start(),
+                                    WHOLE_HANDLE_GRANULES_RANGE.end()
+                                ),
+                            )
+                        })?;
+                }
                 _ => {
                     return Err(ConfigError::new(
                         key,
@@ -378,6 +413,12 @@ impl HbmConfig {
         }
         if self.max_views != defaults.max_views {
             parts.push(format!("max_views:{}", self.max_views));
+        }
+        if self.whole_handle_granules != defaults.whole_handle_granules {
+            parts.push(format!(
+                "whole_handle_granules:{}",
+                self.whole_handle_granules
+            ));
         }
         parts.join(",")
     }
@@ -635,6 +676,9 @@ pub(crate) struct HbmPolicy {
     config: HbmConfig,
     /// `None`: no virtual-memory API, regions are segments.
     granule: Option<u64>,
+    /// The device maps part of a handle ([`Device::maps_handle_parts`]);
+    /// false: every handle is mapped whole, so only whole handles move.
+    maps_handle_parts: bool,
     regions: Vec<Option<Region>>,
     /// Allocated and pending-free blocks by address.
     live: FastMap<DevicePtr, LiveBlock>,
@@ -708,6 +752,7 @@ impl HbmPolicy {
         config: HbmConfig,
         device_total: u64,
         granule: Option<u64>,
+        maps_handle_parts: bool,
         history: History,
     ) -> Self {
         // CUDA's granularity is a power of two (2 MiB): the hot path finds a
@@ -715,6 +760,7 @@ impl HbmPolicy {
         let granule = granule.filter(|&g| g.is_power_of_two() && g >= MIN_BLOCK_SIZE);
         let mut policy = HbmPolicy {
             granule,
+            maps_handle_parts,
             regions: Vec::new(),
             live: FastMap::default(),
             spans: Vec::new(),
@@ -856,6 +902,13 @@ impl HbmPolicy {
             if let Some(granule) = self.granule {
                 let victims = self.free_spans(granule, u64::MAX, false);
                 self.unmap_spans(dev, granule, &victims)?;
+                // Where handles map whole only, a spare of several granules
+                // larger than what is missing cannot be cut to fit: give
+                // spares back, so that a handle of the right size fits
+                // under the limit.
+                if !self.maps_handle_parts && self.config.whole_handle_granules > 1 {
+                    self.release_spares(dev)?;
+                }
             }
             self.release_free_segments(dev)?;
         };
@@ -1372,12 +1425,14 @@ mod tests {
 
     #[test]
     fn config_parses_and_round_trips() {
-        let c =
-            HbmConfig::parse("max_waste_percent:5, per_process_memory_fraction:0.5, max_views:2")
-                .unwrap();
+        let c = HbmConfig::parse(
+            "max_waste_percent:5, per_process_memory_fraction:0.5, max_views:2, whole_handle_granules:4",
+        )
+        .unwrap();
         assert_eq!(c.max_waste_percent, 5.0);
         assert_eq!(c.per_process_memory_fraction, 0.5);
         assert_eq!(c.max_views, 2);
+        assert_eq!(c.whole_handle_granules, 4);
         assert_eq!(HbmConfig::parse(&c.to_conf_string()).unwrap(), c);
         assert_eq!(HbmConfig::parse("").unwrap(), HbmConfig::default());
         assert_eq!(HbmConfig::default().to_conf_string(), "");
@@ -1394,6 +1449,9 @@ mod tests {
             "max_views:1",
             "max_views:65",
             "max_views:4.5",
+            "whole_handle_granules:0",
+            "whole_handle_granules:513",
+            "whole_handle_granules:-1",
             "expandable_segments:True",
             "max_waste_percent",
         ] {
@@ -1430,6 +1488,7 @@ mod tests {
                 HbmConfig::default(),
                 1 << 30,
                 Some(granule),
+                true,
                 History::with_capacity(0),
             )
         };

@@ -38,7 +38,7 @@ use std::fmt;
 use crate::allocator::{Allocator, AllocatorConfig, PolicyConfig};
 use crate::device::{CallKind, Device, DeviceErrorKind, DevicePtr, StreamId};
 use crate::error::AllocError;
-use crate::sim::{Fault, SimDevice};
+use crate::sim::{Fault, SimConfig, SimDevice};
 use crate::snapshot::BlockState;
 
 const MIB: u64 = 1 << 20;
@@ -294,15 +294,19 @@ pub fn run_seed_with<D: SimBacked>(
 
 /// Runs the program a byte string spells (a fuzzer's input) on a fresh
 /// [`SimDevice`], with every check of a seeded run: the first byte picks one
-/// of `settings`, the rest are the program's choices, two bytes each, until
-/// they run out; then everything is freed and the cache emptied.
+/// of `settings` and whether the device maps part of a handle
+/// ([`SimConfig::maps_handle_parts`]), the rest are the program's choices,
+/// two bytes each, until they run out; then everything is freed and the
+/// cache emptied.
 pub fn run_bytes(settings: &[&str], data: &[u8]) -> Result<SeedReport, SimFailure> {
     let Some((&first, rest)) = data.split_first() else {
         return Ok(SeedReport::default());
     };
-    let Some(&chosen) = settings.get(usize::from(first) % settings.len().max(1)) else {
+    let count = settings.len().max(1);
+    let Some(&chosen) = settings.get(usize::from(first) % count) else {
         return Ok(SeedReport::default());
     };
+    let maps_handle_parts = (usize::from(first) / count) % 2 == 0;
     let opts = SimOptions {
         steps: rest.len(),
         ..SimOptions::default()
@@ -311,7 +315,13 @@ pub fn run_bytes(settings: &[&str], data: &[u8]) -> Result<SeedReport, SimFailur
         data: rest.to_vec(),
         pos: 0,
     });
-    run_with(chosen, 0, &opts, rng, SimDevice::with_capacity)
+    run_with(chosen, 0, &opts, rng, |capacity_bytes| {
+        SimDevice::with_config(SimConfig {
+            capacity_bytes,
+            maps_handle_parts,
+            ..SimConfig::default()
+        })
+    })
 }
 
 fn run_with<D: SimBacked>(

@@ -114,12 +114,18 @@ fn simulation_hbm_two_views() {
 }
 
 /// Policy `hbm` on a device that maps whole handles only (as CUDA's
-/// documentation of `cuMemMap` allows): one handle per granule, so every
-/// stitch, steal and spare maps a handle whole. The device refuses any
-/// other map, so a stray partial map fails the seed.
+/// documentation of `cuMemMap` allows): one handle per granule by default,
+/// several with `whole_handle_granules` (then only whole handles are
+/// stitched, stolen and taken from spares). The device refuses any other
+/// map, so a stray partial map fails the seed.
 #[test]
 fn simulation_hbm_whole_handle_maps() {
-    for settings in [SETTINGS[3], SETTINGS[5]] {
+    for settings in [
+        SETTINGS[3],
+        SETTINGS[5],
+        "policy:hbm,whole_handle_granules:3",
+        "policy:hbm,max_waste_percent:5,per_process_memory_fraction:0.8,max_views:2,whole_handle_granules:4",
+    ] {
         let total = run_on(settings, seeds(), |capacity| {
             SimDevice::with_config(SimConfig {
                 capacity_bytes: capacity,

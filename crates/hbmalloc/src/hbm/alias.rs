@@ -427,10 +427,14 @@ impl HbmPolicy {
 
     /// Whether `group` is idle at every view and may be mapped into `span`
     /// as well (a range being backed: memory already stitched into it must
-    /// not be mapped there twice), below the most views a group may have.
+    /// not be mapped there twice), below the most views a group may have,
+    /// and (on a device that maps whole handles only) a whole handle.
     fn group_idle(&self, group: &AliasGroup, span: GranuleSpan) -> bool {
+        let granule = self.granule.unwrap_or(0);
         group.blocks == 0
             && group.views.len() < self.config.max_views
+            && (self.maps_handle_parts
+                || self.whole_handle(group.handle, group.offset, group.count * granule))
             && !group
                 .views
                 .iter()
@@ -439,7 +443,9 @@ impl HbmPolicy {
 
     /// Memory lying idle under free ranges, highest address first, until it
     /// adds up to `bytes`: runs of unaliased granules (each inside one
-    /// chunk, so physically contiguous) and whole idle groups.
+    /// chunk, so physically contiguous) and whole idle groups. On a device
+    /// that maps whole handles only, whole handles only: a run that is a
+    /// whole chunk of a whole handle, a group that is a whole handle.
     fn idle_donors(&self, granule: u64, bytes: u64, span: GranuleSpan) -> Vec<Donor> {
         let mut donors = Vec::new();
         let mut found = 0u64;
@@ -470,6 +476,22 @@ impl HbmPolicy {
                 let stop = region
                     .aliased
                     .next_with(i, end.min(start + chunk.count), true);
+                if !self.maps_handle_parts {
+                    let whole = i == start
+                        && stop == start + chunk.count
+                        && self.whole_handle(chunk.handle, chunk.offset, chunk.count * granule);
+                    if whole {
+                        donors.push(Donor::Granules {
+                            view: (region_index, i),
+                            count: chunk.count,
+                            handle: chunk.handle,
+                            offset: chunk.offset,
+                        });
+                        found += chunk.count * granule;
+                    }
+                    i = region.next_unlent(stop, end);
+                    continue;
+                }
                 let count = (stop - i).min((bytes - found).div_ceil(granule));
                 donors.push(Donor::Granules {
                     view: (region_index, i),
@@ -523,6 +545,10 @@ impl HbmPolicy {
                     handle,
                     offset,
                 } => {
+                    // A whole handle that does not fit is not cut.
+                    if !self.maps_handle_parts && count > end - cursor {
+                        continue;
+                    }
                     let take = count.min(end - cursor);
                     self.map_chunk(
                         dev,
@@ -555,7 +581,11 @@ impl HbmPolicy {
                         continue;
                     }
                     // A cut leaves the rest idle and ends the walk: the
-                    // span is then backed to its end.
+                    // span is then backed to its end. A whole handle that
+                    // does not fit is not cut.
+                    if !self.maps_handle_parts && group.count > end - cursor {
+                        continue;
+                    }
                     let id = if group.count > end - cursor {
                         self.split_group(id, end - cursor).0
                     } else {

@@ -290,11 +290,10 @@ impl HbmPolicy {
     /// still unmapped (`end` when done, `cursor` when there was no memory).
     ///
     /// On a device that maps whole handles only
-    /// ([`Device::maps_handle_parts`]), one handle per granule instead: a
-    /// stitch or a steal moves memory a granule at a time, and each granule
-    /// must then be a handle of its own to be mapped anywhere (GMLake's
-    /// choice too). It costs a create and a map per granule where one of
-    /// each did.
+    /// ([`Device::maps_handle_parts`]), handles of at most
+    /// `whole_handle_granules` ([`super::HbmConfig`]) instead: there a stitch, a steal or a spare
+    /// moves whole handles only, and smaller handles move where they are
+    /// needed more often, for a create and a map each.
     fn map_new_handle(
         &mut self,
         dev: &dyn Device,
@@ -305,31 +304,34 @@ impl HbmPolicy {
         limit: u64,
     ) -> Result<u64, AllocError> {
         let count = end - cursor;
-        if dev.maps_handle_parts() {
-            let Some(handle) = self.create(dev, count * granule, limit)? else {
-                return Ok(cursor);
-            };
-            self.map_chunk(dev, granule, region_index, cursor, count, handle, 0, false)?;
-            return Ok(end);
-        }
         // All or nothing against the limit, as one handle would be.
         if self.held_bytes + count * granule > limit {
             return Ok(cursor);
         }
-        for index in cursor..end {
-            let Some(handle) = self.create(dev, granule, limit)? else {
+        let per_handle = if self.maps_handle_parts {
+            count
+        } else {
+            self.config.whole_handle_granules
+        };
+        let mut at = cursor;
+        while at < end {
+            let take = per_handle.min(end - at);
+            let Some(handle) = self.create(dev, take * granule, limit)? else {
                 // The device ran out part way: what is mapped stays mapped
                 // (the caller grants it access).
-                return Ok(index);
+                return Ok(at);
             };
-            self.map_chunk(dev, granule, region_index, index, 1, handle, 0, false)?;
+            self.map_chunk(dev, granule, region_index, at, take, handle, 0, false)?;
+            at += take;
         }
         Ok(end)
     }
 
     /// Maps spare pieces into `[cursor, end)`: the smallest piece that covers
     /// what is left (split, the rest staying spare), else the largest piece;
-    /// returns the first granule still unmapped.
+    /// returns the first granule still unmapped. On a device that maps whole
+    /// handles only, pieces are whole handles and are never split: the
+    /// largest that fits, until none does.
     fn stitch_spares(
         &mut self,
         dev: &dyn Device,
@@ -338,6 +340,9 @@ impl HbmPolicy {
         mut cursor: u64,
         end: u64,
     ) -> Result<u64, AllocError> {
+        if !self.maps_handle_parts {
+            return self.stitch_whole_spares(dev, granule, region_index, cursor, end);
+        }
         while cursor < end && !self.spare.is_empty() {
             let room = (end - cursor) * granule;
             let mut best = 0;
@@ -375,6 +380,51 @@ impl HbmPolicy {
             cursor += take / granule;
         }
         Ok(cursor)
+    }
+
+    /// [`HbmPolicy::stitch_spares`] where handles are mapped whole only.
+    fn stitch_whole_spares(
+        &mut self,
+        dev: &dyn Device,
+        granule: u64,
+        region_index: u32,
+        mut cursor: u64,
+        end: u64,
+    ) -> Result<u64, AllocError> {
+        while cursor < end {
+            let room = (end - cursor) * granule;
+            // The largest that fits, the first of equals.
+            let mut best: Option<usize> = None;
+            for (i, piece) in self.spare.iter().enumerate() {
+                if piece.bytes <= room && best.is_none_or(|b| piece.bytes > self.spare[b].bytes) {
+                    best = Some(i);
+                }
+            }
+            let Some(best) = best else {
+                break;
+            };
+            let piece = self.spare.swap_remove(best);
+            debug_assert!(self.whole_handle(piece.handle, piece.offset, piece.bytes));
+            let count = piece.bytes / granule;
+            self.map_chunk(
+                dev,
+                granule,
+                region_index,
+                cursor,
+                count,
+                piece.handle,
+                piece.offset,
+                false,
+            )?;
+            cursor += count;
+        }
+        Ok(cursor)
+    }
+
+    /// Whether `bytes` of `handle` from `offset` are all of it: what a device
+    /// that maps whole handles only can map.
+    pub(super) fn whole_handle(&self, handle: PhysicalHandle, offset: u64, bytes: u64) -> bool {
+        offset == 0 && self.handles.get(&handle).is_some_and(|h| h.bytes == bytes)
     }
 
     /// The granules `[first, end)` lying wholly inside each free range, as
