@@ -26,13 +26,15 @@
 //!   handle on their own (`map` at an offset into it). CUDA documents
 //!   `cuMemMap`'s offset as one that "currently must be zero", so the
 //!   device is asked ([`Device::maps_handle_parts`]; the CUDA backend probes
-//!   the driver); where it refuses, every handle is one granule, always
-//!   mapped whole, and nothing else changes. Correct, but a create and a map
-//!   per granule: `hbmalloc compare --whole-handle-maps` over the shared
-//!   traces (21 rows) makes 564,450 driver calls and 5.28 s of simulated
-//!   driver time against 12,979 and 141 ms with parts (`pytorch`: 270 ms),
-//!   at the same waste (1.04 against 1.07 GiB). Groups and spares made of
-//!   whole multi-granule handles would cut that; they are not built.
+//!   the driver). Where it refuses, a handle holds at most
+//!   `whole_handle_granules` granules (1 by default) and only whole handles
+//!   move: a donor or a spare is a whole handle that fits, never cut. With
+//!   1 that is correct at no cost in memory, but a create and a map per
+//!   granule: `hbmalloc compare --whole-handle-maps` over the shared traces
+//!   (21 rows) makes 564,450 driver calls and 5.28 s of simulated driver
+//!   time against 12,979 and 141 ms with parts (`pytorch`: 270 ms), at the
+//!   same waste (1.04 against 1.07 GiB); larger handles trade memory back
+//!   for calls (see [`DEFAULT_WHOLE_HANDLE_GRANULES`]).
 //! * **Stitching by aliasing** (GMLake's idea, kept online). When the memory
 //!   held would exceed `max_waste_percent` over the peak demand seen so far,
 //!   a run is backed instead by granules lying idle under free ranges
