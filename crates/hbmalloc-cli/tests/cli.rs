@@ -305,28 +305,32 @@ fn repeat_step_runs_the_last_training_step_again() {
     assert_clear_error(&out, "no repeating step found in 100 operations");
 }
 
+/// The bundled trace's row under policy hbm, with `extra` arguments to
+/// `compare`.
+fn bundled_hbm_row(extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "compare",
+        "--run",
+        "policy:hbm",
+        "--no-min-capacity",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let out = hbmalloc(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// `--jitter-sizes`: the bundled trace with every request size scaled by
 /// its own factor within 5%: the same operations, a different peak, the same
 /// figures for the same seed, and other figures for another seed.
 #[test]
 fn jitter_sizes_replays_the_trace_with_other_sizes() {
-    let row = |extra: &[&str]| -> serde_json::Value {
-        let mut args = vec![
-            "compare",
-            "--run",
-            "policy:hbm",
-            "--no-min-capacity",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        let out = hbmalloc(&args);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
-    };
+    let row = bundled_hbm_row;
     let recorded = row(&[]);
     let jittered = row(&["--jitter-sizes", "7"]);
     assert_eq!(jittered["trace"], "gpt2_train.json.gz (bundled) ~sizes7");
@@ -350,23 +354,7 @@ fn jitter_sizes_replays_the_trace_with_other_sizes() {
 /// a driver that maps parts), and the row says which driver it ran on.
 #[test]
 fn whole_handle_maps_replays_hbm_on_a_handle_per_granule() {
-    let row = |extra: &[&str]| -> serde_json::Value {
-        let mut args = vec![
-            "compare",
-            "--run",
-            "policy:hbm",
-            "--no-min-capacity",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        let out = hbmalloc(&args);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
-    };
+    let row = bundled_hbm_row;
     let parts = row(&[]);
     let whole = row(&["--whole-handle-maps"]);
     assert!(whole["trace"]

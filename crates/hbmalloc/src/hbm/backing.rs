@@ -327,11 +327,9 @@ impl HbmPolicy {
         Ok(end)
     }
 
-    /// Maps spare pieces into `[cursor, end)`: the smallest piece that covers
-    /// what is left (split, the rest staying spare), else the largest piece;
-    /// returns the first granule still unmapped. On a device that maps whole
-    /// handles only, pieces are whole handles and are never split: the
-    /// largest that fits, until none does.
+    /// Maps spare pieces into `[cursor, end)` (see [`HbmPolicy::spare_for`]),
+    /// cutting the last one to fit where handles map in part; returns the
+    /// first granule still unmapped.
     fn stitch_spares(
         &mut self,
         dev: &dyn Device,
@@ -340,24 +338,11 @@ impl HbmPolicy {
         mut cursor: u64,
         end: u64,
     ) -> Result<u64, AllocError> {
-        if !self.maps_handle_parts {
-            return self.stitch_whole_spares(dev, granule, region_index, cursor, end);
-        }
-        while cursor < end && !self.spare.is_empty() {
+        while cursor < end {
             let room = (end - cursor) * granule;
-            let mut best = 0;
-            for (i, p) in self.spare.iter().enumerate().skip(1) {
-                let b = &self.spare[best];
-                let better = match (p.bytes >= room, b.bytes >= room) {
-                    (true, true) => p.bytes < b.bytes,
-                    (true, false) => true,
-                    (false, true) => false,
-                    (false, false) => p.bytes > b.bytes,
-                };
-                if better {
-                    best = i;
-                }
-            }
+            let Some(best) = self.spare_for(room) else {
+                break;
+            };
             let piece = self.spare.swap_remove(best);
             let take = piece.bytes.min(room);
             if piece.bytes > take {
@@ -382,43 +367,38 @@ impl HbmPolicy {
         Ok(cursor)
     }
 
-    /// [`HbmPolicy::stitch_spares`] where handles are mapped whole only.
-    fn stitch_whole_spares(
-        &mut self,
-        dev: &dyn Device,
-        granule: u64,
-        region_index: u32,
-        mut cursor: u64,
-        end: u64,
-    ) -> Result<u64, AllocError> {
-        while cursor < end {
-            let room = (end - cursor) * granule;
-            // The largest that fits, the first of equals.
-            let mut best: Option<usize> = None;
-            for (i, piece) in self.spare.iter().enumerate() {
-                if piece.bytes <= room && best.is_none_or(|b| piece.bytes > self.spare[b].bytes) {
+    /// The spare piece to map into `room` bytes: the smallest that covers
+    /// them, else the largest (cut to fit); where handles map whole only
+    /// (pieces are whole handles then, never cut), the largest that fits.
+    /// The first of equals; `None` when no piece will do.
+    fn spare_for(&self, room: u64) -> Option<usize> {
+        let mut best: Option<usize> = None;
+        for (i, piece) in self.spare.iter().enumerate() {
+            let Some(b) = best.map(|b| &self.spare[b]) else {
+                if self.maps_handle_parts || piece.bytes <= room {
                     best = Some(i);
                 }
-            }
-            let Some(best) = best else {
-                break;
+                continue;
             };
-            let piece = self.spare.swap_remove(best);
-            debug_assert!(self.whole_handle(piece.handle, piece.offset, piece.bytes));
-            let count = piece.bytes / granule;
-            self.map_chunk(
-                dev,
-                granule,
-                region_index,
-                cursor,
-                count,
-                piece.handle,
-                piece.offset,
-                false,
-            )?;
-            cursor += count;
+            let better = if !self.maps_handle_parts {
+                piece.bytes <= room && piece.bytes > b.bytes
+            } else {
+                match (piece.bytes >= room, b.bytes >= room) {
+                    (true, true) => piece.bytes < b.bytes,
+                    (true, false) => true,
+                    (false, true) => false,
+                    (false, false) => piece.bytes > b.bytes,
+                }
+            };
+            if better {
+                best = Some(i);
+            }
         }
-        Ok(cursor)
+        debug_assert!(best.is_none_or(|b| {
+            let piece = &self.spare[b];
+            self.maps_handle_parts || self.whole_handle(piece.handle, piece.offset, piece.bytes)
+        }));
+        best
     }
 
     /// Whether `bytes` of `handle` from `offset` are all of it: what a device
