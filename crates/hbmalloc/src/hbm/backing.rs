@@ -291,9 +291,10 @@ impl HbmPolicy {
     ///
     /// On a device that maps whole handles only
     /// ([`Device::maps_handle_parts`]), handles of at most
-    /// `whole_handle_granules` ([`super::HbmConfig`]) instead: there a stitch, a steal or a spare
-    /// moves whole handles only, and smaller handles move where they are
-    /// needed more often, for a create and a map each.
+    /// `whole_handle_granules` granules ([`super::HbmConfig`]) instead:
+    /// there a stitch, a steal or a spare moves whole handles only, and
+    /// smaller handles fit where they are needed more often, for a create
+    /// and a map each.
     fn map_new_handle(
         &mut self,
         dev: &dyn Device,
