@@ -12,7 +12,10 @@
 //!   holds a host buffer per handle, and map / unmap / set-access / release /
 //!   address-free are validated like the real driver (mapping inside one
 //!   reserved range, no overlap, unmap exactly one mapping, release only when
-//!   unmapped, address free only when nothing is mapped in it);
+//!   unmapped, address free only when nothing is mapped in it); a map at an
+//!   offset into a handle is refused when a test asks
+//!   (`hbm_double_set_whole_handle_maps`), as `cuMemMap`'s documentation
+//!   allows;
 //! - two devices, each able to access the other's memory, each with a
 //!   configurable capacity (1 GiB by default) past which allocation fails
 //!   with `CUDA_ERROR_OUT_OF_MEMORY`; 2 MiB granularity;
