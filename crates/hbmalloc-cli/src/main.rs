@@ -261,7 +261,7 @@ fn run(command: Command) -> Result<(), String> {
                 }
             }
             if !json {
-                print!("{}", table::compare_table(&rows));
+                print!("{}", table::compare_table(&rows, what_if.whole_handle_maps));
             }
             Ok(())
         }

@@ -46,8 +46,9 @@ pub fn trace_name(source: &str) -> String {
 }
 
 /// One row per trace and device; for each configuration its peak reserved,
-/// waste, efficiency, minimum capacity and memory-moving driver calls.
-pub fn compare_table(rows: &[Vec<Metrics>]) -> String {
+/// waste, efficiency, minimum capacity and memory-moving driver calls. The
+/// footer says which driver the replays simulated (`whole_handle_maps`).
+pub fn compare_table(rows: &[Vec<Metrics>], whole_handle_maps: bool) -> String {
     let mut out = String::new();
     let Some(first) = rows.first() else {
         return "no trace had any device activity\n".into();
@@ -135,7 +136,13 @@ pub fn compare_table(rows: &[Vec<Metrics>]) -> String {
     out.push('\n');
     out += "\nlive: peak of live requested bytes; reserved: peak device memory held; waste = reserved - live;\n\
             eff = live / reserved; min cap: smallest device on which the trace completes (2 MiB resolution);\n\
-            calls: driver calls that allocate, free, map or unmap memory. Replayed on a simulated GPU.\n";
+            calls: driver calls that allocate, free, map or unmap memory.\n";
+    out += if whole_handle_maps {
+        "Replayed on a simulated GPU whose driver maps whole physical handles only.\n"
+    } else {
+        "Replayed on a simulated GPU whose driver also maps part of a physical handle; CUDA documents\n\
+         the offset of such a map as zero (--whole-handle-maps replays a driver that keeps to it).\n"
+    };
     out
 }
 

@@ -367,4 +367,12 @@ fn whole_handle_maps_replays_hbm_on_a_handle_per_granule() {
     // Every create is one granule: the peak held is at most that many granules.
     let peak = whole["peak_reserved_bytes"].as_u64().unwrap();
     assert!(creates(&whole) * (2 << 20) >= peak);
+    // The table says which driver it simulated.
+    let table = |extra: &[&str]| {
+        let mut args = vec!["compare", "--run", "policy:hbm", "--no-min-capacity"];
+        args.extend_from_slice(extra);
+        String::from_utf8(hbmalloc(&args).stdout).unwrap()
+    };
+    assert!(table(&[]).contains("also maps part of a physical handle"));
+    assert!(table(&["--whole-handle-maps"]).contains("maps whole physical handles only"));
 }
