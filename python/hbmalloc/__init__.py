@@ -70,7 +70,9 @@ def settings(device=0):
     return _native.settings(device)
 
 
-def replay(trace_path, policy="hbm", config="", capacity=None, find_min_capacity=True):
+def replay(
+    trace_path, policy="hbm", config="", capacity=None, find_min_capacity=True, whole_handle_maps=False
+):
     """Replays a recorded trace (PyTorch snapshot ``.pickle``, torch.profiler
     ``.json``/``.json.gz``, RMM ``.csv``) on a simulated GPU under ``policy``
     (``hbm``, hbmalloc's own, or ``pytorch``) with ``config`` (``key:value,...``;
@@ -81,13 +83,23 @@ def replay(trace_path, policy="hbm", config="", capacity=None, find_min_capacity
     ``hbmalloc replay --json`` (``peak_live_bytes``, ``peak_reserved_bytes``,
     ``efficiency``, ``min_capacity_bytes``, ``device_calls``, ...).
     ``find_min_capacity=False`` skips the bisection for ``min_capacity_bytes``.
+    ``whole_handle_maps=True`` simulates a driver that maps whole physical
+    handles only (``hbmalloc replay --whole-handle-maps``: CUDA documents the
+    offset of a map into a handle as zero); by default it also maps parts.
     """
     if capacity is not None:
         capacity = int(capacity)
         if capacity <= 0:
             raise ValueError(f"capacity must be a positive number of bytes, got {capacity}")
     return json.loads(
-        _native.replay_json(os.fspath(trace_path), policy, config, capacity, bool(find_min_capacity))
+        _native.replay_json(
+            os.fspath(trace_path),
+            policy,
+            config,
+            capacity,
+            bool(find_min_capacity),
+            bool(whole_handle_maps),
+        )
     )
 
 

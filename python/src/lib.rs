@@ -61,7 +61,7 @@ fn empty_cache(device: i32) -> PyResult<()> {
 /// Replays a trace file on a simulated GPU; a JSON list with one metrics
 /// object per device of the trace.
 #[pyfunction]
-#[pyo3(signature = (trace_path, policy, config, capacity, find_min_capacity))]
+#[pyo3(signature = (trace_path, policy, config, capacity, find_min_capacity, whole_handle_maps))]
 fn replay_json(
     py: Python<'_>,
     trace_path: PathBuf,
@@ -69,6 +69,7 @@ fn replay_json(
     config: &str,
     capacity: Option<u64>,
     find_min_capacity: bool,
+    whole_handle_maps: bool,
 ) -> PyResult<String> {
     let policy =
         PolicyConfig::parse(policy, config).map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -81,8 +82,7 @@ fn replay_json(
             capacity_bytes: capacity,
             find_min_capacity,
             reproduce_recorded_ooms: false,
-            // As `hbmalloc replay` by default: a driver that maps parts of handles.
-            maps_handle_parts: true,
+            maps_handle_parts: !whole_handle_maps,
         };
         let mut rows = Vec::new();
         for device in &trace.devices {

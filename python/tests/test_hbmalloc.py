@@ -207,6 +207,10 @@ def test_replay_a_real_trace():
     default = hbmalloc.replay(trace, find_min_capacity=False)
     assert default[0]["settings"] == "policy:hbm"
     assert default[0]["peak_reserved_bytes"] < rows[0]["peak_reserved_bytes"]
+    # On a driver that maps whole handles only, hbm creates a handle per granule.
+    whole = hbmalloc.replay(trace, find_min_capacity=False, whole_handle_maps=True)
+    assert whole[0]["out_of_memory"] is None
+    assert whole[0]["device_calls"]["physical_create"] > default[0]["device_calls"]["physical_create"]
 
 
 def test_replay_bad_input():
