@@ -301,10 +301,7 @@ fn run(command: Command) -> Result<(), String> {
                         print!("{}", table::metrics_text(&m));
                     }
                     if !json && (m.out_of_memory.is_some() || !m.reproduced_ooms.is_empty()) {
-                        print!(
-                            "{}",
-                            what_would_help(&trace.source, device, &policy, &options)?
-                        );
+                        print!("{}", what_would_help(&trace.source, device, &options)?);
                     }
                     if summary {
                         println!(
@@ -379,14 +376,14 @@ fn run(command: Command) -> Result<(), String> {
 }
 
 /// After an out-of-memory error: the smallest device on which the trace
-/// completes under this configuration and the alternatives, from replay.
+/// completes under the configuration replayed and the alternatives, on the
+/// same simulated driver, from replay.
 fn what_would_help(
     source: &str,
     device: &hbmalloc_trace::DeviceTrace,
-    current: &PolicyConfig,
     replayed: &EvalOptions,
 ) -> Result<String, String> {
-    let mut candidates = vec![current.clone()];
+    let mut candidates = vec![replayed.policy.clone()];
     for settings in DEFAULT_RUNS {
         let policy = PolicyConfig::from_settings(settings).map_err(|e| e.to_string())?;
         if !candidates.contains(&policy) {
@@ -400,7 +397,7 @@ fn what_would_help(
             capacity_bytes: None,
             find_min_capacity: true,
             reproduce_recorded_ooms: false,
-            maps_handle_parts: replayed.maps_handle_parts,
+            ..replayed.clone()
         };
         let m = evaluate(source, device, &options).map_err(|e| e.to_string())?;
         let needed = m.min_capacity_bytes.map_or("unknown".to_string(), human);

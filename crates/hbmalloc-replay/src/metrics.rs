@@ -349,10 +349,11 @@ fn min_capacity_bytes(
 ) -> Result<Option<u64>, ReplayError> {
     let res = MIN_CAPACITY_RESOLUTION_BYTES;
     let completes = |capacity: u64| -> Result<bool, ReplayError> {
-        // The main run's policy and driver; no recorded out-of-memory error
-        // reproduced: those are the recorded device's, not this capacity's.
-        let mut options = ReplayOptions::new(replay.policy.clone());
-        options.maps_handle_parts = replay.maps_handle_parts;
+        // The main run's options at another capacity; no recorded
+        // out-of-memory error reproduced: those are the recorded device's,
+        // not this capacity's.
+        let mut options = replay.clone();
+        options.emulate_recorded_ooms = false;
         options.capacity_bytes = capacity;
         options.latency = LatencyModel::zero();
         Ok(prepared.run(&options)?.outcome == Outcome::Completed)

@@ -251,8 +251,9 @@ pub trait Device: Send + Sync {
     /// than 0, or fewer bytes than the handle holds. CUDA documents
     /// `cuMemMap`'s offset as one that "currently must be zero", so a
     /// device that keeps to the documentation answers false, and policy
-    /// `hbm` then creates one handle per granule (each always mapped whole)
-    /// instead of one per run.
+    /// `hbm` then creates handles of at most `whole_handle_granules`
+    /// granules (one by default), each always mapped whole, instead of one
+    /// per run.
     fn maps_handle_parts(&self) -> bool;
 
     /// Makes `[va, va + size)` readable and writable by this device (and its peers).

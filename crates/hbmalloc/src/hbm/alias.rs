@@ -430,11 +430,9 @@ impl HbmPolicy {
     /// not be mapped there twice), below the most views a group may have,
     /// and (on a device that maps whole handles only) a whole handle.
     fn group_idle(&self, group: &AliasGroup, span: GranuleSpan) -> bool {
-        let granule = self.granule.unwrap_or(0);
         group.blocks == 0
             && group.views.len() < self.config.max_views
-            && (self.maps_handle_parts
-                || self.whole_handle(group.handle, group.offset, group.count * granule))
+            && self.movable(group.handle, group.offset, group.count)
             && !group
                 .views
                 .iter()
@@ -476,30 +474,22 @@ impl HbmPolicy {
                 let stop = region
                     .aliased
                     .next_with(i, end.min(start + chunk.count), true);
-                if !self.maps_handle_parts {
-                    let whole = i == start
-                        && stop == start + chunk.count
-                        && self.whole_handle(chunk.handle, chunk.offset, chunk.count * granule);
-                    if whole {
-                        donors.push(Donor::Granules {
-                            view: (region_index, i),
-                            count: chunk.count,
-                            handle: chunk.handle,
-                            offset: chunk.offset,
-                        });
-                        found += chunk.count * granule;
-                    }
-                    i = region.next_unlent(stop, end);
-                    continue;
+                // Only what is still wanted, where a handle may be cut.
+                let count = if self.maps_handle_parts {
+                    (stop - i).min((bytes - found).div_ceil(granule))
+                } else {
+                    stop - i
+                };
+                let offset = chunk.offset + (i - start) * granule;
+                if self.movable(chunk.handle, offset, count) {
+                    donors.push(Donor::Granules {
+                        view: (region_index, i),
+                        count,
+                        handle: chunk.handle,
+                        offset,
+                    });
+                    found += count * granule;
                 }
-                let count = (stop - i).min((bytes - found).div_ceil(granule));
-                donors.push(Donor::Granules {
-                    view: (region_index, i),
-                    count,
-                    handle: chunk.handle,
-                    offset: chunk.offset + (i - start) * granule,
-                });
-                found += count * granule;
                 i = region.next_unlent(stop, end);
             }
         }
@@ -545,11 +535,11 @@ impl HbmPolicy {
                     handle,
                     offset,
                 } => {
+                    let take = count.min(end - cursor);
                     // A whole handle that does not fit is not cut.
-                    if !self.maps_handle_parts && count > end - cursor {
+                    if !self.movable(handle, offset, take) {
                         continue;
                     }
-                    let take = count.min(end - cursor);
                     self.map_chunk(
                         dev,
                         granule,
@@ -583,7 +573,7 @@ impl HbmPolicy {
                     // A cut leaves the rest idle and ends the walk: the
                     // span is then backed to its end. A whole handle that
                     // does not fit is not cut.
-                    if !self.maps_handle_parts && group.count > end - cursor {
+                    if !self.movable(group.handle, group.offset, group.count.min(end - cursor)) {
                         continue;
                     }
                     let id = if group.count > end - cursor {

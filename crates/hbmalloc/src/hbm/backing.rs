@@ -397,15 +397,19 @@ impl HbmPolicy {
         }
         debug_assert!(best.is_none_or(|b| {
             let piece = &self.spare[b];
-            self.maps_handle_parts || self.whole_handle(piece.handle, piece.offset, piece.bytes)
+            let granules = piece.bytes / self.granule.unwrap_or(1);
+            self.movable(piece.handle, piece.offset, granules)
         }));
         best
     }
 
-    /// Whether `bytes` of `handle` from `offset` are all of it: what a device
-    /// that maps whole handles only can map.
-    pub(super) fn whole_handle(&self, handle: PhysicalHandle, offset: u64, bytes: u64) -> bool {
-        offset == 0 && self.handles.get(&handle).is_some_and(|h| h.bytes == bytes)
+    /// Whether `granules` granules of `handle` from byte `offset` may be
+    /// mapped somewhere on their own: any part of a handle where the device
+    /// maps parts, else all of it only.
+    pub(super) fn movable(&self, handle: PhysicalHandle, offset: u64, granules: u64) -> bool {
+        let bytes = granules * self.granule.unwrap_or(0);
+        self.maps_handle_parts
+            || (offset == 0 && self.handles.get(&handle).is_some_and(|h| h.bytes == bytes))
     }
 
     /// The granules `[first, end)` lying wholly inside each free range, as
