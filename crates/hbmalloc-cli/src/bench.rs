@@ -22,14 +22,14 @@ pub fn run(
     json: bool,
 ) -> Result<(), String> {
     if !json {
-        print!("{:<35} {:>4}", "trace", "dev");
+        out!("{:<35} {:>4}", "trace", "dev");
         for policy in runs {
-            print!(" {:>24}", format!("{} ns/op", label(&policy.to_settings())));
+            out!(" {:>24}", format!("{} ns/op", label(&policy.to_settings())));
         }
         if runs.len() > 1 {
-            print!(" {:>12}", "ratio");
+            out!(" {:>12}", "ratio");
         }
-        println!();
+        outln!();
     }
     for trace in traces {
         for device in &trace.devices {
@@ -50,7 +50,7 @@ pub fn run(
             let medians: Vec<f64> = samples.iter_mut().map(|s| median(s)).collect();
             if json {
                 for (policy, ns) in runs.iter().zip(&medians) {
-                    println!(
+                    outln!(
                         "{{\"trace\":{:?},\"device\":{},\"settings\":{:?},\"ns_per_op\":{:.1},\"repeat\":{}}}",
                         trace.source,
                         device.device,
@@ -60,19 +60,19 @@ pub fn run(
                     );
                 }
             } else {
-                print!("{:<35} {:>4}", trace_name(&trace.source), device.device);
+                out!("{:<35} {:>4}", trace_name(&trace.source), device.device);
                 for ns in &medians {
-                    print!(" {:>24.1}", ns);
+                    out!(" {:>24.1}", ns);
                 }
                 if medians.len() > 1 {
-                    print!(" {:>12.2}", medians[medians.len() - 1] / medians[0]);
+                    out!(" {:>12.2}", medians[medians.len() - 1] / medians[0]);
                 }
-                println!();
+                outln!();
             }
         }
     }
     if !json && runs.len() > 1 {
-        println!(
+        outln!(
             "\nratio: last configuration's ns/op divided by the first's, measured in the same run."
         );
     }
@@ -203,9 +203,13 @@ pub fn threads(
             },
         ),
     ];
-    println!(
+    outln!(
         "{:<18} {:>7} {:>16} {:>16} {:>8}",
-        "workload", "threads", "1 mutex Mops/s", "sharded Mops/s", "ratio"
+        "workload",
+        "threads",
+        "1 mutex Mops/s",
+        "sharded Mops/s",
+        "ratio"
     );
     for (name, workload) in &workloads {
         for &threads in thread_counts {
@@ -224,10 +228,10 @@ pub fn threads(
                 sharded.push(ops as f64 / secs / 1e6);
             }
             let (b, s) = (median(&mut baseline), median(&mut sharded));
-            println!("{name:<18} {threads:>7} {b:>16.2} {s:>16.2} {:>8.2}", s / b);
+            outln!("{name:<18} {threads:>7} {b:>16.2} {s:>16.2} {:>8.2}", s / b);
         }
     }
-    println!(
+    outln!(
         "\nMops/s: million mallocs+frees per second, all threads together (median of {repeat}); \
          each thread uses its own streams.\nThis machine has {} cores: beyond that, threads share cores.",
         std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -240,21 +244,21 @@ pub fn threads(
 /// free a random live block and allocate a new one, keeping N live; the
 /// churn is timed and its driver calls counted.
 pub fn scaling(runs: &[PolicyConfig], counts: &[u64], churn: u64) -> Result<(), String> {
-    print!("{:>9}", "live");
+    out!("{:>9}", "live");
     for policy in runs {
         let name = label(&policy.to_settings());
-        print!(" {:>16} {:>12}", format!("{name} ns/op"), "calls");
+        out!(" {:>16} {:>12}", format!("{name} ns/op"), "calls");
     }
-    println!();
+    outln!();
     for &count in counts {
-        print!("{count:>9}");
+        out!("{count:>9}");
         for policy in runs {
             let (ns, calls) = scaling_point(policy, count, churn)?;
-            print!(" {ns:>16.1} {calls:>12}");
+            out!(" {ns:>16.1} {calls:>12}");
         }
-        println!();
+        outln!();
     }
-    println!(
+    outln!(
         "\nns/op: mean time of a malloc or free during {churn} churn operations with N blocks live \
          (sizes 512 B to 4 MiB, mostly small); calls: driver calls that allocate, free, map or \
          unmap memory during the churn. Zero-latency simulated device."

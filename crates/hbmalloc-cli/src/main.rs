@@ -2,8 +2,9 @@
 //! `hbmalloc-replay` (running them) and `hbmalloc-export` (writing
 //! snapshots). It knows neither blocks nor formats.
 
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
+use std::process::{self, ExitCode};
 
 use clap::{Args, Parser, Subcommand};
 use hbmalloc::format::format_bytes;
@@ -11,8 +12,40 @@ use hbmalloc::PolicyConfig;
 use hbmalloc_replay::{evaluate, fidelity, snapshot_at_peak, EvalOptions, Metrics};
 use hbmalloc_trace::Trace;
 
+/// `print!` to standard output, ending the program quietly (status 0) when
+/// the reader has gone (`hbmalloc compare --json | head -1`), as Unix tools
+/// do, where `print!` panics on the closed pipe.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::write_stdout(format_args!($($arg)*))
+    };
+}
+
+/// `println!` through [`out!`].
+macro_rules! outln {
+    () => {
+        $crate::write_stdout(format_args!("\n"))
+    };
+    ($($arg:tt)*) => {
+        $crate::write_stdout(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
 mod bench;
 mod table;
+
+/// Writes to standard output for [`out!`]: a closed pipe ends the program
+/// with status 0 (the reader took what it wanted); any other failure to
+/// write ends it with an error.
+fn write_stdout(text: std::fmt::Arguments) {
+    if let Err(e) = io::stdout().lock().write_fmt(text) {
+        if e.kind() == io::ErrorKind::BrokenPipe {
+            process::exit(0);
+        }
+        eprintln!("hbmalloc: error: writing to standard output: {e}");
+        process::exit(1);
+    }
+}
 
 /// The trace `hbmalloc compare` runs when given none: GPT-2 small training,
 /// recorded by this team with torch.profiler (ours to ship).
@@ -253,7 +286,7 @@ fn run(command: Command) -> Result<(), String> {
                             format!("{} device {}: {e}", trace.source, device.device)
                         })?;
                         if json {
-                            println!("{}", to_json(&m));
+                            outln!("{}", to_json(&m));
                         }
                         metrics.push(m);
                     }
@@ -261,7 +294,7 @@ fn run(command: Command) -> Result<(), String> {
                 }
             }
             if !json {
-                print!("{}", table::compare_table(&rows, what_if.whole_handle_maps));
+                out!("{}", table::compare_table(&rows, what_if.whole_handle_maps));
             }
             Ok(())
         }
@@ -296,15 +329,15 @@ fn run(command: Command) -> Result<(), String> {
                     let m = evaluate(&trace.source, device, &options)
                         .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
                     if json {
-                        println!("{}", to_json(&m));
+                        outln!("{}", to_json(&m));
                     } else {
-                        print!("{}", table::metrics_text(&m));
+                        out!("{}", table::metrics_text(&m));
                     }
                     if !json && (m.out_of_memory.is_some() || !m.reproduced_ooms.is_empty()) {
-                        print!("{}", what_would_help(&trace.source, device, &options)?);
+                        out!("{}", what_would_help(&trace.source, device, &options)?);
                     }
                     if summary {
-                        println!(
+                        outln!(
                             "{}",
                             hbmalloc::memory_summary(&m.final_stats, device.device, false)
                         );
@@ -318,7 +351,7 @@ fn run(command: Command) -> Result<(), String> {
                         if json {
                             eprintln!("hbmalloc: {written}");
                         } else {
-                            println!("  {written}");
+                            outln!("  {written}");
                         }
                     }
                 }
@@ -333,9 +366,9 @@ fn run(command: Command) -> Result<(), String> {
                     if json {
                         let mut value = serde_json::to_value(&report).map_err(|e| e.to_string())?;
                         value["trace"] = serde_json::Value::String(trace.source.clone());
-                        println!("{value}");
+                        outln!("{value}");
                     } else {
-                        print!("{}", table::fidelity_text(&trace.source, &report));
+                        out!("{}", table::fidelity_text(&trace.source, &report));
                     }
                 }
             }

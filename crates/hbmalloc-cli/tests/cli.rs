@@ -1,7 +1,7 @@
 //! The `hbmalloc` binary end to end: the README's main command, and bad
 //! input of every kind giving one clear line and a non-zero exit.
 
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
 fn hbmalloc(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_hbmalloc"))
@@ -66,6 +66,23 @@ fn replay_json_has_the_design_metric_names() {
     ] {
         assert!(first.get(key).is_some(), "missing {key} in {first}");
     }
+}
+
+#[test]
+fn a_reader_that_goes_away_ends_the_program_quietly() {
+    // `hbmalloc compare --json | head -1`: the pipe closes while rows are
+    // still to come. Here it is closed before the first row is written.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hbmalloc"))
+        .args(["compare", "--json", "--no-min-capacity"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run hbmalloc");
+    drop(child.stdout.take());
+    let output = child.wait_with_output().expect("wait for hbmalloc");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{:?}: {stderr}", output.status);
+    assert!(stderr.is_empty(), "{stderr}");
 }
 
 #[test]
