@@ -110,13 +110,30 @@
 //!
 //! `hbmalloc replay TRACE --snapshot-at-peak PATH` splits the free memory at
 //! the peak into idle granules, the edges of mapped ranges and holes between
-//! live blocks. Idle granules are rare: misses stitch them. What is left is
-//! memory in granules that a live block also lies on: the holes between
-//! live blocks (resnet, silmont forward), and, where memory moved a lot, the
-//! free parts of the granules at the two edges of each mapped range. With
-//! sizes jittered (`--jitter-sizes 5`) on Wedsonlin training, 228.85 of
-//! 265.56 MiB lie at the edges of 140 ranges: a block of 4.02 MiB alone in
-//! its range holds 3 granules. Each stitch takes a hole's whole granules and
+//! live blocks. Summed over the shared traces (21 rows, each at its own
+//! peak): 754 MiB idle, 409 MiB at edges, 201 MiB in holes.
+//!
+//! Idle memory is the allowance (`max_waste_percent`) at work, on large
+//! heaps: 646 of the 754 MiB lie on three rows with 21 to 51 GiB live. At a
+//! new peak of demand a run gets a new handle within the allowance before
+//! idle memory is stitched in. Stitching first there too, measured with
+//! `scripts/compare-builds`: waste 1.07 -> 0.96 GiB on the 21 rows, but on
+//! the 105 jittered rows more misses in every target (efficiency 7 -> 8,
+//! min capacity 4 -> 6, waste 18 -> 19, steady-state calls 71 -> 76, driver
+//! time 36 -> 37, 1.03x 21 -> 22). On `cs336_kkaitlyn111` ctx128 (51 GiB
+//! live), 436 of the 517 MiB free at the peak are idle. That memory is not
+//! lost: under a limit, misses stitch it, and the trace's min capacity is
+//! 1.0015 times its live peak. With `max_waste_percent:0.25` nothing is idle
+//! at the peak, but the free memory moves to the edges (126 MiB across 123
+//! ranges, against 48 MiB across 25), and steady-state driver calls go from
+//! 392 to 2,178.
+//!
+//! The rest is memory in granules that a live block also lies on: the holes
+//! between live blocks (resnet, silmont forward), and, where memory moved a
+//! lot, the free parts of the granules at the two edges of each mapped
+//! range. With sizes jittered (`--jitter-sizes 5`) on Wedsonlin training,
+//! 228.85 of 265.56 MiB lie at the edges of 140 ranges: a block of 4.02 MiB
+//! alone in its range holds 3 granules. Each stitch takes a hole's whole granules and
 //! leaves its two partial ones to the live blocks beside it; only requests
 //! that fit in what is left of a granule can use it there. Sharing a
 //! granule between two views byte by byte (a block at one view, another at
