@@ -7,15 +7,21 @@
 //!
 //! - `cuMemAlloc_v2` really allocates (zeroed, 256-byte aligned), so a test
 //!   can write and read bytes through the returned pointer;
-//! - the virtual-memory API is modelled, not backed: `cuMemAddressReserve`
-//!   hands out fake address ranges (never dereference them), `cuMemCreate`
-//!   holds a host buffer per handle, and map / unmap / set-access / release /
+//! - the virtual-memory API is modelled: `cuMemAddressReserve` hands out
+//!   fake address ranges (never dereference them), `cuMemCreate` holds a
+//!   host buffer per handle, and map / unmap / set-access / release /
 //!   address-free are validated like the real driver (mapping inside one
 //!   reserved range, no overlap, unmap exactly one mapping, release only when
 //!   unmapped, address free only when nothing is mapped in it); a map at an
 //!   offset into a handle is refused when a test asks
 //!   (`hbm_double_set_whole_handle_maps`), as `cuMemMap`'s documentation
-//!   allows;
+//!   allows, or accepted and then mapped from the handle's start
+//!   (`hbm_double_set_map_offset_ignored`), a driver that takes the
+//!   parameter without honouring it;
+//! - `cuMemsetD8_v2` and `cuMemcpyDtoH_v2` write and read device memory:
+//!   a segment's bytes, or through mapped ranges (with access granted to the
+//!   current device) the bytes of each mapping's handle, so a test can see
+//!   which physical memory an address reaches;
 //! - two devices, each able to access the other's memory, each with a
 //!   configurable capacity (1 GiB by default) past which allocation fails
 //!   with `CUDA_ERROR_OUT_OF_MEMORY`; 2 MiB granularity;
@@ -130,6 +136,8 @@ pub const CUDA_ERROR_INVALID_CONTEXT: CUresult = 201;
 pub const CUDA_ERROR_INVALID_HANDLE: CUresult = 400;
 /// `CUDA_ERROR_NOT_READY`.
 pub const CUDA_ERROR_NOT_READY: CUresult = 600;
+/// `CUDA_ERROR_ILLEGAL_ADDRESS`.
+pub const CUDA_ERROR_ILLEGAL_ADDRESS: CUresult = 700;
 /// `CUDA_ERROR_UNKNOWN`.
 pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
 
@@ -177,15 +185,16 @@ const ALLOCATION_TYPE_PINNED: c_uint = 1;
 /// A segment from `cuMemAlloc_v2`: real host memory.
 struct Segment {
     /// Owns the bytes; the handed-out pointer lies inside, aligned.
-    _buffer: Vec<u8>,
+    buffer: Vec<u8>,
     size: u64,
     device: usize,
 }
 
 /// Physical memory from `cuMemCreate`.
 struct Physical {
-    /// Backing store, so that capacity is real host memory too.
-    _buffer: Vec<u8>,
+    /// Backing store: what `cuMemsetD8_v2` and `cuMemcpyDtoH_v2` reach
+    /// through a mapping (zeroed, so committed by the OS only when written).
+    buffer: Vec<u8>,
     size: u64,
     device: usize,
     /// How many mappings use it.
@@ -196,6 +205,9 @@ struct Physical {
 struct Mapping {
     size: u64,
     handle: CUmemGenericAllocationHandle,
+    /// Where in the handle the mapping starts (0 for a driver that ignores
+    /// the offset it was given).
+    offset: u64,
     /// Bit `d` set when device `d` may read and write the range.
     access_mask: u32,
 }
@@ -226,6 +238,8 @@ struct State {
     events_complete: bool,
     /// `cuMemMap` refuses an offset other than 0, as its documentation allows.
     whole_handle_maps: bool,
+    /// `cuMemMap` accepts any offset and maps from the handle's start.
+    map_offset_ignored: bool,
     calls: BTreeMap<String, u64>,
     faults: Vec<Fault>,
 }
@@ -247,6 +261,7 @@ impl State {
             next_event: EVENT_BASE,
             events_complete: true,
             whole_handle_maps: false,
+            map_offset_ignored: false,
             calls: BTreeMap::new(),
             faults: Vec::new(),
         }
@@ -340,6 +355,66 @@ impl State {
 
     fn live_bytes(&self) -> u64 {
         self.used.iter().sum()
+    }
+
+    /// Runs `visit` over the host bytes behind device range `[va, va + len)`
+    /// in address order, for `device`: inside one segment, or across
+    /// mappings that tile the range and grant `device` access, each
+    /// reaching its handle's bytes from the mapping's offset. Nothing is
+    /// visited unless the whole range is reachable.
+    fn device_bytes(
+        &mut self,
+        va: u64,
+        len: u64,
+        device: usize,
+        mut visit: impl FnMut(&mut [u8]),
+    ) -> Result<(), CUresult> {
+        let end = va.checked_add(len).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if len == 0 {
+            return Ok(());
+        }
+        if let Some((&ptr, segment)) = self.segments.range_mut(..=va).next_back() {
+            if end <= ptr + segment.size {
+                let start = (ptr - segment.buffer.as_ptr() as u64) + (va - ptr);
+                let (start, len) = (start as usize, len as usize);
+                visit(&mut segment.buffer[start..start + len]);
+                return Ok(());
+            }
+        }
+        // Every piece first, so a range with a hole touches nothing.
+        let mut pieces = Vec::new();
+        let mut cursor = va;
+        let first = self
+            .mappings
+            .range(..=va)
+            .next_back()
+            .map_or(va, |(&start, _)| start);
+        for (&start, m) in self.mappings.range(first..end) {
+            if start + m.size <= cursor {
+                continue;
+            }
+            if start > cursor {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            if m.access_mask & (1 << device) == 0 {
+                return Err(CUDA_ERROR_ILLEGAL_ADDRESS);
+            }
+            let stop = end.min(start + m.size);
+            pieces.push((m.handle, m.offset + (cursor - start), stop - cursor));
+            cursor = stop;
+        }
+        if cursor != end {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        for (handle, at, len) in pieces {
+            let physical = self
+                .physical
+                .get_mut(&handle)
+                .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+            let (at, len) = (at as usize, len as usize);
+            visit(&mut physical.buffer[at..at + len]);
+        }
+        Ok(())
     }
 }
 
@@ -644,7 +719,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) 
         s.segments.insert(
             ptr,
             Segment {
-                _buffer: buffer,
+                buffer,
                 size,
                 device: d,
             },
@@ -768,7 +843,7 @@ pub unsafe extern "C" fn cuMemCreate(
         s.physical.insert(
             value,
             Physical {
-                _buffer: vec![0u8; size],
+                buffer: vec![0u8; size],
                 size: size64,
                 device: d,
                 mappings: 0,
@@ -830,11 +905,13 @@ pub extern "C" fn cuMemMap(
         {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        let offset = if s.map_offset_ignored { 0 } else { offset };
         s.mappings.insert(
             ptr,
             Mapping {
                 size,
                 handle,
+                offset,
                 access_mask: 0,
             },
         );
@@ -912,6 +989,41 @@ pub unsafe extern "C" fn cuMemSetAccess(
         for (_, m) in s.mappings.range_mut(ptr..end) {
             m.access_mask = (m.access_mask | grant) & !revoke;
         }
+        Ok(())
+    }))
+}
+
+/// `cuMemsetD8_v2`: sets `count` bytes from `dst` (a segment's, or mapped
+/// with access for the current device) to `value`.
+#[no_mangle]
+pub extern "C" fn cuMemsetD8_v2(dst: CUdeviceptr, value: u8, count: usize) -> CUresult {
+    status(driver_call("cuMemsetD8_v2", |s| {
+        let d = s.current_device()?;
+        s.device_bytes(dst, count as u64, d, |bytes| bytes.fill(value))
+    }))
+}
+
+/// `cuMemcpyDtoH_v2`: copies `count` bytes from device address `src` (as
+/// for `cuMemsetD8_v2`) to host memory at `dst`.
+///
+/// # Safety
+/// `dst` must be null or valid for writing `count` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyDtoH_v2(
+    dst: *mut c_void,
+    src: CUdeviceptr,
+    count: usize,
+) -> CUresult {
+    status(driver_call("cuMemcpyDtoH_v2", |s| {
+        non_null(dst)?;
+        let d = s.current_device()?;
+        let mut copied = Vec::with_capacity(count);
+        s.device_bytes(src, count as u64, d, |bytes| {
+            copied.extend_from_slice(bytes)
+        })?;
+        // SAFETY: checked non-null above; the caller promises `count`
+        // writable bytes at `dst`, and `copied` holds exactly `count`.
+        unsafe { std::ptr::copy_nonoverlapping(copied.as_ptr(), dst.cast::<u8>(), count) };
         Ok(())
     }))
 }
@@ -1071,6 +1183,15 @@ pub extern "C" fn hbm_double_set_events_complete(complete: bool) {
 #[no_mangle]
 pub extern "C" fn hbm_double_set_whole_handle_maps(whole: bool) {
     control((), |s| s.whole_handle_maps = whole);
+}
+
+/// With `true`, `cuMemMap` accepts an offset into a handle but maps the
+/// handle from its start, as a driver that takes the parameter (documented
+/// as "currently must be zero") without honouring it might. Only the data
+/// (`cuMemsetD8_v2`, `cuMemcpyDtoH_v2`) shows it; `false` is the default.
+#[no_mangle]
+pub extern "C" fn hbm_double_set_map_offset_ignored(ignored: bool) {
+    control((), |s| s.map_offset_ignored = ignored);
 }
 
 /// Completes every pending event.

@@ -13,7 +13,7 @@ use hbmalloc::{
 };
 
 use crate::driver::{CuContext, CuError, CuEvent, CudaDriver};
-use crate::ffi::{CUdevice, CUDA_ERROR_NOT_SUPPORTED};
+use crate::ffi::{CUdevice, CUdeviceptr, CUmemGenericAllocationHandle, CUDA_ERROR_NOT_SUPPORTED};
 use crate::SETUP_CALL_KIND;
 
 /// Events handed out by `record_event` and the pool they return to.
@@ -158,37 +158,88 @@ impl CudaDevice {
         Ok(cuda)
     }
 
-    /// Whether this driver maps the second granule of a two-granule handle
-    /// on its own (`cuMemMap` at an offset): what `Device::maps_handle_parts`
+    /// Whether this driver maps part of a handle (`cuMemMap` at an offset
+    /// into it), as its data shows: what `Device::maps_handle_parts`
     /// answers. CUDA documents that offset as one that "currently must be
-    /// zero"; a driver that refuses it gets whole maps only, one handle per
-    /// granule from policy `hbm`. Any failure on the way (out of memory
-    /// included) answers false, the safe side; everything made is released.
-    /// The context must be current.
+    /// zero". A driver that refuses it gets whole maps only (handles of
+    /// `whole_handle_granules` from policy `hbm`). So does one that takes it
+    /// and maps from the handle's start anyway, which only the bytes show:
+    /// stitching there would hand two live blocks the same memory.
+    ///
+    /// The probe maps a two-granule handle whole and its second granule a
+    /// second time on its own, writes through the second mapping and reads
+    /// through the first (see [`CudaDevice::part_aliases`]). Any failure on
+    /// the way (out of memory included) answers false, the safe side;
+    /// everything made is released. The context must be current.
     fn probe_handle_parts(&self, granule: u64) -> bool {
-        let (Ok(granule), Ok(two)) = (usize::try_from(granule), usize::try_from(2 * granule))
-        else {
+        let (Ok(granule), Some(three)) = (
+            usize::try_from(granule),
+            granule.checked_mul(3).and_then(|b| usize::try_from(b).ok()),
+        ) else {
             return false;
         };
         let driver = &self.driver;
-        let Ok(va) = driver.mem_address_reserve(two) else {
+        let Ok(va) = driver.mem_address_reserve(three) else {
             return false;
         };
-        let mapped = match driver.mem_create(two, self.ordinal) {
+        // Cleanup failures leave nothing this device tracks: the answer
+        // stands either way.
+        let answer = match driver.mem_create(2 * granule, self.ordinal) {
             Ok(handle) => {
-                let mapped = driver.mem_map(va, granule, handle, granule).is_ok();
-                // Cleanup failures leave nothing this device tracks: the
-                // answer stands either way.
-                if mapped {
-                    let _ = driver.mem_unmap(va, granule);
-                }
+                let answer = self.probe_maps(va, granule, handle);
                 let _ = driver.mem_release(handle);
-                mapped
+                answer
             }
             Err(_) => false,
         };
-        let _ = driver.mem_address_free(va, two);
-        mapped
+        let _ = driver.mem_address_free(va, three);
+        answer
+    }
+
+    /// The probe's maps: `handle` (two granules) whole at `va`, its second
+    /// granule at `va + 2 * granule`, access to both, the data check; then
+    /// unmaps what it mapped.
+    fn probe_maps(
+        &self,
+        va: CUdeviceptr,
+        granule: usize,
+        handle: CUmemGenericAllocationHandle,
+    ) -> bool {
+        let driver = &self.driver;
+        if driver.mem_map(va, 2 * granule, handle, 0).is_err() {
+            return false;
+        }
+        let part = va + 2 * granule as u64;
+        let mut answer = false;
+        if driver.mem_map(part, granule, handle, granule).is_ok() {
+            answer = driver
+                .mem_set_access(va, 3 * granule, &[self.ordinal])
+                .is_ok()
+                && self.part_aliases(va, part, granule);
+            let _ = driver.mem_unmap(part, granule);
+        }
+        let _ = driver.mem_unmap(va, 2 * granule);
+        answer
+    }
+
+    /// Zeroes the whole mapping at `whole` (two granules), marks the first
+    /// bytes of the part mapping at `part`, and reads both granules back
+    /// through `whole`: true when the mark is in the second granule and
+    /// only there.
+    fn part_aliases(&self, whole: CUdeviceptr, part: CUdeviceptr, granule: usize) -> bool {
+        const PROBE_BYTES: usize = 4096;
+        const MARK: u8 = 0xA5;
+        let driver = &self.driver;
+        let mut first = [MARK; PROBE_BYTES];
+        let mut second = [0u8; PROBE_BYTES];
+        driver.memset_d8(whole, 0, 2 * granule).is_ok()
+            && driver.memset_d8(part, MARK, PROBE_BYTES).is_ok()
+            && driver
+                .memcpy_dtoh(&mut second, whole + granule as u64)
+                .is_ok()
+            && driver.memcpy_dtoh(&mut first, whole).is_ok()
+            && second.iter().all(|&b| b == MARK)
+            && first.iter().all(|&b| b == 0)
     }
 
     /// The device ordinal.
@@ -412,7 +463,8 @@ impl Device for CudaDevice {
     /// its offset "currently must be zero" (PyTorch's expandable segments
     /// and GMLake map each handle whole), so the answer is asked of the
     /// driver, not assumed: a map refused in the middle of a run would fail
-    /// an allocation.
+    /// an allocation, and one that ignored its offset would hand two blocks
+    /// the same memory.
     fn maps_handle_parts(&self) -> bool {
         self.handle_parts
     }

@@ -5,7 +5,7 @@
 //! in the crate is here. The wrappers are `pub(crate)`: they take handles
 //! (`CuContext`, `CuEvent`) that only this crate can make, from the driver.
 
-use std::ffi::{c_char, c_int, c_uint, c_ulonglong, CStr, OsStr};
+use std::ffi::{c_char, c_int, c_uchar, c_uint, c_ulonglong, c_void, CStr, OsStr};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -91,6 +91,8 @@ driver_api! {
         fn(CUdeviceptr, usize, usize, CUmemGenericAllocationHandle, c_ulonglong);
     mem_unmap = "cuMemUnmap" fn(CUdeviceptr, usize);
     mem_set_access = "cuMemSetAccess" fn(CUdeviceptr, usize, *const CUmemAccessDesc, usize);
+    memset_d8 = "cuMemsetD8_v2" fn(CUdeviceptr, c_uchar, usize);
+    memcpy_dtoh = "cuMemcpyDtoH_v2" fn(*mut c_void, CUdeviceptr, usize);
     event_create = "cuEventCreate" fn(*mut CUevent, c_uint);
     event_record = "cuEventRecord" fn(CUevent, CUstream);
     event_query = "cuEventQuery" fn(CUevent);
@@ -499,6 +501,26 @@ impl CudaDriver {
         // lives for the call's duration.
         check("cuMemSetAccess", unsafe {
             (self.api.mem_set_access)(ptr, size, descs.as_ptr(), descs.len())
+        })
+    }
+
+    /// Sets `count` bytes of device memory from `ptr` to `value`, on the
+    /// legacy default stream (ordered before a later `memcpy_dtoh`).
+    pub(crate) fn memset_d8(&self, ptr: CUdeviceptr, value: u8, count: usize) -> CuResult<()> {
+        // SAFETY: plain integer arguments; the driver validates the device
+        // range and never touches host memory.
+        check("cuMemsetD8_v2", unsafe {
+            (self.api.memset_d8)(ptr, value, count)
+        })
+    }
+
+    /// Copies `out.len()` bytes of device memory from `ptr` into `out`
+    /// (synchronous: the bytes are there when it returns).
+    pub(crate) fn memcpy_dtoh(&self, out: &mut [u8], ptr: CUdeviceptr) -> CuResult<()> {
+        // SAFETY: `out` is valid for writing `out.len()` bytes for the
+        // call's duration, and the copy completes before the call returns.
+        check("cuMemcpyDtoH_v2", unsafe {
+            (self.api.memcpy_dtoh)(out.as_mut_ptr().cast(), ptr, out.len())
         })
     }
 

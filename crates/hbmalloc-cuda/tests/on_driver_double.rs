@@ -155,7 +155,8 @@ fn vmm_reserve_create_map_set_access_unmap_release() {
     assert_eq!(double.live_bytes(), 0);
     let gone = dev.physical_release(PhysicalHandle(a.0)).unwrap_err();
     assert_eq!(gone.kind, driver_error("CUDA_ERROR_INVALID_HANDLE"));
-    assert_eq!(double.call_count("cuMemSetAccess"), 3);
+    // Three here, one by the probe when the device opened.
+    assert_eq!(double.call_count("cuMemSetAccess"), 4);
 }
 
 #[test]
@@ -609,4 +610,31 @@ fn whether_the_driver_maps_handle_parts_is_asked_not_assumed() {
         exercise_device(&sim).expect("exercise on SimDevice")
     );
     assert_eq!(on_cuda.failures(), Vec::<&str>::new());
+}
+
+/// A driver could take `cuMemMap`'s offset and map from the handle's start
+/// anyway: every call succeeds, and stitching there would give two live
+/// blocks the same memory. The probe reads the bytes back, so such a driver
+/// gets whole maps only; so does one whose data calls fail.
+#[test]
+fn a_driver_that_ignores_the_map_offset_is_caught_by_its_data() {
+    let (_serial, double) = exclusive();
+    let cuda = open(0);
+    assert!(cuda.maps_handle_parts());
+    // Zero both granules, mark the part, read both back.
+    assert_eq!(double.call_count("cuMemsetD8_v2"), 2);
+    assert_eq!(double.call_count("cuMemcpyDtoH_v2"), 2);
+
+    double.set_map_offset_ignored(true);
+    let cuda = open(0);
+    assert!(!cuda.maps_handle_parts());
+    assert_eq!(double.live_bytes(), 0, "the probe released its memory");
+    double.set_map_offset_ignored(false);
+
+    for symbol in ["cuMemsetD8_v2", "cuMemcpyDtoH_v2", "cuMemSetAccess"] {
+        double.fail_nth(symbol, 1, 999);
+        assert!(!open(0).maps_handle_parts(), "{symbol} failed");
+        assert_eq!(double.live_bytes(), 0, "{symbol} failed");
+    }
+    assert!(open(0).maps_handle_parts());
 }

@@ -79,6 +79,7 @@ pub struct Double {
     fail_nth: unsafe extern "C" fn(*const c_char, u64, i32) -> i32,
     set_events_complete: extern "C" fn(bool),
     set_whole_handle_maps: extern "C" fn(bool),
+    set_map_offset_ignored: extern "C" fn(bool),
     complete_all_events: extern "C" fn(),
     call_count: unsafe extern "C" fn(*const c_char) -> u64,
     live_bytes: extern "C" fn() -> u64,
@@ -110,6 +111,7 @@ impl Double {
             fail_nth: symbol!(library, "hbm_double_fail_nth"),
             set_events_complete: symbol!(library, "hbm_double_set_events_complete"),
             set_whole_handle_maps: symbol!(library, "hbm_double_set_whole_handle_maps"),
+            set_map_offset_ignored: symbol!(library, "hbm_double_set_map_offset_ignored"),
             complete_all_events: symbol!(library, "hbm_double_complete_all_events"),
             call_count: symbol!(library, "hbm_double_call_count"),
             live_bytes: symbol!(library, "hbm_double_live_bytes"),
@@ -146,6 +148,12 @@ impl Double {
     /// With `true`, `cuMemMap` refuses any offset but 0.
     pub fn set_whole_handle_maps(&self, whole: bool) {
         (self.set_whole_handle_maps)(whole)
+    }
+
+    /// With `true`, `cuMemMap` takes an offset but maps from the handle's
+    /// start (only the data shows it).
+    pub fn set_map_offset_ignored(&self, ignored: bool) {
+        (self.set_map_offset_ignored)(ignored)
     }
 
     /// Completes every pending event.
