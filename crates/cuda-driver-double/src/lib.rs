@@ -30,7 +30,8 @@
 //!   `CUDA_ERROR_INVALID_CONTEXT` when the thread has no valid current context.
 //!
 //! Tests steer it through the `hbm_double_*` functions (reset, capacity,
-//! fault injection, event completion, call counts, live bytes). Setting
+//! fault injection, event completion, call counts, live bytes, and filling
+//! and reading device memory as a device sees it, without a context). Setting
 //! `HBM_DOUBLE_NO_DEVICE=1` makes `cuInit` fail with `CUDA_ERROR_NO_DEVICE`;
 //! it is read on every `cuInit` call so one process can test both cases.
 //!
@@ -1192,6 +1193,55 @@ pub extern "C" fn hbm_double_set_whole_handle_maps(whole: bool) {
 #[no_mangle]
 pub extern "C" fn hbm_double_set_map_offset_ignored(ignored: bool) {
     control((), |s| s.map_offset_ignored = ignored);
+}
+
+/// `device` as an index, if the double has that device.
+fn device_index(device: c_int) -> Option<usize> {
+    usize::try_from(device).ok().filter(|&d| d < DEVICE_COUNT)
+}
+
+/// Sets `count` bytes from device address `va` to `value`, as device
+/// `device` would reach them (`cuMemsetD8_v2` without a context, and not
+/// counted as a driver call): how a test puts data into a buffer.
+/// `CUDA_SUCCESS`, or the error `cuMemsetD8_v2` would return.
+#[no_mangle]
+pub extern "C" fn hbm_double_fill(va: u64, value: u8, count: u64, device: c_int) -> CUresult {
+    control(CUDA_ERROR_UNKNOWN, |s| {
+        let Some(d) = device_index(device) else {
+            return CUDA_ERROR_INVALID_DEVICE;
+        };
+        status(s.device_bytes(va, count, d, |bytes| bytes.fill(value)))
+    })
+}
+
+/// Copies `count` bytes from device address `va`, as device `device` would
+/// reach them, to host memory at `out` (`cuMemcpyDtoH_v2` without a
+/// context, not counted): how a test reads a buffer back.
+///
+/// # Safety
+/// `out` must be null or valid for writing `count` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn hbm_double_read(
+    out: *mut u8,
+    va: u64,
+    count: u64,
+    device: c_int,
+) -> CUresult {
+    if out.is_null() {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    control(CUDA_ERROR_UNKNOWN, |s| {
+        let Some(d) = device_index(device) else {
+            return CUDA_ERROR_INVALID_DEVICE;
+        };
+        let mut at = 0usize;
+        status(s.device_bytes(va, count, d, |bytes| {
+            // SAFETY: checked non-null above; the caller promises `count`
+            // writable bytes at `out`, and the pieces add up to `count`.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.add(at), bytes.len()) };
+            at += bytes.len();
+        }))
+    })
 }
 
 /// Completes every pending event.

@@ -159,6 +159,39 @@ fn vmm_reserve_create_map_set_access_unmap_release() {
     assert_eq!(double.call_count("cuMemSetAccess"), 4);
 }
 
+/// The double's memory behaves as the driver's: a handle mapped at two
+/// addresses (whole, and its second granule on its own) shows the same
+/// bytes at both, and memory mapped without access is refused.
+#[test]
+fn mappings_of_one_handle_reach_the_same_bytes() {
+    let (_serial, double) = exclusive();
+    let dev = open(0);
+    let base = dev.address_reserve(4 * GRANULE).unwrap();
+    let handle = dev.physical_create(2 * GRANULE).unwrap();
+    let part = base + 3 * GRANULE;
+    dev.map(base, 2 * GRANULE, handle, 0).unwrap();
+    dev.map(part, GRANULE, handle, GRANULE).unwrap();
+    let illegal_address = 700;
+    assert_eq!(double.fill(part, 1, 16), illegal_address, "no access yet");
+    dev.set_access(base, 2 * GRANULE).unwrap();
+    dev.set_access(part, GRANULE).unwrap();
+
+    assert_eq!(double.fill(base, 0, 2 * GRANULE as usize), 0);
+    assert_eq!(double.fill(part + 8, 0x5A, 8), 0);
+    let second = double.read(base + GRANULE, 24).unwrap();
+    assert_eq!(second, [[0; 8], [0x5A; 8], [0; 8]].concat());
+    assert_eq!(double.read(base, 24).unwrap(), vec![0; 24]);
+    // A range that runs past the mapping is refused whole.
+    let invalid_value = 1;
+    assert_eq!(double.read(part, GRANULE as usize + 1), Err(invalid_value));
+
+    dev.unmap(part, GRANULE).unwrap();
+    dev.unmap(base, 2 * GRANULE).unwrap();
+    dev.physical_release(handle).unwrap();
+    dev.address_free(base, 4 * GRANULE).unwrap();
+    assert_eq!(double.live_bytes(), 0);
+}
+
 #[test]
 fn events_are_not_ready_then_ready_and_pooled() {
     let (_serial, double) = exclusive();

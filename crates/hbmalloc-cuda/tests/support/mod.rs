@@ -80,6 +80,8 @@ pub struct Double {
     set_events_complete: extern "C" fn(bool),
     set_whole_handle_maps: extern "C" fn(bool),
     set_map_offset_ignored: extern "C" fn(bool),
+    fill: extern "C" fn(u64, u8, u64, i32) -> i32,
+    read: unsafe extern "C" fn(*mut u8, u64, u64, i32) -> i32,
     complete_all_events: extern "C" fn(),
     call_count: unsafe extern "C" fn(*const c_char) -> u64,
     live_bytes: extern "C" fn() -> u64,
@@ -112,6 +114,8 @@ impl Double {
             set_events_complete: symbol!(library, "hbm_double_set_events_complete"),
             set_whole_handle_maps: symbol!(library, "hbm_double_set_whole_handle_maps"),
             set_map_offset_ignored: symbol!(library, "hbm_double_set_map_offset_ignored"),
+            fill: symbol!(library, "hbm_double_fill"),
+            read: symbol!(library, "hbm_double_read"),
             complete_all_events: symbol!(library, "hbm_double_complete_all_events"),
             call_count: symbol!(library, "hbm_double_call_count"),
             live_bytes: symbol!(library, "hbm_double_live_bytes"),
@@ -154,6 +158,23 @@ impl Double {
     /// start (only the data shows it).
     pub fn set_map_offset_ignored(&self, ignored: bool) {
         (self.set_map_offset_ignored)(ignored)
+    }
+
+    /// Sets `len` bytes of device 0's memory from `va` to `value`, through
+    /// the mappings as the device sees them; the double's status code.
+    pub fn fill(&self, va: u64, value: u8, len: usize) -> i32 {
+        (self.fill)(va, value, len as u64, 0)
+    }
+
+    /// `len` bytes of device 0's memory from `va`, or the double's status
+    /// code when they are not all mapped with access.
+    pub fn read(&self, va: u64, len: usize) -> Result<Vec<u8>, i32> {
+        let mut bytes = vec![0u8; len];
+        // SAFETY: `bytes` has room for `len` bytes for the call's duration.
+        match unsafe { (self.read)(bytes.as_mut_ptr(), va, len as u64, 0) } {
+            0 => Ok(bytes),
+            code => Err(code),
+        }
     }
 
     /// Completes every pending event.
