@@ -5,7 +5,9 @@
 mod support;
 
 use hbmalloc::{AllocError, StreamId};
-use hbmalloc_cuda::{CudaPool, DRIVER_PATH_ENV};
+use std::sync::Arc;
+
+use hbmalloc_cuda::{CudaPool, DeviceBuffer, DRIVER_PATH_ENV};
 
 fn pool(settings: &str) -> std::sync::Arc<CudaPool> {
     std::env::set_var(DRIVER_PATH_ENV, support::double_path());
@@ -118,14 +120,90 @@ fn hbm_stitches_whole_handles_on_a_driver_that_maps_no_parts() {
     assert_eq!(double.live_bytes(), 0);
 }
 
+/// Runs a fixed random program of allocations and frees on `pool` (seeded
+/// by `seed`, over `streams`) and checks that no live buffer ever shares a
+/// byte with another: each is filled with its own byte through the double,
+/// which resolves an address through the mappings to the bytes of the
+/// handle behind it (and refuses memory mapped without access), and is read
+/// back whole when it is freed and at the end. Phases of small and large
+/// buffers want memory in other places, so memory moves. Out of memory, it
+/// frees half its buffers and goes on. Returns how many allocations ran out
+/// of memory.
+fn byte_program(
+    pool: &Arc<CudaPool>,
+    double: &support::Double,
+    seed: u64,
+    streams: &[StreamId],
+    steps: u64,
+) -> u64 {
+    let check = |buffer: &DeviceBuffer, byte: u8| {
+        let bytes = double
+            .read(buffer.device_ptr(), buffer.len())
+            .unwrap_or_else(|code| panic!("reading a live buffer: {code}"));
+        // Compared whole first: a byte at a time is slow unoptimised.
+        if bytes == vec![byte; bytes.len()] {
+            return;
+        }
+        let wrong = bytes.iter().position(|&b| b != byte);
+        assert_eq!(
+            wrong,
+            None,
+            "buffer at {:#x} ({} bytes) lost its byte {byte:#x}",
+            buffer.device_ptr(),
+            buffer.len()
+        );
+    };
+    // A fixed xorshift: the same program every run.
+    let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ seed.wrapping_mul(0xA24B_AED4_963E_E407);
+    let mut next = move |bound: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % bound
+    };
+    let mut live: Vec<(DeviceBuffer, u8)> = Vec::new();
+    let mut out_of_memory = 0;
+    for step in 0..steps {
+        if !live.is_empty() && (next(3) == 0 || live.len() >= 24) {
+            let (buffer, byte) = live.swap_remove(next(live.len() as u64) as usize);
+            check(&buffer, byte);
+            continue;
+        }
+        let size = if (step / 100) % 2 == 0 {
+            match next(8) {
+                0 => 1 + next(9 << 20),
+                _ => 1 + next(1 << 20),
+            }
+        } else {
+            (2 << 20) + next(7 << 20)
+        };
+        let stream = streams[next(streams.len() as u64) as usize];
+        let buffer = match pool.alloc(size as usize, stream) {
+            Ok(buffer) => buffer,
+            Err(AllocError::OutOfMemory(_)) => {
+                out_of_memory += 1;
+                for (buffer, byte) in live.drain(..live.len() / 2) {
+                    check(&buffer, byte);
+                }
+                continue;
+            }
+            Err(e) => panic!("allocating {size} bytes: {e}"),
+        };
+        let byte = (seed.wrapping_mul(31).wrapping_add(step) % 255 + 1) as u8;
+        assert_eq!(double.fill(buffer.device_ptr(), byte, buffer.len()), 0);
+        live.push((buffer, byte));
+    }
+    for (buffer, byte) in &live {
+        check(buffer, *byte);
+    }
+    out_of_memory
+}
+
 /// End to end through the CUDA backend: policy `hbm` stitches, steals and
 /// maps memory a second time while buffers live, and no live buffer ever
-/// shares a byte with another. Each buffer is filled with its own byte
-/// through the double, which resolves an address through the mappings to
-/// the bytes of the handle behind it (and refuses memory mapped without
-/// access), and is read back whole when it is freed and at the end. On a
-/// driver that maps parts of handles and on one that maps whole handles
-/// only, with and without handles of several granules.
+/// shares a byte with another (see [`byte_program`]). On a driver that maps
+/// parts of handles and on one that maps whole handles only, with and
+/// without handles of several granules.
 #[test]
 fn hbm_buffers_keep_their_bytes_while_memory_is_stitched_around_them() {
     for (whole_handles, settings) in [
@@ -140,58 +218,7 @@ fn hbm_buffers_keep_their_bytes_while_memory_is_stitched_around_them() {
         double.set_whole_handle_maps(whole_handles);
         let pool = pool(settings);
         let streams = [StreamId(0), StreamId(0x1000)];
-        let check = |buffer: &hbmalloc_cuda::DeviceBuffer, byte: u8| {
-            let bytes = double
-                .read(buffer.device_ptr(), buffer.len())
-                .unwrap_or_else(|code| panic!("{settings}: reading a live buffer: {code}"));
-            // Compared whole first: a byte at a time is slow unoptimised.
-            if bytes == vec![byte; bytes.len()] {
-                return;
-            }
-            let wrong = bytes.iter().position(|&b| b != byte);
-            assert_eq!(
-                wrong,
-                None,
-                "{settings}: buffer at {:#x} ({} bytes) lost its byte {byte:#x}",
-                buffer.device_ptr(),
-                buffer.len()
-            );
-        };
-        // A fixed xorshift: the same program every run.
-        let mut state = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = move |bound: u64| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state % bound
-        };
-        let mut live = Vec::new();
-        for step in 0..1500u64 {
-            if !live.is_empty() && (next(3) == 0 || live.len() >= 24) {
-                let (buffer, byte) = live.swap_remove(next(live.len() as u64) as usize);
-                check(&buffer, byte);
-                drop(buffer);
-                continue;
-            }
-            // Phases that want memory in other places: mostly small
-            // buffers, then mostly large ones, and back.
-            let size = if (step / 100) % 2 == 0 {
-                match next(8) {
-                    0 => 1 + next(9 << 20),
-                    _ => 1 + next(1 << 20),
-                }
-            } else {
-                (2 << 20) + next(7 << 20)
-            };
-            let stream = streams[next(2) as usize];
-            let buffer = pool.alloc(size as usize, stream).unwrap();
-            let byte = (step % 255 + 1) as u8;
-            assert_eq!(double.fill(buffer.device_ptr(), byte, buffer.len()), 0);
-            live.push((buffer, byte));
-        }
-        for (buffer, byte) in &live {
-            check(buffer, *byte);
-        }
+        assert_eq!(byte_program(&pool, double, 0, &streams, 1500), 0);
         // The program moved memory: 30 to 110 maps more than handles made.
         assert!(
             double.call_count("cuMemMap") > double.call_count("cuMemCreate") + 20,
@@ -199,8 +226,33 @@ fn hbm_buffers_keep_their_bytes_while_memory_is_stitched_around_them() {
             double.call_count("cuMemMap"),
             double.call_count("cuMemCreate")
         );
-        drop(live);
         pool.empty_cache().unwrap();
         assert_eq!(double.live_bytes(), 0, "{settings}");
     }
+}
+
+/// The same with four threads sharing one pool (two of them one stream)
+/// on a device too small for all of them: shards give memory back to each
+/// other before an out-of-memory error, and still no live buffer shares a
+/// byte with another.
+#[test]
+fn hbm_buffers_keep_their_bytes_with_threads_sharing_a_small_device() {
+    let (_guard, double) = support::exclusive();
+    double.set_capacity(160 << 20);
+    let pool = pool("policy:hbm,max_waste_percent:0");
+    let streams = [StreamId(0), StreamId(0), StreamId(0x1000), StreamId(0x2000)];
+    let out_of_memory: u64 = std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..4)
+            .map(|thread| {
+                let pool = &pool;
+                let stream = [streams[thread]];
+                scope.spawn(move || byte_program(pool, double, thread as u64 + 1, &stream, 800))
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).sum()
+    });
+    // About 160 of 3,200 operations, in every run measured.
+    assert!(out_of_memory > 0, "the device was never full");
+    pool.empty_cache().unwrap();
+    assert_eq!(double.live_bytes(), 0);
 }
