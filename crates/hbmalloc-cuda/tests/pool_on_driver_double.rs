@@ -203,9 +203,10 @@ fn byte_program(
 /// maps memory a second time while buffers live, and no live buffer ever
 /// shares a byte with another (see [`byte_program`]). On a driver that maps
 /// parts of handles and on one that maps whole handles only, with and
-/// without handles of several granules.
+/// without handles of several granules; and policy `pytorch`, which splits
+/// and merges blocks inside segments.
 #[test]
-fn hbm_buffers_keep_their_bytes_while_memory_is_stitched_around_them() {
+fn buffers_keep_their_bytes_while_memory_moves_around_them() {
     for (whole_handles, settings) in [
         (false, "policy:hbm,max_waste_percent:0"),
         (true, "policy:hbm,max_waste_percent:0"),
@@ -213,6 +214,7 @@ fn hbm_buffers_keep_their_bytes_while_memory_is_stitched_around_them() {
             true,
             "policy:hbm,max_waste_percent:0,whole_handle_granules:3",
         ),
+        (false, "policy:pytorch"),
     ] {
         let (_guard, double) = support::exclusive();
         double.set_whole_handle_maps(whole_handles);
@@ -221,7 +223,8 @@ fn hbm_buffers_keep_their_bytes_while_memory_is_stitched_around_them() {
         assert_eq!(byte_program(&pool, double, 0, &streams, 1500), 0);
         // The program moved memory: 30 to 110 maps more than handles made.
         assert!(
-            double.call_count("cuMemMap") > double.call_count("cuMemCreate") + 20,
+            settings.starts_with("policy:pytorch")
+                || double.call_count("cuMemMap") > double.call_count("cuMemCreate") + 20,
             "{settings}: {} maps of {} handles: nothing was stitched",
             double.call_count("cuMemMap"),
             double.call_count("cuMemCreate")
