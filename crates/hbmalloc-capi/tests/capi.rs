@@ -433,8 +433,105 @@ fn child_entry() {
             assert!(alloc(512, 0).is_null());
             assert_error(Status::NoDriver, &["CUDA_ERROR_NO_DEVICE"]);
         }
+        "hbm_bytes" => hbm_keeps_every_buffer_its_own_bytes(),
         other => panic!("unknown child case {other}"),
     }
+}
+
+/// PyTorch's path under policy `hbm`: buffers allocated and freed through
+/// the C ABI on both devices of the double, in phases of small and large
+/// buffers that make memory move (stitched, stolen, mapped a second time).
+/// Each buffer is filled with its own byte through the double (which
+/// resolves an address through the mappings to the bytes of the handle
+/// behind it) and read back whole before it is freed and at the end.
+fn hbm_keeps_every_buffer_its_own_bytes() {
+    assert_eq!(settings(0).unwrap(), "policy:hbm,max_waste_percent:0");
+    // SAFETY: the double is already loaded by the ABI (this returns the
+    // same library); its initialisers are constant Rust statics.
+    let double = unsafe { libloading::Library::new(support::double_path()) }.unwrap();
+    // SAFETY: these are the signatures the double exports under these names.
+    let (fill, read, calls) = unsafe {
+        (
+            *double
+                .get::<extern "C" fn(u64, u8, u64, i32) -> i32>(b"hbm_double_fill\0")
+                .unwrap(),
+            *double
+                .get::<unsafe extern "C" fn(*mut u8, u64, u64, i32) -> i32>(b"hbm_double_read\0")
+                .unwrap(),
+            *double
+                .get::<unsafe extern "C" fn(*const c_char) -> u64>(b"hbm_double_call_count\0")
+                .unwrap(),
+        )
+    };
+    let check = |ptr: *mut c_void, size: u64, device: i32, byte: u8| {
+        let mut bytes = vec![0u8; size as usize];
+        // SAFETY: `bytes` has room for `size` bytes.
+        let status = unsafe { read(bytes.as_mut_ptr(), ptr as u64, size, device) };
+        assert_eq!(
+            status, 0,
+            "reading {size} bytes at {ptr:?} on device {device}"
+        );
+        assert!(
+            bytes == vec![byte; bytes.len()],
+            "the buffer at {ptr:?} ({size} bytes, device {device}) lost its byte {byte:#x}"
+        );
+    };
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = move |bound: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % bound
+    };
+    let mut live: Vec<(*mut c_void, u64, i32, u8)> = Vec::new();
+    for step in 0..1200u64 {
+        if !live.is_empty() && (next(3) == 0 || live.len() >= 24) {
+            let (ptr, size, device, byte) = live.swap_remove(next(live.len() as u64) as usize);
+            check(ptr, size, device, byte);
+            free(ptr, device);
+            assert_ok();
+            continue;
+        }
+        let size = if (step / 100) % 2 == 0 {
+            1 + next(1 << 20)
+        } else {
+            (2 << 20) + next(7 << 20)
+        };
+        let device = next(2) as i32;
+        let ptr = alloc(size as isize, device);
+        assert_ok();
+        let byte = (step % 255 + 1) as u8;
+        assert_eq!(fill(ptr as u64, byte, size, device), 0);
+        live.push((ptr, size, device, byte));
+    }
+    for &(ptr, size, device, byte) in &live {
+        check(ptr, size, device, byte);
+    }
+    for (ptr, _, device, _) in live {
+        free(ptr, device);
+        assert_ok();
+    }
+    assert_consistent();
+    let count = |name: &std::ffi::CStr| {
+        // SAFETY: a nul-terminated name.
+        unsafe { calls(name.as_ptr()) }
+    };
+    assert!(
+        count(c"cuMemMap") > count(c"cuMemCreate") + 20,
+        "{} maps of {} handles: nothing was stitched",
+        count(c"cuMemMap"),
+        count(c"cuMemCreate")
+    );
+    for device in 0..2 {
+        assert_eq!(hbmalloc_empty_cache(device), Status::Ok as i32);
+    }
+    // SAFETY: the signature the double exports under this name.
+    let live_bytes = unsafe {
+        *double
+            .get::<extern "C" fn() -> u64>(b"hbm_double_live_bytes\0")
+            .unwrap()
+    };
+    assert_eq!(live_bytes(), 0, "everything went back to the driver");
 }
 
 #[test]
@@ -465,6 +562,10 @@ fn config_cases_in_child_processes() {
         ],
     );
     child_case("default_conf", &[]);
+    child_case(
+        "hbm_bytes",
+        &[("HBMALLOC_CONF", "policy:hbm,max_waste_percent:0")],
+    );
     child_case(
         "no_driver",
         &[("HBMALLOC_CUDA_DRIVER", "/nonexistent/libcuda.so")],
