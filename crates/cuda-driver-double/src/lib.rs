@@ -1018,7 +1018,9 @@ pub unsafe extern "C" fn cuMemcpyDtoH_v2(
     status(driver_call("cuMemcpyDtoH_v2", |s| {
         non_null(dst)?;
         let d = s.current_device()?;
-        let mut copied = Vec::with_capacity(count);
+        // Grown as bytes arrive: an absurd count fails in `device_bytes`
+        // before anything is allocated for it.
+        let mut copied = Vec::new();
         s.device_bytes(src, count as u64, d, |bytes| {
             copied.extend_from_slice(bytes)
         })?;
