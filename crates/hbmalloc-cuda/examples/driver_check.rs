@@ -4,7 +4,10 @@
 //! double can show: bytes written through one mapping of a handle read back
 //! through a second mapping of it, and, where the driver maps part of a
 //! handle (`maps_handle_parts`), through a mapping of that part (cudarc's
-//! memset and copy, on the device's primary context).
+//! memset and copy, on the device's primary context). Last, policy `hbm`
+//! runs a program of allocations and frees on the device and every buffer
+//! must keep its own bytes while memory is stitched around it
+//! (`byte_check::byte_program`, as the tests run it on the driver double).
 //!
 //! ```text
 //! cargo run -p hbmalloc-cuda --example driver_check
@@ -17,8 +20,10 @@ use std::process::ExitCode;
 
 use cudarc::driver::{result, CudaContext};
 use hbmalloc::Device;
+use hbmalloc::{AllocatorConfig, PolicyConfig, StreamId};
+use hbmalloc_cuda::byte_check::byte_program;
 use hbmalloc_cuda::exercise::exercise_device;
-use hbmalloc_cuda::{CudaDevice, CudaDriver};
+use hbmalloc_cuda::{CudaDevice, CudaDriver, CudaPool};
 
 fn main() -> ExitCode {
     let driver = match CudaDriver::load() {
@@ -87,12 +92,38 @@ fn main() -> ExitCode {
                 healthy = false;
             }
         }
+        match check_buffers(device) {
+            Ok(summary) => println!("device {ordinal}: {summary}"),
+            Err(e) => {
+                println!("device {ordinal}: FAILED: hbm byte check: {e}");
+                healthy = false;
+            }
+        }
     }
     if healthy {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
     }
+}
+
+/// Policy `hbm` on this device with no allowance (so memory is stitched
+/// often), 1,500 allocations and frees on the legacy default stream, every
+/// buffer filled with its own byte and read back whole before its free
+/// ([`byte_program`]); then everything goes back to the driver.
+fn check_buffers(device: CudaDevice) -> Result<String, Box<dyn std::error::Error>> {
+    let config = AllocatorConfig {
+        policy: PolicyConfig::from_settings("policy:hbm,max_waste_percent:0")?,
+        history_entries: 0,
+    };
+    let pool = CudaPool::with_device(device, config)?;
+    let report = byte_program(&pool, pool.device(), 0, &[StreamId(0)], 1500)?;
+    let stats = pool.stats();
+    pool.empty_cache()?;
+    Ok(format!(
+        "hbm byte check: {} buffers kept their bytes ({} driver maps and creates, {} out of memory)",
+        report.buffers, stats.num_device_alloc, report.out_of_memory
+    ))
 }
 
 /// Maps one handle at two addresses (and, where the driver maps parts, its

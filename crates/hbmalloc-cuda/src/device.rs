@@ -588,3 +588,28 @@ impl Drop for CudaDevice {
         }
     }
 }
+
+/// Device memory through this device's driver (`cuMemsetD8_v2`,
+/// `cuMemcpyDtoH_v2` on the legacy default stream, the context made current
+/// for the call): what [`crate::byte_check::byte_program`] checks with.
+impl crate::byte_check::DeviceBytes for CudaDevice {
+    fn fill(&self, ptr: u64, value: u8, len: usize) -> Result<(), String> {
+        let _current = self
+            .make_current(SETUP_CALL_KIND)
+            .map_err(|e| e.to_string())?;
+        self.driver
+            .memset_d8(ptr, value, len)
+            .map_err(|e| self.driver.describe(e, &format!("{len} bytes at {ptr:#x}")))
+    }
+
+    fn read(&self, ptr: u64, len: usize) -> Result<Vec<u8>, String> {
+        let _current = self
+            .make_current(SETUP_CALL_KIND)
+            .map_err(|e| e.to_string())?;
+        let mut bytes = vec![0u8; len];
+        self.driver
+            .memcpy_dtoh(&mut bytes, ptr)
+            .map_err(|e| self.driver.describe(e, &format!("{len} bytes at {ptr:#x}")))?;
+        Ok(bytes)
+    }
+}

@@ -19,8 +19,10 @@
 //!
 //! Tests run against `cuda-driver-double`, a stand-in for `libcuda` built
 //! from this workspace; `cargo run -p hbmalloc-cuda --example driver_check`
-//! runs [`exercise::exercise_device`] on a real GPU.
+//! runs [`exercise::exercise_device`] and [`byte_check::byte_program`] on a
+//! real GPU.
 
+pub mod byte_check;
 mod device;
 mod driver;
 pub mod exercise;

@@ -5,9 +5,8 @@
 mod support;
 
 use hbmalloc::{AllocError, StreamId};
-use std::sync::Arc;
-
-use hbmalloc_cuda::{CudaPool, DeviceBuffer, DRIVER_PATH_ENV};
+use hbmalloc_cuda::byte_check::byte_program;
+use hbmalloc_cuda::{CudaPool, DRIVER_PATH_ENV};
 
 fn pool(settings: &str) -> std::sync::Arc<CudaPool> {
     std::env::set_var(DRIVER_PATH_ENV, support::double_path());
@@ -120,88 +119,12 @@ fn hbm_stitches_whole_handles_on_a_driver_that_maps_no_parts() {
     assert_eq!(double.live_bytes(), 0);
 }
 
-/// Runs a fixed random program of allocations and frees on `pool` (seeded
-/// by `seed`, over `streams`) and checks that no live buffer ever shares a
-/// byte with another: each is filled with its own byte through the double,
-/// which resolves an address through the mappings to the bytes of the
-/// handle behind it (and refuses memory mapped without access), and is read
-/// back whole when it is freed and at the end. Phases of small and large
-/// buffers want memory in other places, so memory moves. Out of memory, it
-/// frees half its buffers and goes on. Returns how many allocations ran out
-/// of memory.
-fn byte_program(
-    pool: &Arc<CudaPool>,
-    double: &support::Double,
-    seed: u64,
-    streams: &[StreamId],
-    steps: u64,
-) -> u64 {
-    let check = |buffer: &DeviceBuffer, byte: u8| {
-        let bytes = double
-            .read(buffer.device_ptr(), buffer.len())
-            .unwrap_or_else(|code| panic!("reading a live buffer: {code}"));
-        // Compared whole first: a byte at a time is slow unoptimised.
-        if bytes == vec![byte; bytes.len()] {
-            return;
-        }
-        let wrong = bytes.iter().position(|&b| b != byte);
-        assert_eq!(
-            wrong,
-            None,
-            "buffer at {:#x} ({} bytes) lost its byte {byte:#x}",
-            buffer.device_ptr(),
-            buffer.len()
-        );
-    };
-    // A fixed xorshift: the same program every run.
-    let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ seed.wrapping_mul(0xA24B_AED4_963E_E407);
-    let mut next = move |bound: u64| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state % bound
-    };
-    let mut live: Vec<(DeviceBuffer, u8)> = Vec::new();
-    let mut out_of_memory = 0;
-    for step in 0..steps {
-        if !live.is_empty() && (next(3) == 0 || live.len() >= 24) {
-            let (buffer, byte) = live.swap_remove(next(live.len() as u64) as usize);
-            check(&buffer, byte);
-            continue;
-        }
-        let size = if (step / 100) % 2 == 0 {
-            match next(8) {
-                0 => 1 + next(9 << 20),
-                _ => 1 + next(1 << 20),
-            }
-        } else {
-            (2 << 20) + next(7 << 20)
-        };
-        let stream = streams[next(streams.len() as u64) as usize];
-        let buffer = match pool.alloc(size as usize, stream) {
-            Ok(buffer) => buffer,
-            Err(AllocError::OutOfMemory(_)) => {
-                out_of_memory += 1;
-                for (buffer, byte) in live.drain(..live.len() / 2) {
-                    check(&buffer, byte);
-                }
-                continue;
-            }
-            Err(e) => panic!("allocating {size} bytes: {e}"),
-        };
-        let byte = (seed.wrapping_mul(31).wrapping_add(step) % 255 + 1) as u8;
-        assert_eq!(double.fill(buffer.device_ptr(), byte, buffer.len()), 0);
-        live.push((buffer, byte));
-    }
-    for (buffer, byte) in &live {
-        check(buffer, *byte);
-    }
-    out_of_memory
-}
-
 /// End to end through the CUDA backend: policy `hbm` stitches, steals and
 /// maps memory a second time while buffers live, and no live buffer ever
-/// shares a byte with another (see [`byte_program`]). On a driver that maps
+/// shares a byte with another ([`byte_program`], through the double's
+/// `cuMemsetD8_v2` and `cuMemcpyDtoH_v2`, which reach each handle's bytes
+/// through its mappings and refuse memory mapped without access). On a
+/// driver that maps
 /// parts of handles and on one that maps whole handles only, with and
 /// without handles of several granules; and policy `pytorch`, which splits
 /// and merges blocks inside segments.
@@ -220,7 +143,8 @@ fn buffers_keep_their_bytes_while_memory_moves_around_them() {
         double.set_whole_handle_maps(whole_handles);
         let pool = pool(settings);
         let streams = [StreamId(0), StreamId(0x1000)];
-        assert_eq!(byte_program(&pool, double, 0, &streams, 1500), 0);
+        let report = byte_program(&pool, pool.device(), 0, &streams, 1500).unwrap();
+        assert_eq!(report.out_of_memory, 0, "{settings}");
         // The program moved memory: 30 to 165 maps more than handles made.
         assert!(
             settings.starts_with("policy:pytorch")
@@ -249,7 +173,11 @@ fn hbm_buffers_keep_their_bytes_with_threads_sharing_a_small_device() {
             .map(|thread| {
                 let pool = &pool;
                 let stream = [streams[thread]];
-                scope.spawn(move || byte_program(pool, double, thread as u64 + 1, &stream, 800))
+                scope.spawn(move || {
+                    byte_program(pool, pool.device(), thread as u64 + 1, &stream, 800)
+                        .unwrap()
+                        .out_of_memory
+                })
             })
             .collect();
         threads.into_iter().map(|t| t.join().unwrap()).sum()
