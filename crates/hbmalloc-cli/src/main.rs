@@ -200,7 +200,7 @@ enum Command {
         #[arg(long = "run", value_name = "SETTINGS")]
         runs: Vec<String>,
         /// Replays per measurement (the median is reported).
-        #[arg(long, default_value_t = 5)]
+        #[arg(long, default_value_t = 5, value_parser = count(1000))]
         repeat: usize,
         /// Print one JSON object per line.
         #[arg(long)]
@@ -222,10 +222,10 @@ enum Command {
         #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
         threads: Vec<usize>,
         /// Engine shards of the sharded allocator.
-        #[arg(long, default_value_t = 16)]
+        #[arg(long, default_value_t = 16, value_parser = count(4096))]
         shards: usize,
         /// Runs per measurement (the median is reported).
-        #[arg(long, default_value_t = 3)]
+        #[arg(long, default_value_t = 3, value_parser = count(1000))]
         repeat: usize,
     },
     /// Measure cost per operation and driver calls as the number of live
@@ -382,7 +382,7 @@ fn run(command: Command) -> Result<(), String> {
         } => {
             let runs = parse_runs(&runs)?;
             let traces = load_or_bundled(&traces)?;
-            bench::run(&traces, &runs, repeat.max(1), json)
+            bench::run(&traces, &runs, repeat, json)
         }
         Command::BenchScaling { runs, live, churn } => {
             let runs = parse_runs(&runs)?;
@@ -403,7 +403,7 @@ fn run(command: Command) -> Result<(), String> {
             if threads.iter().any(|&t| t == 0 || t > 256) {
                 return Err("--threads: each count must be between 1 and 256".into());
             }
-            bench::threads(&traces, &policy, &threads, shards, repeat.max(1))
+            bench::threads(&traces, &policy, &threads, shards, repeat)
         }
     }
 }
@@ -515,6 +515,12 @@ fn load_all(paths: &[PathBuf]) -> Result<Vec<Trace>, String> {
 
 /// `traces` with each device's last step run `copies` more times
 /// (`--repeat-step`); says on stderr which step each one repeats.
+/// A count from 1 to `most`: anything else is refused with the range, not
+/// clamped.
+fn count(most: u64) -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(1..=most)
+}
+
 fn repeat_steps(traces: Vec<Trace>, copies: Option<usize>) -> Result<Vec<Trace>, String> {
     let Some(copies) = copies else {
         return Ok(traces);

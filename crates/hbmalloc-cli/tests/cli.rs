@@ -169,6 +169,22 @@ fn bad_configuration() {
     );
 }
 
+/// Counts of zero (or absurd ones) are refused with the range allowed,
+/// never clamped to something that was not asked for.
+#[test]
+fn bench_counts_out_of_range() {
+    assert_clear_error(&hbmalloc(&["bench", "--repeat", "0"]), "1..=1000");
+    assert_clear_error(&hbmalloc(&["bench-threads", "--shards", "0"]), "1..=4096");
+    assert_clear_error(
+        &hbmalloc(&["bench-threads", "--repeat", "1001"]),
+        "1..=1000",
+    );
+    assert_clear_error(
+        &hbmalloc(&["bench-scaling", "--live", "0"]),
+        "between 1 and 10^7",
+    );
+}
+
 #[test]
 fn bad_capacities() {
     let trace =
