@@ -12,12 +12,14 @@ use std::ffi::{c_char, c_void, CString};
 use std::process::Command;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
+use hbmalloc::StreamId;
 use hbmalloc_capi::{
     check_invariants, hbmalloc_alloc, hbmalloc_empty_cache, hbmalloc_free, hbmalloc_init,
     hbmalloc_last_error, hbmalloc_last_error_code, hbmalloc_record_stream, hbmalloc_reset,
     hbmalloc_set_memory_fraction, hbmalloc_snapshot, hbmalloc_stats_json, hbmalloc_summary,
     settings, stats_map, Status,
 };
+use hbmalloc_cuda::byte_check::{byte_program, Buffers, DeviceBytes};
 
 const MIB: isize = 1 << 20;
 /// Set in a child process: the name of the case it runs.
@@ -438,12 +440,61 @@ fn child_entry() {
     }
 }
 
-/// PyTorch's path under policy `hbm`: buffers allocated and freed through
-/// the C ABI on both devices of the double, in phases of small and large
-/// buffers that make memory move (stitched, stolen, mapped a second time).
-/// Each buffer is filled with its own byte through the double (which
-/// resolves an address through the mappings to the bytes of the handle
-/// behind it) and read back whole before it is freed and at the end.
+/// The C ABI as [`byte_program`] allocates through it: what PyTorch calls,
+/// on one device, on the legacy default stream.
+struct CApi {
+    device: i32,
+}
+
+impl Buffers for CApi {
+    fn alloc(&self, size: usize, _stream: StreamId) -> Result<Option<u64>, String> {
+        let ptr = hbmalloc_alloc(size as isize, self.device, NO_STREAM);
+        match last_status() {
+            0 => Ok(Some(ptr as u64)),
+            status if status == Status::OutOfMemory as i32 => Ok(None),
+            _ => Err(last_error()),
+        }
+    }
+
+    fn free(&self, ptr: u64) -> Result<(), String> {
+        hbmalloc_free(ptr as *mut c_void, 0, self.device, NO_STREAM);
+        match last_status() {
+            0 => Ok(()),
+            _ => Err(last_error()),
+        }
+    }
+}
+
+/// Device memory through the double's own `hbm_double_fill` and
+/// `hbm_double_read` (no context needed, no driver call counted).
+struct DoubleBytes {
+    fill: extern "C" fn(u64, u8, u64, i32) -> i32,
+    read: unsafe extern "C" fn(*mut u8, u64, u64, i32) -> i32,
+    device: i32,
+}
+
+impl DeviceBytes for DoubleBytes {
+    fn fill(&self, ptr: u64, value: u8, len: usize) -> Result<(), String> {
+        match (self.fill)(ptr, value, len as u64, self.device) {
+            0 => Ok(()),
+            code => Err(format!("filling {len} bytes at {ptr:#x}: {code}")),
+        }
+    }
+
+    fn read(&self, ptr: u64, len: usize) -> Result<Vec<u8>, String> {
+        let mut bytes = vec![0u8; len];
+        // SAFETY: `bytes` has room for `len` bytes for the call's duration.
+        match unsafe { (self.read)(bytes.as_mut_ptr(), ptr, len as u64, self.device) } {
+            0 => Ok(bytes),
+            code => Err(format!("reading {len} bytes at {ptr:#x}: {code}")),
+        }
+    }
+}
+
+/// PyTorch's path under policy `hbm`: [`byte_program`] through the C ABI,
+/// one thread per device of the double at once. Every buffer keeps its own
+/// bytes while memory is stitched, stolen and mapped a second time around
+/// it, and everything goes back to the driver at the end.
 fn hbm_keeps_every_buffer_its_own_bytes() {
     assert_eq!(settings(0).unwrap(), "policy:hbm,max_waste_percent:0");
     // SAFETY: the double is already loaded by the ABI (this returns the
@@ -463,54 +514,17 @@ fn hbm_keeps_every_buffer_its_own_bytes() {
                 .unwrap(),
         )
     };
-    let check = |ptr: *mut c_void, size: u64, device: i32, byte: u8| {
-        let mut bytes = vec![0u8; size as usize];
-        // SAFETY: `bytes` has room for `size` bytes.
-        let status = unsafe { read(bytes.as_mut_ptr(), ptr as u64, size, device) };
-        assert_eq!(
-            status, 0,
-            "reading {size} bytes at {ptr:?} on device {device}"
-        );
-        assert!(
-            bytes == vec![byte; bytes.len()],
-            "the buffer at {ptr:?} ({size} bytes, device {device}) lost its byte {byte:#x}"
-        );
-    };
-    let mut state = 0x2545_F491_4F6C_DD1Du64;
-    let mut next = move |bound: u64| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state % bound
-    };
-    let mut live: Vec<(*mut c_void, u64, i32, u8)> = Vec::new();
-    for step in 0..1200u64 {
-        if !live.is_empty() && (next(3) == 0 || live.len() >= 24) {
-            let (ptr, size, device, byte) = live.swap_remove(next(live.len() as u64) as usize);
-            check(ptr, size, device, byte);
-            free(ptr, device);
-            assert_ok();
-            continue;
+    std::thread::scope(|scope| {
+        for device in 0..2 {
+            scope.spawn(move || {
+                let bytes = DoubleBytes { fill, read, device };
+                let report =
+                    byte_program(&CApi { device }, &bytes, device as u64, &[StreamId(0)], 600)
+                        .unwrap_or_else(|e| panic!("device {device}: {e}"));
+                assert_eq!(report.out_of_memory, 0, "device {device}");
+            });
         }
-        let size = if (step / 100) % 2 == 0 {
-            1 + next(1 << 20)
-        } else {
-            (2 << 20) + next(7 << 20)
-        };
-        let device = next(2) as i32;
-        let ptr = alloc(size as isize, device);
-        assert_ok();
-        let byte = (step % 255 + 1) as u8;
-        assert_eq!(fill(ptr as u64, byte, size, device), 0);
-        live.push((ptr, size, device, byte));
-    }
-    for &(ptr, size, device, byte) in &live {
-        check(ptr, size, device, byte);
-    }
-    for (ptr, _, device, _) in live {
-        free(ptr, device);
-        assert_ok();
-    }
+    });
     assert_consistent();
     let count = |name: &std::ffi::CStr| {
         // SAFETY: a nul-terminated name.

@@ -513,14 +513,14 @@ fn load_all(paths: &[PathBuf]) -> Result<Vec<Trace>, String> {
         .collect()
 }
 
-/// `traces` with each device's last step run `copies` more times
-/// (`--repeat-step`); says on stderr which step each one repeats.
 /// A count from 1 to `most`: anything else is refused with the range, not
 /// clamped.
 fn count(most: u64) -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::new().range(1..=most)
 }
 
+/// `traces` with each device's last step run `copies` more times
+/// (`--repeat-step`); says on stderr which step each one repeats.
 fn repeat_steps(traces: Vec<Trace>, copies: Option<usize>) -> Result<Vec<Trace>, String> {
     let Some(copies) = copies else {
         return Ok(traces);

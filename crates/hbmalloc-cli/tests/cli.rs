@@ -363,21 +363,20 @@ fn bundled_hbm_row(extra: &[&str]) -> serde_json::Value {
 /// figures for the same seed, and other figures for another seed.
 #[test]
 fn jitter_sizes_replays_the_trace_with_other_sizes() {
-    let row = bundled_hbm_row;
-    let recorded = row(&[]);
-    let jittered = row(&["--jitter-sizes", "7"]);
+    let recorded = bundled_hbm_row(&[]);
+    let jittered = bundled_hbm_row(&["--jitter-sizes", "7"]);
     assert_eq!(jittered["trace"], "gpt2_train.json.gz (bundled) ~sizes7");
     assert_eq!(jittered["ops"], recorded["ops"]);
     let live = |r: &serde_json::Value| r["peak_live_bytes"].as_f64().unwrap();
     assert_ne!(live(&jittered), live(&recorded));
     assert!((live(&jittered) / live(&recorded) - 1.0).abs() < 0.05);
-    let again = row(&["--jitter-sizes", "7"]);
+    let again = bundled_hbm_row(&["--jitter-sizes", "7"]);
     assert_eq!(
         again["peak_reserved_bytes"],
         jittered["peak_reserved_bytes"]
     );
     assert_eq!(again["device_calls"], jittered["device_calls"]);
-    let other = row(&["--jitter-sizes", "8"]);
+    let other = bundled_hbm_row(&["--jitter-sizes", "8"]);
     assert_ne!(live(&other), live(&jittered));
 }
 
@@ -387,9 +386,8 @@ fn jitter_sizes_replays_the_trace_with_other_sizes() {
 /// a driver that maps parts), and the row says which driver it ran on.
 #[test]
 fn whole_handle_maps_replays_hbm_on_a_handle_per_granule() {
-    let row = bundled_hbm_row;
-    let parts = row(&[]);
-    let whole = row(&["--whole-handle-maps"]);
+    let parts = bundled_hbm_row(&[]);
+    let whole = bundled_hbm_row(&["--whole-handle-maps"]);
     assert!(whole["trace"]
         .as_str()
         .unwrap()

@@ -23,7 +23,7 @@ const POOL_SHARDS: usize = 8;
 
 /// A thread-safe pool of one GPU's memory.
 pub struct CudaPool {
-    allocator: SharedAllocator<CudaDevice>,
+    pub(crate) allocator: SharedAllocator<CudaDevice>,
 }
 
 impl fmt::Debug for CudaPool {

@@ -143,7 +143,7 @@ fn buffers_keep_their_bytes_while_memory_moves_around_them() {
         double.set_whole_handle_maps(whole_handles);
         let pool = pool(settings);
         let streams = [StreamId(0), StreamId(0x1000)];
-        let report = byte_program(&pool, pool.device(), 0, &streams, 1500).unwrap();
+        let report = byte_program(&*pool, pool.device(), 0, &streams, 1500).unwrap();
         assert_eq!(report.out_of_memory, 0, "{settings}");
         // The program moved memory: 30 to 165 maps more than handles made.
         assert!(
@@ -174,7 +174,7 @@ fn hbm_buffers_keep_their_bytes_with_threads_sharing_a_small_device() {
                 let pool = &pool;
                 let stream = [streams[thread]];
                 scope.spawn(move || {
-                    byte_program(pool, pool.device(), thread as u64 + 1, &stream, 800)
+                    byte_program(&**pool, pool.device(), thread as u64 + 1, &stream, 800)
                         .unwrap()
                         .out_of_memory
                 })

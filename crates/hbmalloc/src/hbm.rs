@@ -278,7 +278,7 @@ const SHORT_LIVED_NEAR_PEAK_PERCENT: u64 = 90;
 /// Configurable (`max_views`), so that tests can reach the cap.
 const DEFAULT_MAX_VIEWS: usize = 16;
 /// The `max_views` a configuration may set: a group is two views at least.
-const MAX_VIEWS_RANGE: std::ops::RangeInclusive<usize> = 2..=64;
+const MAX_VIEWS_RANGE: std::ops::RangeInclusive<u64> = 2..=64;
 /// On a device that maps whole handles only, the most granules one handle
 /// holds (`whole_handle_granules`; see `map_new_handle` in
 /// `hbm/backing.rs`). There only whole handles move (stitched, stolen,
@@ -357,6 +357,16 @@ impl HbmConfig {
                     .filter(|v| (low..=high).contains(v))
                     .ok_or_else(|| ConfigError::new(key, value, expected))
             };
+            let whole = |range: std::ops::RangeInclusive<u64>| {
+                value
+                    .parse::<u64>()
+                    .ok()
+                    .filter(|v| range.contains(v))
+                    .ok_or_else(|| {
+                        let (low, high) = range.into_inner();
+                        ConfigError::new(key, value, format!("a whole number from {low} to {high}"))
+                    })
+            };
             match key {
                 "max_waste_percent" => {
                     config.max_waste_percent = number(0.0, 1000.0, "a number between 0 and 1000")?
@@ -372,40 +382,9 @@ impl HbmConfig {
                     }
                     config.per_process_memory_fraction = fraction;
                 }
-                "max_views" => {
-                    let expected = || {
-                        ConfigError::new(
-                            key,
-                            value,
-                            format!(
-                                "a whole number from {} to {}",
-                                MAX_VIEWS_RANGE.start(),
-                                MAX_VIEWS_RANGE.end()
-                            ),
-                        )
-                    };
-                    config.max_views = value
-                        .parse::<usize>()
-                        .ok()
-                        .filter(|v| MAX_VIEWS_RANGE.contains(v))
-                        .ok_or_else(expected)?;
-                }
+                "max_views" => config.max_views = whole(MAX_VIEWS_RANGE)? as usize,
                 "whole_handle_granules" => {
-                    config.whole_handle_granules = value
-                        .parse::<u64>()
-                        .ok()
-                        .filter(|v| WHOLE_HANDLE_GRANULES_RANGE.contains(v))
-                        .ok_or_else(|| {
-                            ConfigError::new(
-                                key,
-                                value,
-                                format!(
-                                    "a whole number from {} to {}",
-                                    WHOLE_HANDLE_GRANULES_RANGE.start(),
-                                    WHOLE_HANDLE_GRANULES_RANGE.end()
-                                ),
-                            )
-                        })?;
+                    config.whole_handle_granules = whole(WHOLE_HANDLE_GRANULES_RANGE)?
                 }
                 _ => {
                     return Err(ConfigError::new(
