@@ -101,7 +101,7 @@
 //! (no search) and makes the size-index updates; a block placed on plain
 //! memory skips the alias groups. No device call, `O(log n)`. Measured with
 //! `scripts/bench-instructions` (callgrind, replayed operations only): on
-//! `gpt2_train` 918 instructions per malloc or free against 1,014 for
+//! `gpt2_train` 921 instructions per malloc or free against 1,014 for
 //! policy `pytorch`, misses included (1,396 with one ordered map of every
 //! range, 1,124 with a B-tree per bin); most of the rest is the alias
 //! checks and misses that stitch memory.

@@ -220,12 +220,17 @@ impl HbmPolicy {
 
     /// Marks (or clears) group `id` as lent at every view but its user's.
     fn set_lent(&mut self, id: u32, lent: bool) {
-        let group = self.group(id);
-        let (count, user) = (group.count, group.user);
-        for index in 0..group.views.len() {
-            let view = self.group(id).views[index];
-            if view != user {
-                self.region_mut(view.0).lent.set(view.1, count, lent);
+        // The group and the regions are disjoint fields: one lookup each.
+        let group = self.groups[id as usize]
+            .as_ref()
+            .expect("a live alias group");
+        for &(region, first) in &group.views {
+            if (region, first) != group.user {
+                self.regions[region as usize]
+                    .as_mut()
+                    .expect("a live region")
+                    .lent
+                    .set(first, group.count, lent);
             }
         }
     }

@@ -29,27 +29,39 @@ impl Bitmap {
         self.word(index / 64) & (1 << (index % 64)) != 0
     }
 
-    /// Sets or clears bits `[first, first + count)`, a word at a time.
+    /// Sets or clears bits `[first, first + count)`: the two edge words
+    /// masked, whole words between filled (most calls touch one word).
     pub(super) fn set(&mut self, first: u64, count: u64, value: bool) {
-        let end = first + count;
-        if value && self.0.len() < end.div_ceil(64) as usize {
-            self.0.resize(end.div_ceil(64) as usize, 0);
+        let mut end = first + count;
+        if value {
+            let words = end.div_ceil(64) as usize;
+            if self.0.len() < words {
+                self.0.resize(words, 0);
+            }
+        } else {
+            // Clearing past the end: already zero there.
+            end = end.min(self.0.len() as u64 * 64);
         }
-        let mut i = first;
-        while i < end {
-            let lo = i % 64;
-            let hi = (end - (i - lo)).min(64);
-            let mask = bit_mask(lo, hi);
-            let Some(word) = self.0.get_mut((i / 64) as usize) else {
-                break; // clearing past the end: already zero
-            };
+        if first >= end {
+            return;
+        }
+        let (first_word, last_word) = ((first / 64) as usize, ((end - 1) / 64) as usize);
+        let head = u64::MAX << (first % 64);
+        let tail = u64::MAX >> (63 - (end - 1) % 64);
+        let apply = |word: &mut u64, mask: u64| {
             if value {
                 *word |= mask;
             } else {
                 *word &= !mask;
             }
-            i = i - lo + 64;
+        };
+        if first_word == last_word {
+            apply(&mut self.0[first_word], head & tail);
+            return;
         }
+        apply(&mut self.0[first_word], head);
+        self.0[first_word + 1..last_word].fill(if value { u64::MAX } else { 0 });
+        apply(&mut self.0[last_word], tail);
     }
 
     /// The first index in `[from, limit)` whose bit is `value`, or `limit`
@@ -226,5 +238,10 @@ mod tests {
         assert_eq!(r.last_set(0, 64), Some(63));
         assert_eq!(r.last_set(64, 65), Some(64));
         assert_eq!(r.last_set(0, 1 << 20), Some(134));
+        // Clearing across the end clears up to it and grows nothing.
+        r.set(0, 192, true);
+        r.set(150, 100, false);
+        assert_eq!(r.0.len(), 3);
+        assert!(r.all(0, 150) && !r.any(150, 192));
     }
 }
