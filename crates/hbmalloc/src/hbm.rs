@@ -142,6 +142,11 @@
 //! the other, on disjoint bytes) would give that memory back; groups are
 //! lent a granule at a time today.
 //!
+//! Ideas measured against this design and not adopted (growth and
+//! map-ahead sizes, allowance caps and floors, donor and victim orders,
+//! placement rules, lazy merging, ...) are listed with the figures that
+//! decided them in `docs/hbm-experiments.md`.
+//!
 //! # Code map
 //!
 //! This file holds the state (the types below) and the entry points:
