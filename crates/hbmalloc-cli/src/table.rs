@@ -196,8 +196,11 @@ pub fn metrics_text(m: &Metrics) -> String {
             let _ = writeln!(out, "  recorded peak_reserved     {} ({})", p, human(p));
         }
     }
-    if let Some(oom) = &m.out_of_memory {
-        let _ = writeln!(out, "  out of memory at {oom}");
+    if let Some((op, report)) = &m.out_of_memory_report {
+        let _ = writeln!(out, "  out of memory at op {op}:");
+        for line in report.render().lines() {
+            let _ = writeln!(out, "    {line}");
+        }
     }
     for (op, report) in &m.reproduced_ooms {
         let _ = writeln!(out, "  recorded out-of-memory error reproduced at op {op}:");

@@ -226,6 +226,36 @@ const PEAK_IN_THE_MIDDLE: &[u8] = b"Thread,Time,Action,Pointer,Size,Stream\n\
 1,0.4,free,0x2000,33554432,0x0\n\
 1,0.5,allocate,0x3000,16777216,0x0\n";
 
+/// A replay that runs out of memory at the capacity asked for prints the
+/// allocator's whole report (the numbers, the verdict, what would help), as
+/// it does for a recorded out-of-memory error, then the smallest device on
+/// which each policy completes the trace.
+#[test]
+fn a_replay_that_runs_out_of_memory_prints_the_whole_report() {
+    let trace = temp_file(PEAK_IN_THE_MIDDLE);
+    let out = hbmalloc(&[
+        "replay",
+        trace.path().to_str().unwrap(),
+        "--capacity",
+        "80MiB",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("out of memory at op 1:"), "{stdout}");
+    assert!(
+        stdout.contains("tried to allocate 32.00 MiB")
+            && stdout.contains("allocator: 64.00 MiB live")
+            && stdout.contains("verdict: real demand")
+            && stdout.contains("what would help: "),
+        "{stdout}"
+    );
+    assert!(stdout.contains("smallest device on which"), "{stdout}");
+}
+
 #[test]
 fn replay_writes_the_snapshot_at_peak_for_memory_viz() {
     let trace = temp_file(PEAK_IN_THE_MIDDLE);

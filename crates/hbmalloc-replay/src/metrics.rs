@@ -89,6 +89,10 @@ pub struct Metrics {
     pub ns_per_op: f64,
     /// `null` when the trace completed; otherwise the op that ran out of memory and why.
     pub out_of_memory: Option<String>,
+    /// The op that ran out of memory and the allocator's whole report (the
+    /// numbers, the verdict, what would help); `out_of_memory` is its first line.
+    #[serde(skip)]
+    pub out_of_memory_report: Option<(usize, hbmalloc::OomReport)>,
     /// What the recorded allocator did, where the trace says.
     pub recorded: Option<RecordedMetrics>,
     /// The allocator's PyTorch-compatible statistics at the end of the main run.
@@ -139,13 +143,16 @@ pub fn evaluate(
     let run = prepared.run(&replay)?;
 
     let peak_live = peak_live_bytes(trace);
-    let out_of_memory = match &run.outcome {
+    let out_of_memory_report = match &run.outcome {
         Outcome::Completed => None,
-        Outcome::OutOfMemory { op_index, report } => Some(format!(
+        Outcome::OutOfMemory { op_index, report } => Some((*op_index, (**report).clone())),
+    };
+    let out_of_memory = out_of_memory_report.as_ref().map(|(op_index, report)| {
+        format!(
             "op {op_index}: {}",
             report.render().lines().next().unwrap_or("")
-        )),
-    };
+        )
+    });
     let min_capacity = if options.find_min_capacity {
         min_capacity_bytes(&prepared, &replay, peak_live, run.peak_reserved_bytes)?
     } else {
@@ -182,6 +189,7 @@ pub fn evaluate(
             run.loop_ns as f64 / ops as f64
         },
         out_of_memory,
+        out_of_memory_report,
         recorded: trace.recorded.as_ref().map(|r| RecordedMetrics {
             peak_reserved_bytes: r.peak_reserved_bytes,
             segment_events: r.segment_events.len(),
