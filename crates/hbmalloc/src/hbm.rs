@@ -111,12 +111,12 @@
 //! `hbmalloc replay TRACE --snapshot-at-peak PATH` splits the free memory at
 //! the peak into idle granules, the edges of mapped ranges and holes between
 //! live blocks. Summed over the shared traces (21 rows, each at its own
-//! peak): 754 MiB idle, 409 MiB at edges, 201 MiB in holes. (That is the
+//! peak): 774 MiB idle, 389 MiB at edges, 201 MiB in holes. (That is the
 //! free memory when reserved memory first peaks; live memory may be below
 //! its own peak then, so the sum exceeds the waste, 1.07 GiB.)
 //!
 //! Idle memory is the allowance (`max_waste_percent`) at work, on large
-//! heaps: 646 of the 754 MiB lie on three rows with 21 to 51 GiB live. At a
+//! heaps: 654 of the 774 MiB lie on three rows with 21 to 51 GiB live. At a
 //! new peak of demand a run gets a new handle within the allowance before
 //! idle memory is stitched in. Stitching first there too, measured with
 //! `scripts/compare-builds`: waste 1.07 -> 0.96 GiB on the 21 rows, but on
