@@ -417,6 +417,29 @@ impl State {
         }
         Ok(())
     }
+
+    /// Copies the `count` bytes behind device range `va` (as
+    /// [`State::device_bytes`] reaches them for `device`) to host memory at
+    /// `out`, piece by piece: nothing is allocated for the copy, and nothing
+    /// is written unless the whole range is reachable.
+    ///
+    /// # Safety
+    /// `out` must be non-null and valid for writing `count` bytes.
+    unsafe fn copy_to_host(
+        &mut self,
+        out: *mut u8,
+        va: u64,
+        count: u64,
+        device: usize,
+    ) -> Result<(), CUresult> {
+        let mut at = 0usize;
+        self.device_bytes(va, count, device, |bytes| {
+            // SAFETY: the caller promises `count` writable bytes at `out`,
+            // and the pieces add up to `count`.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.add(at), bytes.len()) };
+            at += bytes.len();
+        })
+    }
 }
 
 static STATE: Mutex<State> = Mutex::new(State::new());
@@ -1018,16 +1041,9 @@ pub unsafe extern "C" fn cuMemcpyDtoH_v2(
     status(driver_call("cuMemcpyDtoH_v2", |s| {
         non_null(dst)?;
         let d = s.current_device()?;
-        // Grown as bytes arrive: an absurd count fails in `device_bytes`
-        // before anything is allocated for it.
-        let mut copied = Vec::new();
-        s.device_bytes(src, count as u64, d, |bytes| {
-            copied.extend_from_slice(bytes)
-        })?;
         // SAFETY: checked non-null above; the caller promises `count`
-        // writable bytes at `dst`, and `copied` holds exactly `count`.
-        unsafe { std::ptr::copy_nonoverlapping(copied.as_ptr(), dst.cast::<u8>(), count) };
-        Ok(())
+        // writable bytes at `dst`.
+        unsafe { s.copy_to_host(dst.cast(), src, count as u64, d) }
     }))
 }
 
@@ -1236,13 +1252,9 @@ pub unsafe extern "C" fn hbm_double_read(
         let Some(d) = device_index(device) else {
             return CUDA_ERROR_INVALID_DEVICE;
         };
-        let mut at = 0usize;
-        status(s.device_bytes(va, count, d, |bytes| {
-            // SAFETY: checked non-null above; the caller promises `count`
-            // writable bytes at `out`, and the pieces add up to `count`.
-            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.add(at), bytes.len()) };
-            at += bytes.len();
-        }))
+        // SAFETY: checked non-null above; the caller promises `count`
+        // writable bytes at `out`.
+        status(unsafe { s.copy_to_host(out, va, count, d) })
     })
 }
 

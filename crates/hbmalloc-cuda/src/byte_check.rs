@@ -1,9 +1,10 @@
 //! One fixed random program of allocations and frees ([`Buffers`]: a
-//! [`CudaPool`], or the C ABI in its tests) that checks, byte by byte, that no live buffer ever shares memory with
-//! another: the property policy `hbm`'s stitching (one physical granule
-//! mapped at several addresses) rests on. Tests run it on the driver
-//! double, whose memory reaches each handle's bytes through its mappings;
-//! the `driver_check` example runs it on a real GPU.
+//! [`CudaPool`], or the C ABI in its tests) that checks, byte by byte, that
+//! no live buffer ever shares memory with another: the property policy
+//! `hbm`'s stitching (one physical granule mapped at several addresses)
+//! rests on. Tests run it on the driver double, whose memory reaches each
+//! handle's bytes through its mappings; the `driver_check` example runs it
+//! on a real GPU.
 #![forbid(unsafe_code)]
 
 use hbmalloc::{AllocError, StreamId, ThreadSafeAllocator};
@@ -33,6 +34,7 @@ impl Buffers for CudaPool {
         self.allocator.free(ptr).map_err(|e| e.to_string())
     }
 }
+
 /// Device memory as the check writes and reads it.
 pub trait DeviceBytes {
     /// Sets `len` bytes from `ptr` to `value`.
@@ -98,13 +100,11 @@ fn run_program(
         if seen == vec![buffer.byte; seen.len()] {
             return Ok(());
         }
-        match seen.iter().position(|&b| b != buffer.byte) {
-            None => Ok(()),
-            Some(at) => Err(format!(
-                "the buffer at {:#x} ({} bytes) lost its byte {:#x}: {:#x} at offset {at}",
-                buffer.ptr, buffer.len, buffer.byte, seen[at]
-            )),
-        }
+        let at = seen.iter().position(|&b| b != buffer.byte).unwrap_or(0);
+        Err(format!(
+            "the buffer at {:#x} ({} bytes) lost its byte {:#x}: {:#x} at offset {at}",
+            buffer.ptr, buffer.len, buffer.byte, seen[at]
+        ))
     };
     // Checked, then given back.
     let release = |buffer: Buffer| -> Result<(), String> {

@@ -124,10 +124,9 @@ fn hbm_stitches_whole_handles_on_a_driver_that_maps_no_parts() {
 /// shares a byte with another ([`byte_program`], through the double's
 /// `cuMemsetD8_v2` and `cuMemcpyDtoH_v2`, which reach each handle's bytes
 /// through its mappings and refuse memory mapped without access). On a
-/// driver that maps
-/// parts of handles and on one that maps whole handles only, with and
-/// without handles of several granules; and policy `pytorch`, which splits
-/// and merges blocks inside segments.
+/// driver that maps parts of handles and on one that maps whole handles
+/// only, with and without handles of several granules; and policy
+/// `pytorch`, which splits and merges blocks inside segments.
 #[test]
 fn buffers_keep_their_bytes_while_memory_moves_around_them() {
     for (whole_handles, settings) in [

@@ -135,9 +135,9 @@
 //! lot, the free parts of the granules at the two edges of each mapped
 //! range. With sizes jittered (`--jitter-sizes 5`) on Wedsonlin training,
 //! 228.85 of 265.56 MiB lie at the edges of 140 ranges: a block of 4.02 MiB
-//! alone in its range holds 3 granules. Each stitch takes a hole's whole granules and
-//! leaves its two partial ones to the live blocks beside it; only requests
-//! that fit in what is left of a granule can use it there. Sharing a
+//! alone in its range holds 3 granules. Each stitch takes a hole's whole
+//! granules and leaves its two partial ones to the live blocks beside it;
+//! only requests that fit in what is left of a granule can use it there. Sharing a
 //! granule between two views byte by byte (a block at one view, another at
 //! the other, on disjoint bytes) would give that memory back; groups are
 //! lent a granule at a time today.
