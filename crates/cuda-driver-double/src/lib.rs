@@ -293,10 +293,7 @@ impl State {
 
     fn device(&self, ordinal: CUdevice) -> Result<usize, CUresult> {
         self.require_init()?;
-        usize::try_from(ordinal)
-            .ok()
-            .filter(|&d| d < DEVICE_COUNT)
-            .ok_or(CUDA_ERROR_INVALID_DEVICE)
+        device_index(ordinal).ok_or(CUDA_ERROR_INVALID_DEVICE)
     }
 
     /// The device of `context` if it is a retained primary context.
