@@ -412,8 +412,9 @@ fn jitter_sizes_replays_the_trace_with_other_sizes() {
 
 /// `--whole-handle-maps`: a driver whose `cuMemMap` maps whole handles only.
 /// Policy hbm replays the bundled trace without a refused map, creating a
-/// handle per granule (as many creates as granules mapped, so more than on
-/// a driver that maps parts), and the row says which driver it ran on.
+/// handle per granule (its heap stays under 8 GiB, where handles hold one
+/// granule: as many creates as granules mapped, so more than on a driver
+/// that maps parts), and the row says which driver it ran on.
 #[test]
 fn whole_handle_maps_replays_hbm_on_a_handle_per_granule() {
     let parts = bundled_hbm_row(&[]);

@@ -26,15 +26,19 @@
 //!   handle on their own (`map` at an offset into it). CUDA documents
 //!   `cuMemMap`'s offset as one that "currently must be zero", so the
 //!   device is asked ([`Device::maps_handle_parts`]; the CUDA backend probes
-//!   the driver). Where it refuses, a handle holds at most
-//!   `whole_handle_granules` granules (1 by default) and only whole handles
-//!   move: a donor or a spare is a whole handle that fits, never cut. With
-//!   1 that is correct at no cost in memory, but a create and a map per
-//!   granule: `hbmalloc compare --whole-handle-maps` over the shared traces
-//!   (21 rows) makes 564,450 driver calls and 5.28 s of simulated driver
-//!   time against 12,979 and 141 ms with parts (`pytorch`: 270 ms), at the
-//!   same waste (1.04 against 1.07 GiB); larger handles trade memory back
-//!   for calls (see [`DEFAULT_WHOLE_HANDLE_GRANULES`]).
+//!   the driver). Where it refuses, only whole handles move: a donor or a
+//!   spare is a whole handle that fits, never cut. A handle then holds
+//!   1/2048 of the most memory held so far, at least one granule
+//!   (`whole_handle_granules:auto`; a number fixes it): a granule each on
+//!   heaps under 8 GiB, where a granule per handle loses no memory to
+//!   handle size, and larger handles on large heaps, whose targets are
+//!   relative to their size. Over
+//!   the shared traces (21 rows, `hbmalloc compare --whole-handle-maps`)
+//!   that is 211,819 driver calls and 2.11 s of simulated driver time
+//!   (564,450 and 5.28 s with a granule per handle; with parts of handles,
+//!   12,979 and 141 ms; `pytorch`: 270 ms), at 1.26 GiB of waste (1.04 with
+//!   a granule per handle, 1.07 with parts). See
+//!   [`WHOLE_HANDLE_HEAP_DIVISOR`].
 //! * **Stitching by aliasing** (GMLake's idea, kept online). When the memory
 //!   held would exceed `max_waste_percent` over the peak demand seen so far,
 //!   a run is backed instead by granules lying idle under free ranges
@@ -284,17 +288,37 @@ const SHORT_LIVED_NEAR_PEAK_PERCENT: u64 = 90;
 const DEFAULT_MAX_VIEWS: usize = 16;
 /// The `max_views` a configuration may set: a group is two views at least.
 const MAX_VIEWS_RANGE: std::ops::RangeInclusive<u64> = 2..=64;
-/// On a device that maps whole handles only, the most granules one handle
-/// holds (`whole_handle_granules`; see `map_new_handle` in
-/// `hbm/backing.rs`). There only whole handles move (stitched, stolen,
-/// spare), so larger handles trade memory for driver calls. Measured with
-/// `hbmalloc compare --whole-handle-maps --run
-/// policy:hbm,whole_handle_granules:N` over the shared traces (21 rows):
-/// 1: waste 1.04 GiB, 564,450 driver calls, 5.28 s of simulated driver
-/// time; 2: 1.05 GiB, 281,372 calls, 2.67 s (vit_train's efficiency 0.974,
-/// under 0.98); 4: 1.45 GiB, 142,420 calls, 1.38 s; 8: 1.97 GiB, 75,538
-/// calls, 0.74 s. With parts of handles: 1.07 GiB, 12,979 calls, 0.14 s.
-const DEFAULT_WHOLE_HANDLE_GRANULES: u64 = 1;
+/// On a device that maps whole handles only, and unless
+/// `whole_handle_granules` fixes it, a new handle holds the most memory held
+/// so far divided by this, in whole granules rounded down (at least 1, at
+/// most 512): one granule until the heap has held 8 GiB (4,096 granules), 2
+/// from there, 19 (38 MiB) on an 80 GB heap. See `whole_handle_granules` in
+/// `hbm/backing.rs`. There only whole handles move (stitched, stolen,
+/// spare), so larger handles trade memory for driver calls; a heap's
+/// targets are relative to its size, so a large heap can take larger
+/// handles for the same share of waste. The most memory held never shrinks
+/// (unlike the memory held, which `empty_cache` drops), so a heap regrowing
+/// after `empty_cache` takes large handles at once.
+///
+/// Measured with `scripts/compare-builds --whole-handle-maps` (21 rows as
+/// recorded; 105 with sizes jittered, seeds 1-5) against one granule per
+/// handle (waste 1.04 GiB and 564,450 driver calls as recorded; 6.62 GiB
+/// and 2,889,288 calls jittered):
+///
+/// | divisor | waste | calls | jittered waste | targets missed more often (jittered) |
+/// |---|---|---|---|---|
+/// | 1024 | 1.89 GiB | 131,535 | 10.66 GiB | efficiency and min capacity 2 -> 6, waste 18 -> 19, 1.03x 21 -> 23 |
+/// | 1536 | 1.57 GiB | 171,141 | 10.04 GiB | efficiency, min capacity, waste and 1.03x, 1 more each |
+/// | 2048 | 1.26 GiB | 211,819 | 8.50 GiB | none |
+/// | 3072 | 1.20 GiB | 270,337 | 7.67 GiB | none |
+/// | 4096 | 1.06 GiB | 340,220 | 7.26 GiB | none |
+///
+/// 1536's extra misses are Wedsonlin training (6.5 GiB live) in 2-granule
+/// handles. A fixed size misses more for the same calls, as a small heap's
+/// handles grow as much as a large one's: `whole_handle_granules:2` gives
+/// 1.05 GiB and 281,372 calls, but misses efficiency on vit_train (0.974)
+/// and waste on 2 more rows.
+const WHOLE_HANDLE_HEAP_DIVISOR: u64 = 2048;
 /// The `whole_handle_granules` a configuration may set.
 const WHOLE_HANDLE_GRANULES_RANGE: std::ops::RangeInclusive<u64> = 1..=512;
 /// Free ranges a request looks at, in best-fit order, for one whose aliased
@@ -310,7 +334,7 @@ const MAX_CANDIDATES: usize = 32;
 /// | `max_waste_percent` | 1 | physical memory held may exceed the peak demand (live plus pending-free bytes) by this percentage before idle memory is stitched (mapped a second time) instead of new memory created; a heap growing to a new peak may map up to 4 times this (at most 12 MiB) ahead. Lower: tighter memory, more map calls when the workload shifts or grows (0: nothing mapped ahead); higher: fewer driver calls. |
 /// | `per_process_memory_fraction` | 1 | hard limit on memory held, as a fraction of device memory (as in PyTorch). |
 /// | `max_views` | 16 | most addresses one physical granule is mapped at (2 to 64): past it, idle memory is moved (unmapped, mapped elsewhere) instead of mapped once more. Each view is a page-table entry; lower: more map and unmap calls where memory moves around. |
-/// | `whole_handle_granules` | 1 | on a driver that maps whole handles only ([`Device::maps_handle_parts`] false), the most granules one physical handle holds (1 to 512). Only whole handles move there; higher: fewer create and map calls, more memory held. Ignored where the driver maps parts of handles. |
+/// | `whole_handle_granules` | auto | on a driver that maps whole handles only ([`Device::maps_handle_parts`] false), the most granules one physical handle holds (1 to 512), or `auto`: 1/2048 of the most memory held so far, rounded down to whole granules (1 until 8 GiB held). Only whole handles move there; higher: fewer create and map calls, more memory held. Ignored where the driver maps parts of handles. |
 #[derive(Clone, Debug, PartialEq)]
 pub struct HbmConfig {
     /// Allowance of held memory over peak demand, in percent, before granules are stolen.
@@ -319,8 +343,9 @@ pub struct HbmConfig {
     pub per_process_memory_fraction: f64,
     /// Most addresses one physical granule is mapped at.
     pub max_views: usize,
-    /// Most granules in one handle on a driver that maps whole handles only.
-    pub whole_handle_granules: u64,
+    /// Most granules in one handle on a driver that maps whole handles
+    /// only; `None` (`auto`): a share of the most memory held so far.
+    pub whole_handle_granules: Option<u64>,
 }
 
 impl Default for HbmConfig {
@@ -329,7 +354,7 @@ impl Default for HbmConfig {
             max_waste_percent: DEFAULT_MAX_WASTE_PERCENT,
             per_process_memory_fraction: 1.0,
             max_views: DEFAULT_MAX_VIEWS,
-            whole_handle_granules: DEFAULT_WHOLE_HANDLE_GRANULES,
+            whole_handle_granules: None,
         }
     }
 }
@@ -389,7 +414,14 @@ impl HbmConfig {
                 }
                 "max_views" => config.max_views = whole(MAX_VIEWS_RANGE)? as usize,
                 "whole_handle_granules" => {
-                    config.whole_handle_granules = whole(WHOLE_HANDLE_GRANULES_RANGE)?
+                    config.whole_handle_granules = if value == "auto" {
+                        None
+                    } else {
+                        Some(whole(WHOLE_HANDLE_GRANULES_RANGE).map_err(|e| ConfigError {
+                            expected: format!("auto or {}", e.expected),
+                            ..e
+                        })?)
+                    }
                 }
                 _ => {
                     return Err(ConfigError::new(
@@ -419,11 +451,8 @@ impl HbmConfig {
         if self.max_views != defaults.max_views {
             parts.push(format!("max_views:{}", self.max_views));
         }
-        if self.whole_handle_granules != defaults.whole_handle_granules {
-            parts.push(format!(
-                "whole_handle_granules:{}",
-                self.whole_handle_granules
-            ));
+        if let Some(granules) = self.whole_handle_granules {
+            parts.push(format!("whole_handle_granules:{granules}"));
         }
         parts.join(",")
     }
@@ -911,7 +940,7 @@ impl HbmPolicy {
                 // larger than what is missing cannot be cut to fit: give
                 // spares back, so that a handle of the right size fits
                 // under the limit.
-                if !self.maps_handle_parts && self.config.whole_handle_granules > 1 {
+                if !self.maps_handle_parts && self.whole_handle_granules(granule) > 1 {
                     self.release_spares(dev)?;
                 }
             }
@@ -1437,10 +1466,13 @@ mod tests {
         assert_eq!(c.max_waste_percent, 5.0);
         assert_eq!(c.per_process_memory_fraction, 0.5);
         assert_eq!(c.max_views, 2);
-        assert_eq!(c.whole_handle_granules, 4);
+        assert_eq!(c.whole_handle_granules, Some(4));
         assert_eq!(HbmConfig::parse(&c.to_conf_string()).unwrap(), c);
         assert_eq!(HbmConfig::parse("").unwrap(), HbmConfig::default());
         assert_eq!(HbmConfig::default().to_conf_string(), "");
+        let auto = HbmConfig::parse("whole_handle_granules:auto").unwrap();
+        assert_eq!(auto, HbmConfig::default());
+        assert_eq!(auto.whole_handle_granules, None);
     }
 
     #[test]
@@ -1463,6 +1495,8 @@ mod tests {
             let e = HbmConfig::parse(bad).unwrap_err();
             assert!(!e.expected.is_empty(), "{bad}");
         }
+        let e = HbmConfig::parse("whole_handle_granules:0").unwrap_err();
+        assert_eq!(e.expected, "auto or a whole number from 1 to 512");
         let e = HbmConfig::parse("bogus:1").unwrap_err();
         assert_eq!(e.key, "bogus");
         assert!(e.expected.contains("max_waste_percent"));

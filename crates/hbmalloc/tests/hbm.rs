@@ -365,6 +365,67 @@ fn a_growing_heap_maps_in_large_chunks() {
     );
 }
 
+/// On a driver that maps whole handles only, a handle holds 1/2048 of the
+/// most memory held so far (one granule until the heap has held 8 GiB), so a
+/// large heap is not built a granule per create and map; a fixed
+/// `whole_handle_granules:1` is. Memory then moves in those larger handles
+/// (stitched into a request of another size under a limit) without two live
+/// blocks sharing a byte, and all of it goes back.
+#[test]
+fn on_a_whole_handle_driver_handles_grow_with_the_heap() {
+    let build = |conf: &str| {
+        let device = SimDevice::with_config(SimConfig {
+            capacity_bytes: 13 * GIB,
+            maps_handle_parts: false,
+            ..SimConfig::default()
+        });
+        let mut a = allocator(device, "hbm", conf);
+        // Nothing mapped ahead: every run is one block's 32 granules.
+        let blocks: Vec<DevicePtr> = (0..192)
+            .map(|_| a.malloc(64 * MIB, StreamId(0)).unwrap())
+            .collect();
+        check(&a);
+        let creates = a.device().call_counts().get(CallKind::PhysicalCreate);
+        (a, blocks, creates)
+    };
+    let (_, _, granule_handles) = build("max_waste_percent:0,whole_handle_granules:1");
+    assert_eq!(granule_handles, 12 * GIB / (2 * MIB));
+    let (mut a, blocks, creates) = build("max_waste_percent:0");
+    // 4,096 handles of one granule up to 8 GiB held (4,096 granules), then
+    // handles of two (4,096 / 2,048) for the last 4 GiB.
+    println!(
+        "12 GiB in 64 MiB blocks: {creates} creates ({granule_handles} with one granule each)"
+    );
+    assert_eq!(creates, 4096 + 2048 / 2);
+    // Every other block freed, then requests of another size under a 12 GiB
+    // limit: what they need comes from the freed handles, moved whole.
+    let mut live = Vec::new();
+    for (i, p) in blocks.into_iter().enumerate() {
+        if i % 2 == 0 {
+            a.free(p).unwrap();
+        } else {
+            live.push((p, 64 * MIB, StreamId(0)));
+        }
+    }
+    a.set_memory_fraction(12.0 / 13.0).unwrap();
+    while let Ok(p) = a.malloc(96 * MIB, StreamId(0)) {
+        live.push((p, 96 * MIB, StreamId(0)));
+        check(&a);
+    }
+    check_physical(&a, &live);
+    assert!(
+        live.len() > 96 + 32,
+        "{} blocks live: the freed handles were not reused",
+        live.len()
+    );
+    for (p, _, _) in live {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    check(&a);
+    assert_eq!(a.device().used_bytes(), 0);
+}
+
 /// Memory mapped ahead of a growing heap is worth a new handle only: when
 /// the device cannot create one, the block's own granules are backed by
 /// idle memory at once. (Before, idle memory was aliased for the granules

@@ -12,6 +12,7 @@ use crate::history::Action;
 use super::{
     granules_under, Backing, Chunk, GranuleSpan, HandleInfo, HbmPolicy, Piece, GROWTH_CHUNK_BYTES,
     GROWTH_CHUNK_WASTE_FACTOR, MAX_MAP_AHEAD_PERCENT, STITCH_BEFORE_PEAK_FACTOR,
+    WHOLE_HANDLE_GRANULES_RANGE, WHOLE_HANDLE_HEAP_DIVISOR,
 };
 
 impl HbmPolicy {
@@ -291,10 +292,10 @@ impl HbmPolicy {
     ///
     /// On a device that maps whole handles only
     /// ([`Device::maps_handle_parts`]), handles of at most
-    /// `whole_handle_granules` granules ([`super::HbmConfig`]) instead:
-    /// there a stitch, a steal or a spare moves whole handles only, and
-    /// smaller handles fit where they are needed more often, for a create
-    /// and a map each.
+    /// [`HbmPolicy::whole_handle_granules`] granules instead: there a
+    /// stitch, a steal or a spare moves whole handles only, and smaller
+    /// handles fit where they are needed more often, for a create and a map
+    /// each.
     fn map_new_handle(
         &mut self,
         dev: &dyn Device,
@@ -312,7 +313,7 @@ impl HbmPolicy {
         let per_handle = if self.maps_handle_parts {
             count
         } else {
-            self.config.whole_handle_granules
+            self.whole_handle_granules(granule)
         };
         let mut at = cursor;
         while at < end {
@@ -326,6 +327,18 @@ impl HbmPolicy {
             at += take;
         }
         Ok(end)
+    }
+
+    /// The most granules a new handle holds on a device that maps whole
+    /// handles only: `whole_handle_granules` ([`super::HbmConfig`]), or by
+    /// default a share of the most memory held so far
+    /// ([`WHOLE_HANDLE_HEAP_DIVISOR`]). That never shrinks, so no handle
+    /// made earlier is larger than one made now.
+    pub(super) fn whole_handle_granules(&self, granule: u64) -> u64 {
+        self.config.whole_handle_granules.unwrap_or_else(|| {
+            let scaled = self.peak_held_bytes / granule / WHOLE_HANDLE_HEAP_DIVISOR;
+            scaled.clamp(1, *WHOLE_HANDLE_GRANULES_RANGE.end())
+        })
     }
 
     /// Maps spare pieces into `[cursor, end)` (see [`HbmPolicy::spare_for`]),
