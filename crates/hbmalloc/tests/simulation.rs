@@ -7,7 +7,8 @@
 //!   `HBMALLOC_SIM_FIRST=<n>` starts elsewhere than seed 0.
 //! - `HBMALLOC_SIM_TRACE=1`: prints every operation (with `--nocapture`).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use hbmalloc::simtest::{run_seed, run_seed_with, SeedReport, SimBacked, SimFailure, SimOptions};
 use hbmalloc::{
@@ -135,6 +136,43 @@ fn simulation_hbm_whole_handle_maps() {
         });
         assert!(total.ops > 0);
     }
+}
+
+/// The same with 64 KiB granules on a 512 MiB device, so that heaps pass
+/// the 4,096 granules from which handles hold two or more
+/// (`whole_handle_granules:auto`: 1/2048 of the most memory held), and
+/// handles of different sizes are stitched, stolen and spared side by side.
+/// One seed in 75: small granules make every step's checks slow.
+#[test]
+fn simulation_hbm_whole_handle_maps_with_handles_sized_by_the_heap() {
+    let granule = 64 << 10;
+    let largest_handle = Arc::new(AtomicU64::new(0));
+    let opts = SimOptions {
+        capacity_bytes: Some(512 << 20),
+        ..SimOptions::default()
+    };
+    let make = |capacity| HandleSizes {
+        sim: SimDevice::with_config(SimConfig {
+            capacity_bytes: capacity,
+            granularity: Some(granule),
+            maps_handle_parts: false,
+            ..SimConfig::default()
+        }),
+        largest: Arc::clone(&largest_handle),
+    };
+    let seeds = seeds();
+    let count = (seeds.end - seeds.start).div_ceil(75);
+    for seed in seeds.start..seeds.start + count {
+        if let Err(failure) = run_seed_with(SETTINGS[3], seed, &opts, make) {
+            panic!("{failure}");
+        }
+    }
+    let largest = largest_handle.load(Ordering::Relaxed);
+    println!(
+        "{count} seeds, largest handle: {} granules",
+        largest / granule
+    );
+    assert!(largest >= 2 * granule, "no handle held two granules");
 }
 
 /// Seeds that found engine bugs in policy `pytorch` with expandable segments
@@ -369,4 +407,37 @@ fn byte_programs() {
         }
     }
     assert!(ops > 1000, "{ops}");
+}
+
+/// A `SimDevice` that notes the largest handle mapped.
+struct HandleSizes {
+    sim: SimDevice,
+    largest: Arc<AtomicU64>,
+}
+
+impl SimBacked for HandleSizes {
+    fn sim(&self) -> &SimDevice {
+        &self.sim
+    }
+}
+
+impl Device for HandleSizes {
+    forward_device!();
+    fn map(
+        &self,
+        va: DevicePtr,
+        size: u64,
+        handle: PhysicalHandle,
+        offset: u64,
+    ) -> DeviceResult<()> {
+        // Handles map whole here: a map's size is its handle's.
+        self.largest.fetch_max(size, Ordering::Relaxed);
+        self.sim.map(va, size, handle, offset)
+    }
+    fn physical_release(&self, handle: PhysicalHandle) -> DeviceResult<()> {
+        self.sim.physical_release(handle)
+    }
+    fn query_event(&self, event: EventId) -> DeviceResult<bool> {
+        self.sim.query_event(event)
+    }
 }
