@@ -90,7 +90,8 @@ struct WhatIf {
     /// What if the driver mapped whole physical handles only: `cuMemMap`'s
     /// documentation says its offset "currently must be zero" (the CUDA
     /// backend asks the driver when it opens a device). Policy hbm then
-    /// creates one handle per granule; by default the simulated driver maps
+    /// creates handles of one granule (1/2048 of the most memory held once
+    /// that is 8 GiB), mapped whole; by default the simulated driver maps
     /// any granule-aligned part of a handle.
     #[arg(long)]
     whole_handle_maps: bool,
