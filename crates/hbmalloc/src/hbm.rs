@@ -32,13 +32,12 @@
 //!   (`whole_handle_granules:auto`; a number fixes it): a granule each on
 //!   heaps under 8 GiB, where a granule per handle loses no memory to
 //!   handle size, and larger handles on large heaps, whose targets are
-//!   relative to their size. Over
-//!   the shared traces (21 rows, `hbmalloc compare --whole-handle-maps`)
-//!   that is 211,819 driver calls and 2.11 s of simulated driver time
-//!   (564,450 and 5.28 s with a granule per handle; with parts of handles,
-//!   12,979 and 141 ms; `pytorch`: 270 ms), at 1.26 GiB of waste (1.04 with
-//!   a granule per handle, 1.07 with parts). See
-//!   [`WHOLE_HANDLE_HEAP_DIVISOR`].
+//!   relative to their size. Over the shared traces (21 rows, `hbmalloc
+//!   compare --whole-handle-maps`) that is 211,819 driver calls and 2.11 s
+//!   of simulated driver time (564,450 and 5.28 s with a granule per
+//!   handle; with parts of handles, 12,979 and 141 ms; `pytorch`: 270 ms),
+//!   at 1.26 GiB of waste (1.04 with a granule per handle, 1.07 with
+//!   parts). See [`WHOLE_HANDLE_HEAP_DIVISOR`].
 //! * **Stitching by aliasing** (GMLake's idea, kept online). When the memory
 //!   held would exceed `max_waste_percent` over the peak demand seen so far,
 //!   a run is backed instead by granules lying idle under free ranges
