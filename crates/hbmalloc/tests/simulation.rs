@@ -214,9 +214,10 @@ fn first_failure<D: SimBacked>(
 }
 
 /// Implements `Device` for a wrapper by forwarding every call to `self.sim`
-/// except the ones listed.
+/// but `map`, `physical_release` and `query_event`, which each wrapper
+/// writes itself.
 macro_rules! forward_device {
-    ($($skip:ident),*) => {
+    () => {
         fn name(&self) -> String {
             self.sim.name()
         }
