@@ -140,10 +140,12 @@
 //! 228.85 of 265.56 MiB lie at the edges of 140 ranges: a block of 4.02 MiB
 //! alone in its range holds 3 granules. Each stitch takes a hole's whole
 //! granules and leaves its two partial ones to the live blocks beside it;
-//! only requests that fit in what is left of a granule can use it there. Sharing a
-//! granule between two views byte by byte (a block at one view, another at
-//! the other, on disjoint bytes) would give that memory back; groups are
-//! lent a granule at a time today.
+//! only requests that fit in what is left of a granule can use it there.
+//! Groups are lent a granule at a time. Sharing a granule between two views
+//! byte by byte (a block at one view, another at the other, on disjoint
+//! bytes) could give that memory back where it would otherwise create new
+//! memory; only at the out-of-memory retry it gives nothing on the rows that
+//! miss 1.03x (a prototype, `docs/hbm-experiments.md`).
 //!
 //! Ideas measured against this design and not adopted (growth and
 //! map-ahead sizes, allowance caps and floors, donor and victim orders,
