@@ -196,7 +196,7 @@ pub fn metrics_text(m: &Metrics) -> String {
             let _ = writeln!(out, "  recorded peak_reserved     {} ({})", p, human(p));
         }
     }
-    if let Some((op, report)) = &m.out_of_memory_report {
+    if let Some((op, report)) = &m.out_of_memory {
         let _ = writeln!(out, "  out of memory at op {op}:");
         for line in report.render().lines() {
             let _ = writeln!(out, "    {line}");

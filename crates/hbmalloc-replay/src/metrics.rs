@@ -87,12 +87,11 @@ pub struct Metrics {
     pub simulated_driver_seconds: f64,
     /// Allocator CPU time per malloc or free, measured in the replay loop.
     pub ns_per_op: f64,
-    /// `null` when the trace completed; otherwise the op that ran out of memory and why.
-    pub out_of_memory: Option<String>,
-    /// The op that ran out of memory and the allocator's whole report (the
-    /// numbers, the verdict, what would help); `out_of_memory` is its first line.
-    #[serde(skip)]
-    pub out_of_memory_report: Option<(usize, hbmalloc::OomReport)>,
+    /// `None` when the trace completed; otherwise the op that ran out of
+    /// memory and the allocator's whole report (the numbers, the verdict,
+    /// what would help). JSON: `"op N: "` and the report's first line.
+    #[serde(serialize_with = "serialize_out_of_memory")]
+    pub out_of_memory: Option<(usize, hbmalloc::OomReport)>,
     /// What the recorded allocator did, where the trace says.
     pub recorded: Option<RecordedMetrics>,
     /// The allocator's PyTorch-compatible statistics at the end of the main run.
@@ -132,6 +131,21 @@ pub fn peak_live_bytes(trace: &DeviceTrace) -> u64 {
     peak
 }
 
+/// `Metrics::out_of_memory` in JSON: `"op N: "` and the report's first
+/// line (what was asked), or `null`.
+fn serialize_out_of_memory<S: serde::Serializer>(
+    out_of_memory: &Option<(usize, hbmalloc::OomReport)>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    match out_of_memory {
+        None => serializer.serialize_none(),
+        Some((op_index, report)) => serializer.collect_str(&format_args!(
+            "op {op_index}: {}",
+            report.render().lines().next().unwrap_or("")
+        )),
+    }
+}
+
 /// Replays `trace` under `options` and measures everything.
 pub fn evaluate(
     source: &str,
@@ -143,16 +157,10 @@ pub fn evaluate(
     let run = prepared.run(&replay)?;
 
     let peak_live = peak_live_bytes(trace);
-    let out_of_memory_report = match &run.outcome {
+    let out_of_memory = match &run.outcome {
         Outcome::Completed => None,
         Outcome::OutOfMemory { op_index, report } => Some((*op_index, (**report).clone())),
     };
-    let out_of_memory = out_of_memory_report.as_ref().map(|(op_index, report)| {
-        format!(
-            "op {op_index}: {}",
-            report.render().lines().next().unwrap_or("")
-        )
-    });
     let min_capacity = if options.find_min_capacity {
         min_capacity_bytes(&prepared, &replay, peak_live, run.peak_reserved_bytes)?
     } else {
@@ -189,7 +197,6 @@ pub fn evaluate(
             run.loop_ns as f64 / ops as f64
         },
         out_of_memory,
-        out_of_memory_report,
         recorded: trace.recorded.as_ref().map(|r| RecordedMetrics {
             peak_reserved_bytes: r.peak_reserved_bytes,
             segment_events: r.segment_events.len(),

@@ -302,8 +302,9 @@ const MAX_VIEWS_RANGE: std::ops::RangeInclusive<u64> = 2..=64;
 /// after `empty_cache` takes large handles at once.
 ///
 /// Measured with `scripts/compare-builds --whole-handle-maps` (21 rows as
-/// recorded; 105 with sizes jittered, seeds 1-5) against one granule per
-/// handle (waste 1.04 GiB and 564,450 driver calls as recorded; 6.62 GiB
+/// recorded; 105 with sizes jittered, seeds 1-5), each divisor a build with
+/// this constant changed, against one granule per handle
+/// (`--old-hbm policy:hbm,whole_handle_granules:1` on this build) (waste 1.04 GiB and 564,450 driver calls as recorded; 6.62 GiB
 /// and 2,889,288 calls jittered):
 ///
 /// | divisor | waste | calls | jittered waste | targets missed more often (jittered) |
