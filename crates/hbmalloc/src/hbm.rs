@@ -33,10 +33,10 @@
 //!   heaps under 8 GiB, where a granule per handle loses no memory to
 //!   handle size, and larger handles on large heaps, whose targets are
 //!   relative to their size. Over the shared traces (21 rows, `hbmalloc
-//!   compare --whole-handle-maps`) that is 211,819 driver calls and 2.11 s
-//!   of simulated driver time (564,450 and 5.28 s with a granule per
-//!   handle; with parts of handles, 12,979 and 141 ms; `pytorch`: 270 ms),
-//!   at 1.26 GiB of waste (1.04 with a granule per handle, 1.07 with
+//!   compare --whole-handle-maps`) that is 206,804 driver calls and 2.09 s
+//!   of simulated driver time (548,939 and 5.22 s with a granule per
+//!   handle; with parts of handles, 12,498 and 139 ms; `pytorch`: 270 ms),
+//!   at 1.34 GiB of waste (1.03 with a granule per handle, 1.05 with
 //!   parts). See [`WHOLE_HANDLE_HEAP_DIVISOR`].
 //! * **Stitching by aliasing** (GMLake's idea, kept online). When the memory
 //!   held would exceed `max_waste_percent` over the peak demand seen so far,
@@ -58,7 +58,12 @@
 //!   (`HbmPolicy::cut_unused`; measured with `scripts/compare-builds` on the
 //!   builds of commit 2fff2a3's parent and of 2fff2a3, sizes jittered with
 //!   seeds 1-5 over the shared traces, 105 rows: waste 7.43 -> 7.28 GiB).
-//! * **On a miss** a run gets physical memory from, in order: spare pieces
+//! * **On a miss** (best fit lands on unmapped granules) a request first
+//!   goes where a block of its size and stream was freed a few
+//!   allocations ago, if that place is still free, mapped and not in use
+//!   at another view: memory just given back is reused before more is
+//!   mapped elsewhere ([`RECENT_FREE_ALLOCATIONS`]). Otherwise it stays at
+//!   best fit, and a run gets physical memory from, in order: spare pieces
 //!   (held, unmapped; the smallest that covers the run, else the largest,
 //!   split as needed); one new handle within the allowance; idle memory,
 //!   aliased; wholly free chunks *stolen* (unmapped, highest address first,
@@ -104,7 +109,7 @@
 //! (no search) and makes the size-index updates; a block placed on plain
 //! memory skips the alias groups. No device call, `O(log n)`. Measured with
 //! `scripts/bench-instructions` (callgrind, replayed operations only): on
-//! `gpt2_train` 921 instructions per malloc or free against 1,014 for
+//! `gpt2_train` 941 instructions per malloc or free against 1,014 for
 //! policy `pytorch`, misses included (1,396 with one ordered map of every
 //! range, 1,124 with a B-tree per bin); most of the rest is the alias
 //! checks and misses that stitch memory.
@@ -114,9 +119,9 @@
 //! `hbmalloc replay TRACE --snapshot-at-peak PATH` splits the free memory at
 //! the peak into idle granules, the edges of mapped ranges and holes between
 //! live blocks. Summed over the shared traces (21 rows, each at its own
-//! peak): 774 MiB idle, 389 MiB at edges, 201 MiB in holes. (That is the
+//! peak): 774 MiB idle, 378 MiB at edges, 196 MiB in holes. (That is the
 //! free memory when reserved memory first peaks; live memory may be below
-//! its own peak then, so the sum exceeds the waste, 1.07 GiB.)
+//! its own peak then, so the sum exceeds the waste, 1.05 GiB.)
 //!
 //! Idle memory is the allowance (`max_waste_percent`) at work, on large
 //! heaps: 654 of the 774 MiB lie on three rows with 21 to 51 GiB live. At a
@@ -254,6 +259,58 @@ const STITCH_BEFORE_PEAK_FACTOR: u64 = 2;
 /// A block freed within this many allocations of its own counts as
 /// short-lived (a temporary).
 const SHORT_LIVED_ALLOCATIONS: u64 = 8;
+/// A request that best fit would place on unmapped memory first tries the
+/// place where a block of its size and stream was freed within this many
+/// allocations, if that place is still free, mapped and not in use at
+/// another view. A program that frees a tensor and soon asks for one of the
+/// same size (a step's activations, an optimizer's temporaries) then reuses
+/// the mapped memory it just gave back: the freed block merged into a
+/// larger free range, and best fit prefers a smaller one whose granules are
+/// unmapped, so it mapped (or stitched) memory that was not needed.
+///
+/// Measured with `scripts/compare-builds OLD NEW`, OLD the build of the
+/// commit before this rule (21 rows as recorded; 105 with sizes jittered,
+/// seeds 1-5; the long run: the 15 traces with a repeating step, each step
+/// run 6 more times, as recorded and jittered):
+///
+/// | | driver calls | steady-state calls | waste | targets missed |
+/// |---|---|---|---|---|
+/// | recorded | 12,979 -> 12,498 | 3,675 -> 3,127 | 1.068 -> 1.053 GiB | same |
+/// | jittered | 82,225 -> 67,543 | 26,521 -> 19,462 | 6.77 -> 6.80 GiB | driver time 36 -> 35, the rest the same |
+/// | whole handles, recorded | 211,819 -> 206,804 | 69,163 -> 67,723 | 1.26 -> 1.34 GiB | 1.03x 1 -> 0 (resnet) |
+/// | whole handles, jittered | 1,084,668 -> 1,054,480 | 361,206 -> 354,346 | 8.50 -> 8.64 GiB | steady 83 -> 82, 1.03x 21 -> 22 |
+/// | long run, recorded | 5,755 -> 5,782 | 1,291 -> 1,333 | | rows that settle 6 -> 6 |
+/// | long run, jittered | 43,507 -> 36,613 | 14,274 -> 11,186 | | rows that settle 29 -> 28 |
+///
+/// As recorded: resnet's waste 43.1 -> 39.1 MiB (min capacity 1.048 ->
+/// 1.043 times peak live); steady-state calls select_n_ec5be11 2,472 ->
+/// 1,904, resnet 30 -> 24, select_n 80 -> 108, the other rows within 2.
+/// The jittered calls fall most on Constructor dev 0 (13,269 -> 8,079) and
+/// select_n_ec5be11 (26,768 -> 18,055). The cost, in the long run: a few
+/// rows settle later (resnet with seed 3 makes no call from 12 more steps
+/// instead of 6; select_n's 60-operation tail step with seed 4 makes 447
+/// calls in all instead of 386), none stops settling. In CPU,
+/// `scripts/bench-instructions` on gpt2_train 918 -> 941 instructions per
+/// operation (a slot written per free, a mapped test per malloc).
+///
+/// The bound: with none, gpt2_train's steady-state calls go 0 -> 9 (a 98 MiB
+/// block freed 746 allocations earlier takes memory a later request
+/// needed); 30 or 1,000: one more jittered waste miss, or gpt2 again; 4:
+/// jittered waste 6.86 GiB. Not adopted either: the place tried before best
+/// fit even on a hit, within 8 allocations (recorded misses rise in every
+/// target). With no bound, each also worse than a slot per size: several
+/// places per size (2, 4, 8); only places at the front or end of their
+/// free range, or in a range at most 2 or 4 times the request (fewer calls
+/// saved; at 4, two more jittered waste misses); the last 1-16 frees of any
+/// size (1: more calls than best fit alone; 16: one more jittered 1.03x
+/// miss).
+const RECENT_FREE_ALLOCATIONS: u64 = 8;
+/// Slots in the table of recent frees, direct-mapped by size and stream: a
+/// collision only forgets a place, and the table never grows (48 KiB).
+/// 1,024 decide as one entry per size and stream would, on every row of
+/// `scripts/compare-builds`; 256 forget places that matter (resnet's long
+/// run, recorded, settles 6 steps later).
+const RECENT_FREE_SLOTS: usize = 1024;
 /// Near the peak, a block smaller than a granule whose size has mostly
 /// been short-lived goes at the *end* of its best-fit range when the range
 /// is mapped there (a hole between live blocks; the heap's top is not
@@ -495,6 +552,28 @@ impl SizeLifetimes {
     fn mostly_short(self) -> bool {
         self.frees >= 4 && self.short * 4 >= self.frees * 3
     }
+}
+
+/// Where a block was freed, for a request of its size and stream soon after
+/// (see [`RECENT_FREE_ALLOCATIONS`]). `span` is the free span the block
+/// became part of; merges and splits may retire or move it since, so a use
+/// checks that it is still free and still covers the place.
+#[derive(Copy, Clone, Debug)]
+struct RecentFree {
+    stream: StreamId,
+    size: u64,
+    ptr: DevicePtr,
+    span: u32,
+    /// `HbmPolicy::allocations` when it was freed.
+    freed_at: u64,
+}
+
+/// The slot of [`HbmPolicy::recent_frees`] for a size and stream.
+fn recent_free_slot(stream: StreamId, size: u64) -> usize {
+    // Fibonacci hashing: the top bits of the product mix every bit of the
+    // key (sizes are multiples of 512, streams small numbers).
+    let key = (size / MIN_BLOCK_SIZE) ^ stream.0.rotate_left(32);
+    (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - RECENT_FREE_SLOTS.trailing_zeros())) as usize
 }
 
 /// No span: the end of a region's list.
@@ -767,6 +846,8 @@ pub(crate) struct HbmPolicy {
     /// How long blocks smaller than a granule lived, by size (indexed by
     /// size / `MIN_BLOCK_SIZE`: 4,096 entries for 2 MiB granules).
     lifetimes: Vec<SizeLifetimes>,
+    /// Where blocks were freed lately ([`RECENT_FREE_SLOTS`] slots).
+    recent_frees: Vec<Option<RecentFree>>,
     /// Hard limit on `held_bytes` (memory fraction).
     limit_bytes: Option<u64>,
     device_total: u64,
@@ -817,6 +898,7 @@ impl HbmPolicy {
             growing: false,
             allocations: 0,
             lifetimes: Vec::new(),
+            recent_frees: vec![None; RECENT_FREE_SLOTS],
             limit_bytes: None,
             device_total,
             stats: DeviceStats::default(),
@@ -896,17 +978,41 @@ impl HbmPolicy {
         let near_peak = demand * 100 >= self.peak_demand_bytes * SHORT_LIVED_NEAR_PEAK_PERCENT;
         let mut retried = false;
         let (ptr, span, on_aliased) = loop {
-            let found = match self.find_free(stream, size) {
-                Some(found) => Some(found),
-                None => self
-                    .new_region(dev, stream, size)?
-                    .map(|range| (range, self.span(range).start)),
+            // A hit is mapped already. A miss goes where a block of this size
+            // was just freed, if it can, before best fit maps memory.
+            let (found, mapped, recently_freed) = match self.find_free(stream, size) {
+                Some((range, ptr)) if self.is_mapped(self.span(range).region, ptr, size) => {
+                    (Some((range, ptr)), true, false)
+                }
+                best => match self.recently_freed_place(stream, size) {
+                    Some(found) => (Some(found), true, true),
+                    None => match best {
+                        Some(found) => (Some(found), false, false),
+                        None => {
+                            let range = self.new_region(dev, stream, size)?;
+                            (
+                                range.map(|range| (range, self.span(range).start)),
+                                false,
+                                false,
+                            )
+                        }
+                    },
+                },
             };
             if let Some((range, ptr)) = found {
                 let region = self.span(range).region;
-                let ptr = self.place_short_lived(range, ptr, size, near_peak);
+                let ptr = if recently_freed {
+                    ptr
+                } else {
+                    self.place_short_lived(range, ptr, size, near_peak)
+                };
                 let block = self.take_span(range, ptr, size);
-                match self.back_range(dev, ptr, size, region, retried) {
+                let backing = if mapped {
+                    Ok(Backing::Done)
+                } else {
+                    self.back_range(dev, ptr, size, region, retried)
+                };
+                match backing {
                     Ok(Backing::Done) => match self.claim(dev, region, ptr, size) {
                         Ok(on_aliased) => break (ptr, block, on_aliased),
                         Err(e) => {
@@ -1035,6 +1141,7 @@ impl HbmPolicy {
     /// front (or past memory in use elsewhere): its end instead when the
     /// block is likely a temporary and demand is `near_peak` (see
     /// [`SHORT_LIVED_NEAR_PEAK_PERCENT`]).
+    #[inline]
     fn place_short_lived(&self, id: u32, ptr: DevicePtr, size: u64, near_peak: bool) -> DevicePtr {
         if !near_peak
             || !self
@@ -1046,16 +1153,51 @@ impl HbmPolicy {
         }
         let range = *self.span(id);
         let end = range.end() - size;
-        // A segment (no granules) is mapped whole.
-        let mapped = match self.granule_span(range.region, end, size) {
-            Some((first, last)) => self.region(range.region).all_mapped(first, last),
-            None => true,
-        };
-        if end > ptr && mapped && !self.blocked(range.region, end, size) {
+        if end > ptr
+            && self.is_mapped(range.region, end, size)
+            && !self.blocked(range.region, end, size)
+        {
             end
         } else {
             ptr
         }
+    }
+
+    /// Every granule under `[ptr, ptr + size)` of region `region` is mapped
+    /// (a segment, with no granules, is mapped whole).
+    fn is_mapped(&self, region: u32, ptr: DevicePtr, size: u64) -> bool {
+        match self.granule_span(region, ptr, size) {
+            Some((first, end)) => self.region(region).all_mapped(first, end),
+            None => true,
+        }
+    }
+
+    /// The place a block of `size` bytes of `stream` was freed at within
+    /// [`RECENT_FREE_ALLOCATIONS`] allocations, as (free span, address),
+    /// when it is still free, mapped, and not in use at another view.
+    fn recently_freed_place(&self, stream: StreamId, size: u64) -> Option<(u32, DevicePtr)> {
+        let recent = self.recent_frees[recent_free_slot(stream, size)]?;
+        if recent.stream != stream
+            || recent.size != size
+            || self.allocations - recent.freed_at > RECENT_FREE_ALLOCATIONS
+        {
+            return None;
+        }
+        // Retired spans are never free, so a free span is a live one, and
+        // free spans do not overlap: one that covers the place holds it.
+        let span = self.span(recent.span);
+        let ptr = recent.ptr;
+        if !span.free || ptr < span.start || ptr + size > span.end() {
+            return None;
+        }
+        let region = span.region;
+        if self.region(region).stream != stream
+            || !self.is_mapped(region, ptr, size)
+            || self.blocked(region, ptr, size)
+        {
+            return None;
+        }
+        Some((recent.span, ptr))
     }
 
     /// Slides a block of `size` bytes through free span `id` to the first
@@ -1177,13 +1319,19 @@ impl HbmPolicy {
         decrease(&mut self.stats.requested_bytes, size, block.requested);
         self.history
             .record(Action::FreeCompleted, ptr, block.requested, block.stream);
+        let free = self.release_span(block.span);
         if block.on_aliased {
-            let free = self.release_span(block.span);
             self.unclaim(region, ptr, size, free);
         } else {
             debug_assert!(self.aliased_span(region, ptr, size).is_none());
-            self.release_span(block.span);
         }
+        self.recent_frees[recent_free_slot(block.stream, size)] = Some(RecentFree {
+            stream: block.stream,
+            size,
+            ptr,
+            span: free,
+            freed_at: self.allocations,
+        });
     }
 
     pub(crate) fn record_stream(
@@ -1339,7 +1487,7 @@ impl HbmPolicy {
                 .get(size, base)
                 .expect("a wholly free region is one indexed range");
             self.unindex_free(span);
-            self.free_span_ids.push(span);
+            self.retire_span(span);
             self.regions[index as usize] = None;
             decrease(&mut self.stats.segment, u64::MAX, 1);
         }

@@ -715,6 +715,66 @@ fn idle_memory_is_stitched_before_the_peak_is_raised() {
     assert_eq!(a.device().used_bytes(), 0);
 }
 
+/// A request that best fit would place on unmapped memory goes where a block
+/// of its size was just freed, if that place is free and mapped: no driver
+/// call. Once the free is more than a few allocations old, best fit decides.
+#[test]
+fn a_miss_reuses_the_place_a_block_of_its_size_was_just_freed() {
+    // Nothing mapped ahead: every granule below is mapped for a block.
+    let mut a = hbm(16 * GIB, "max_waste_percent:0");
+    let s = StreamId(0);
+    let anchor = a.malloc(MIB, StreamId(1)).unwrap();
+    let first = a.malloc(6 * MIB, s).unwrap();
+    let pin = a.malloc(2 * MIB, s).unwrap();
+    let freed = a.malloc(4 * MIB, s).unwrap();
+    let beside = a.malloc(4 * MIB, s).unwrap();
+    let top = a.malloc(2 * MIB, s).unwrap();
+    assert_eq!(freed, first + 8 * MIB, "blocks are laid out in order");
+    // A 6 MiB hole with nothing mapped under it ...
+    a.free(first).unwrap();
+    a.empty_cache().unwrap();
+    // ... and a mapped 8 MiB free range where a 4 MiB block was just freed.
+    a.free(beside).unwrap();
+    a.free(freed).unwrap();
+    check(&a);
+    let maps = a.device().call_counts().get(CallKind::Map);
+    let creates = a.device().call_counts().get(CallKind::PhysicalCreate);
+    let again = a.malloc(4 * MIB, s).unwrap();
+    check(&a);
+    assert_eq!(
+        again, freed,
+        "best fit would take the unmapped hole at {first:#x}"
+    );
+    assert_eq!(a.device().call_counts().get(CallKind::Map), maps);
+    assert_eq!(
+        a.device().call_counts().get(CallKind::PhysicalCreate),
+        creates
+    );
+
+    // Freed longer ago than a few allocations: best fit, into the hole. The
+    // allocations come from the granule `anchor` lies on, on another
+    // stream, so that they touch neither this stream's ranges nor the
+    // device.
+    a.free(again).unwrap();
+    for _ in 0..10 {
+        let p = a.malloc(MIB / 2, StreamId(1)).unwrap();
+        a.free(p).unwrap();
+    }
+    assert_eq!(
+        a.device().call_counts().get(CallKind::Map),
+        maps,
+        "the allocations in between mapped nothing"
+    );
+    let later = a.malloc(4 * MIB, s).unwrap();
+    check(&a);
+    assert_eq!(later, first, "a free ten allocations old is not reused");
+    for p in [pin, top, later, anchor] {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(a.device().used_bytes(), 0);
+}
+
 /// Near the peak, a block of a size that has mostly been a temporary goes at
 /// the end of the small hole best fit picks, so the front of the hole, next
 /// to the live block before it, stays whole for longer-lived blocks.

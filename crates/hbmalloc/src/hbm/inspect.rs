@@ -170,6 +170,9 @@ impl HbmPolicy {
         let retired: BTreeSet<u32> = self.free_span_ids.iter().copied().collect();
         for (id, span) in self.spans.iter().enumerate() {
             if retired.contains(&(id as u32)) {
+                if span.free {
+                    return Err(format!("retired span {id} is marked free"));
+                }
                 continue;
             }
             let region = self

@@ -61,6 +61,14 @@ impl HbmPolicy {
     fn drop_span(&mut self, id: u32) {
         let Span { prev, next, .. } = *self.span(id);
         self.link(prev, next);
+        self.retire_span(id);
+    }
+
+    /// Retires span `id`, unlinked already, for reuse. A retired span is
+    /// never free: a place remembered in a span (`recent_frees`) may name it
+    /// still, and is only used while its span is free.
+    pub(super) fn retire_span(&mut self, id: u32) {
+        self.span_mut(id).free = false;
         self.free_span_ids.push(id);
     }
 
@@ -177,7 +185,7 @@ impl HbmPolicy {
             self.link(block, id);
         } else {
             self.link(block, range.next);
-            self.free_span_ids.push(id);
+            self.retire_span(id);
         }
         block
     }
