@@ -109,7 +109,7 @@
 //! (no search) and makes the size-index updates; a block placed on plain
 //! memory skips the alias groups. No device call, `O(log n)`. Measured with
 //! `scripts/bench-instructions` (callgrind, replayed operations only): on
-//! `gpt2_train` 941 instructions per malloc or free against 1,014 for
+//! `gpt2_train` 943 instructions per malloc or free against 1,014 for
 //! policy `pytorch`, misses included (1,396 with one ordered map of every
 //! range, 1,124 with a B-tree per bin); most of the rest is the alias
 //! checks and misses that stitch memory.
@@ -185,6 +185,7 @@
 //! `hbm` has no segments to split.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::hash::{BuildHasher, BuildHasherDefault};
 use std::ops::ControlFlow;
 
 use crate::config::ConfigError;
@@ -192,7 +193,7 @@ use crate::device::{Device, DevicePtr, EventId, PhysicalHandle, StreamId};
 use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::history::{Action, History};
 use crate::stats::{decrease_pool, increase_pool, DeviceStats, StatArray};
-use crate::{FastMap, SegmentImage};
+use crate::{FastMap, PointerHasher, SegmentImage};
 
 mod alias;
 mod backing;
@@ -290,7 +291,7 @@ const SHORT_LIVED_ALLOCATIONS: u64 = 8;
 /// rows settle later (resnet with seed 3 makes no call from 12 more steps
 /// instead of 6; select_n's 60-operation tail step with seed 4 makes 447
 /// calls in all instead of 386), none stops settling. In CPU,
-/// `scripts/bench-instructions` on gpt2_train 918 -> 941 instructions per
+/// `scripts/bench-instructions` on gpt2_train 918 -> 943 instructions per
 /// operation (a slot written per free, a mapped test per malloc).
 ///
 /// The bound: with none, gpt2_train's steady-state calls go 0 -> 9 (a 98 MiB
@@ -570,10 +571,8 @@ struct RecentFree {
 
 /// The slot of [`HbmPolicy::recent_frees`] for a size and stream.
 fn recent_free_slot(stream: StreamId, size: u64) -> usize {
-    // Fibonacci hashing: the top bits of the product mix every bit of the
-    // key (sizes are multiples of 512, streams small numbers).
-    let key = (size / MIN_BLOCK_SIZE) ^ stream.0.rotate_left(32);
-    (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - RECENT_FREE_SLOTS.trailing_zeros())) as usize
+    let hash = BuildHasherDefault::<PointerHasher>::default().hash_one((stream, size));
+    (hash % RECENT_FREE_SLOTS as u64) as usize
 }
 
 /// No span: the end of a region's list.
@@ -775,6 +774,18 @@ struct Piece {
 struct HandleInfo {
     bytes: u64,
     mapped: u64,
+}
+
+/// What lies under the place chosen for a block.
+#[derive(Copy, Clone, Debug)]
+enum Place {
+    /// Mapped memory, at best fit: nothing to back.
+    Mapped,
+    /// Mapped memory where a block of the same size was just freed: the
+    /// block goes exactly there (see [`RECENT_FREE_ALLOCATIONS`]).
+    RecentlyFreed,
+    /// Best fit, with granules to back (`back_range`).
+    Unmapped,
 }
 
 /// Why a range could not be backed.
@@ -980,37 +991,30 @@ impl HbmPolicy {
         let (ptr, span, on_aliased) = loop {
             // A hit is mapped already. A miss goes where a block of this size
             // was just freed, if it can, before best fit maps memory.
-            let (found, mapped, recently_freed) = match self.find_free(stream, size) {
+            let chosen = match self.find_free(stream, size) {
                 Some((range, ptr)) if self.is_mapped(self.span(range).region, ptr, size) => {
-                    (Some((range, ptr)), true, false)
+                    Some((range, ptr, Place::Mapped))
                 }
-                best => match self.recently_freed_place(stream, size) {
-                    Some(found) => (Some(found), true, true),
-                    None => match best {
-                        Some(found) => (Some(found), false, false),
-                        None => {
-                            let range = self.new_region(dev, stream, size)?;
-                            (
-                                range.map(|range| (range, self.span(range).start)),
-                                false,
-                                false,
-                            )
-                        }
-                    },
+                best => match (self.recently_freed_place(stream, size), best) {
+                    (Some((range, ptr)), _) => Some((range, ptr, Place::RecentlyFreed)),
+                    (None, Some((range, ptr))) => Some((range, ptr, Place::Unmapped)),
+                    (None, None) => self
+                        .new_region(dev, stream, size)?
+                        .map(|range| (range, self.span(range).start, Place::Unmapped)),
                 },
             };
-            if let Some((range, ptr)) = found {
+            if let Some((range, ptr, place)) = chosen {
                 let region = self.span(range).region;
-                let ptr = if recently_freed {
-                    ptr
-                } else {
-                    self.place_short_lived(range, ptr, size, near_peak)
+                let ptr = match place {
+                    Place::RecentlyFreed => ptr,
+                    Place::Mapped | Place::Unmapped => {
+                        self.place_short_lived(range, ptr, size, near_peak)
+                    }
                 };
                 let block = self.take_span(range, ptr, size);
-                let backing = if mapped {
-                    Ok(Backing::Done)
-                } else {
-                    self.back_range(dev, ptr, size, region, retried)
+                let backing = match place {
+                    Place::Mapped | Place::RecentlyFreed => Ok(Backing::Done),
+                    Place::Unmapped => self.back_range(dev, ptr, size, region, retried),
                 };
                 match backing {
                     Ok(Backing::Done) => match self.claim(dev, region, ptr, size) {
