@@ -9,7 +9,9 @@ use std::process::{self, ExitCode};
 use clap::{Args, Parser, Subcommand};
 use hbmalloc::format::format_bytes;
 use hbmalloc::PolicyConfig;
-use hbmalloc_replay::{evaluate, fidelity, snapshot_at_peak, EvalOptions, Metrics};
+use hbmalloc_replay::{
+    evaluate, fidelity, snapshot, timeline, EvalOptions, Metrics, SnapshotMoment,
+};
 use hbmalloc_trace::Trace;
 
 /// `print!` to standard output, ending the program quietly (status 0) when
@@ -140,6 +142,13 @@ enum Command {
         /// Print one JSON object per line instead of the table.
         #[arg(long)]
         json: bool,
+        /// Also write live memory and each configuration's reserved memory
+        /// after every op to PATH, as CSV (`op,live_bytes`, then a column
+        /// per configuration): where and when reserved memory parts from
+        /// live memory. For a trace of several devices, `.devN` goes before
+        /// the extension. One trace file only.
+        #[arg(long, value_name = "PATH")]
+        timeline: Option<PathBuf>,
         #[command(flatten)]
         what_if: WhatIf,
     },
@@ -179,8 +188,14 @@ enum Command {
         /// granules, edges of mapped ranges and holes between live blocks).
         /// For a trace of several devices, `.devN` goes before
         /// the extension. One trace file only.
-        #[arg(long, value_name = "PATH")]
+        #[arg(long, value_name = "PATH", conflicts_with = "snapshot_at_op")]
         snapshot_at_peak: Option<PathBuf>,
+        /// Also write the allocator's snapshot after op N (0: the initial
+        /// state; or at an out-of-memory error before it) to PATH, as
+        /// `--snapshot-at-peak` does: how the allocator got where it is
+        /// (`compare --timeline` says when reserved memory grew).
+        #[arg(long, num_args = 2, value_names = ["N", "PATH"])]
+        snapshot_at_op: Option<Vec<String>>,
         #[command(flatten)]
         what_if: WhatIf,
     },
@@ -267,9 +282,16 @@ fn run(command: Command) -> Result<(), String> {
             capacity,
             no_min_capacity,
             json,
+            timeline: timeline_path,
             what_if,
         } => {
             let runs = parse_runs(&runs)?;
+            if timeline_path.is_some() && traces.len() > 1 {
+                return Err(format!(
+                    "--timeline writes one trace's timeline, and {} traces were given",
+                    traces.len()
+                ));
+            }
             let traces = what_if.apply(load_or_bundled(&traces)?)?;
             let mut rows = Vec::new();
             for trace in &traces {
@@ -292,6 +314,32 @@ fn run(command: Command) -> Result<(), String> {
                         metrics.push(m);
                     }
                     rows.push(metrics);
+                    if let Some(path) = &timeline_path {
+                        let path = device_path(path, device.device, trace.devices.len() > 1);
+                        let configurations: Vec<EvalOptions> = runs
+                            .iter()
+                            .map(|policy| EvalOptions {
+                                policy: policy.clone(),
+                                capacity_bytes: capacity.map(|c| c.bytes(device)),
+                                find_min_capacity: false,
+                                reproduce_recorded_ooms: false,
+                                maps_handle_parts: !what_if.whole_handle_maps,
+                            })
+                            .collect();
+                        let timeline = timeline(device, &configurations).map_err(|e| {
+                            format!("{} device {}: {e}", trace.source, device.device)
+                        })?;
+                        std::fs::write(&path, table::timeline_csv(&timeline))
+                            .map_err(|e| format!("{}: {e}", path.display()))?;
+                        eprintln!(
+                            "hbmalloc: timeline of {} device {} ({} ops, {} configurations) -> {}",
+                            trace.source,
+                            device.device,
+                            timeline.live_bytes.len() - 1,
+                            timeline.reserved_bytes.len(),
+                            path.display()
+                        );
+                    }
                 }
             }
             if !json {
@@ -308,13 +356,27 @@ fn run(command: Command) -> Result<(), String> {
             summary,
             ignore_recorded_ooms,
             json,
-            snapshot_at_peak: snapshot_path,
+            snapshot_at_peak,
+            snapshot_at_op,
             what_if,
         } => {
             let policy = PolicyConfig::parse(&policy, &config).map_err(|e| e.to_string())?;
-            if snapshot_path.is_some() && traces.len() > 1 {
+            let snapshot_request = match (snapshot_at_peak, snapshot_at_op) {
+                (Some(path), _) => Some((SnapshotMoment::Peak, path)),
+                (None, Some(args)) => {
+                    let op = args[0].parse().map_err(|_| {
+                        format!(
+                            "--snapshot-at-op N PATH: N must be a number of ops, not '{}'",
+                            args[0]
+                        )
+                    })?;
+                    Some((SnapshotMoment::AfterOps(op), PathBuf::from(&args[1])))
+                }
+                (None, None) => None,
+            };
+            if snapshot_request.is_some() && traces.len() > 1 {
                 return Err(format!(
-                    "--snapshot-at-peak writes one trace's snapshot, and {} traces were given",
+                    "a snapshot is written for one trace, and {} traces were given",
                     traces.len()
                 ));
             }
@@ -343,10 +405,10 @@ fn run(command: Command) -> Result<(), String> {
                             hbmalloc::memory_summary(&m.final_stats, device.device, false)
                         );
                     }
-                    if let Some(path) = &snapshot_path {
+                    if let Some((moment, path)) = &snapshot_request {
                         let path = device_path(path, device.device, trace.devices.len() > 1);
                         let written =
-                            write_peak_snapshot(device, &options, &path).map_err(|e| {
+                            write_snapshot(device, &options, *moment, &path).map_err(|e| {
                                 format!("{} device {}: {e}", trace.source, device.device)
                             })?;
                         if json {
@@ -458,35 +520,41 @@ fn device_path(path: &Path, device: i64, several: bool) -> PathBuf {
     path.with_file_name(name)
 }
 
-/// Writes the snapshot at the peak (see `--snapshot-at-peak`) and says what
-/// it shows.
-fn write_peak_snapshot(
+/// Writes the snapshot at `moment` (see `--snapshot-at-peak` and
+/// `--snapshot-at-op`) and says what it shows.
+fn write_snapshot(
     device: &hbmalloc_trace::DeviceTrace,
     options: &EvalOptions,
+    moment: SnapshotMoment,
     path: &Path,
 ) -> Result<String, String> {
-    let peak = snapshot_at_peak(device, options).map_err(|e| e.to_string())?;
-    let pickle = hbmalloc_export::snapshot_to_pickle(&peak.snapshot, device.device);
+    let taken = snapshot(device, options, moment).map_err(|e| e.to_string())?;
+    let pickle = hbmalloc_export::snapshot_to_pickle(&taken.snapshot, device.device);
     std::fs::write(path, pickle).map_err(|e| format!("{}: {e}", path.display()))?;
-    let moment = match peak.out_of_memory_op {
-        Some(op) => format!("at the out-of-memory error (op {op} of {})", peak.ops),
-        None => format!("at peak, after op {} of {}", peak.ops_replayed, peak.ops),
+    let moment = match (taken.out_of_memory_op, moment) {
+        (Some(op), _) => format!("at the out-of-memory error (op {op} of {})", taken.ops),
+        (None, SnapshotMoment::Peak) => {
+            format!("at peak, after op {} of {}", taken.ops_replayed, taken.ops)
+        }
+        (None, SnapshotMoment::AfterOps(_)) => {
+            format!("after op {} of {}", taken.ops_replayed, taken.ops)
+        }
     };
-    let free = peak.free_breakdown;
+    let free = taken.free_breakdown;
     Ok(format!(
         "snapshot                   {moment}: {} reserved, {} in use, {} free in {} blocks \
          (largest {}) -> {} (open it at pytorch.org/memory_viz)\n  \
          free there                 {} idle (whole granules or segments), {} at the edges of \
          the {} segments (in a granule or segment a live block pins), {} between live blocks",
-        human(peak.reserved_bytes),
-        human(peak.active_bytes),
-        human(peak.free_bytes),
-        peak.free_blocks,
-        human(peak.largest_free_block_bytes),
+        human(taken.reserved_bytes),
+        human(taken.active_bytes),
+        human(taken.free_bytes),
+        taken.free_blocks,
+        human(taken.largest_free_block_bytes),
         path.display(),
         human(free.idle_bytes),
         human(free.segment_edge_bytes),
-        peak.segments,
+        taken.segments,
         human(free.between_blocks_bytes),
     ))
 }

@@ -1,8 +1,9 @@
-//! Text output: the side-by-side comparison table and per-run reports.
+//! Text output: the side-by-side comparison table, per-run reports and the
+//! timeline's CSV.
 
 use std::fmt::Write;
 
-use hbmalloc_replay::{FidelityReport, Metrics};
+use hbmalloc_replay::{FidelityReport, Metrics, Timeline};
 
 use crate::human;
 
@@ -256,4 +257,56 @@ pub fn fidelity_text(source: &str, r: &FidelityReport) -> String {
         let _ = writeln!(out, "  replayed: {}", fmt(&d.replayed_context));
     }
     out
+}
+
+/// The timeline as CSV: `op` (ops replayed; 0 is the initial state),
+/// `live_bytes`, then one column of reserved bytes per configuration, named
+/// `reserved_bytes SETTINGS` (quoted: settings hold commas). A replay that ran
+/// out of memory leaves its column empty from the op that failed.
+pub fn timeline_csv(timeline: &Timeline) -> String {
+    let quoted = |field: &str| format!("\"{}\"", field.replace('"', "\"\""));
+    let mut out = String::from("op,live_bytes");
+    for (settings, _) in &timeline.reserved_bytes {
+        out.push(',');
+        out.push_str(&quoted(&format!("reserved_bytes {settings}")));
+    }
+    out.push('\n');
+    for (op, live) in timeline.live_bytes.iter().enumerate() {
+        let _ = write!(out, "{op},{live}");
+        for (_, reserved) in &timeline.reserved_bytes {
+            out.push(',');
+            if let Some(bytes) = reserved.get(op) {
+                let _ = write!(out, "{bytes}");
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_timeline_csv_has_a_quoted_column_per_configuration_and_blanks_after_an_error() {
+        let timeline = Timeline {
+            live_bytes: vec![0, 512, 1024],
+            reserved_bytes: vec![
+                (
+                    "policy:pytorch,expandable_segments:True".into(),
+                    vec![0, 2048, 2048],
+                ),
+                ("policy:hbm".into(), vec![0, 4096]),
+            ],
+        };
+        assert_eq!(
+            timeline_csv(&timeline),
+            "op,live_bytes,\"reserved_bytes policy:pytorch,expandable_segments:True\",\
+             \"reserved_bytes policy:hbm\"\n\
+             0,0,0,0\n\
+             1,512,2048,4096\n\
+             2,1024,2048,\n"
+        );
+    }
 }

@@ -323,6 +323,107 @@ fn snapshot_at_peak_refuses_several_traces_and_unwritable_paths() {
     );
 }
 
+#[test]
+fn replay_writes_a_snapshot_after_any_op() {
+    let trace = temp_file(PEAK_IN_THE_MIDDLE);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("op3.pickle");
+    let out = hbmalloc(&[
+        "replay",
+        trace.path().to_str().unwrap(),
+        "--snapshot-at-op",
+        "3",
+        path.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("after op 3 of 5") && stdout.contains("32.00 MiB in use"),
+        "{stdout}"
+    );
+    let written = hbmalloc_trace::load(&path).unwrap();
+    assert_eq!(
+        hbmalloc_replay::peak_live_bytes(&written.devices[0]),
+        96 << 20
+    );
+    // Past the end, not a number, or beside --snapshot-at-peak: one clear line.
+    let trace = trace.path().to_str().unwrap();
+    let file = path.to_str().unwrap();
+    assert_clear_error(
+        &hbmalloc(&["replay", trace, "--snapshot-at-op", "6", file]),
+        "it has 5 ops",
+    );
+    assert_clear_error(
+        &hbmalloc(&["replay", trace, "--snapshot-at-op", "three", file]),
+        "not 'three'",
+    );
+    assert_clear_error(
+        &hbmalloc(&[
+            "replay",
+            trace,
+            "--snapshot-at-op",
+            "3",
+            file,
+            "--snapshot-at-peak",
+            file,
+        ]),
+        "cannot be used with",
+    );
+}
+
+#[test]
+fn compare_writes_the_timeline_of_every_configuration_as_csv() {
+    let trace = temp_file(PEAK_IN_THE_MIDDLE);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("timeline.csv");
+    let out = hbmalloc(&[
+        "compare",
+        trace.path().to_str().unwrap(),
+        "--no-min-capacity",
+        "--timeline",
+        path.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let csv = std::fs::read_to_string(&path).unwrap();
+    let lines: Vec<&str> = csv.lines().collect();
+    assert_eq!(
+        lines[0],
+        "op,live_bytes,\"reserved_bytes policy:pytorch\",\
+         \"reserved_bytes policy:pytorch,expandable_segments:True\",\
+         \"reserved_bytes policy:hbm\""
+    );
+    // The initial state and five ops; live memory from the trace.
+    assert_eq!(lines.len(), 7, "{csv}");
+    let live: Vec<u64> = lines[1..]
+        .iter()
+        .map(|l| l.split(',').nth(1).unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(live, [0, 64 << 20, 96 << 20, 32 << 20, 0, 16 << 20]);
+    // Every configuration holds at least the live memory after each op.
+    for line in &lines[1..] {
+        let fields: Vec<u64> = line.split(',').map(|f| f.parse().unwrap()).collect();
+        assert!(fields[2..].iter().all(|&r| r >= fields[1]), "{line}");
+    }
+    assert_clear_error(
+        &hbmalloc(&[
+            "compare",
+            trace.path().to_str().unwrap(),
+            trace.path().to_str().unwrap(),
+            "--timeline",
+            path.to_str().unwrap(),
+        ]),
+        "one trace",
+    );
+}
+
 /// `--repeat-step`: the bundled GPT-2 trace's step (6,332 operations) runs
 /// twice more and says so; a trace with no repeating step is refused in one
 /// line that says why.

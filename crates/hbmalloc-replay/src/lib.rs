@@ -22,8 +22,8 @@ pub use fidelity::{
     fidelity, Divergence, FidelityReport, SegmentEvent, CONTEXT_AFTER, CONTEXT_BEFORE,
 };
 pub use metrics::{
-    evaluate, peak_live_bytes, snapshot_at_peak, EvalOptions, FreeBreakdown, Metrics, PeakSnapshot,
-    RecordedMetrics,
+    evaluate, live_bytes_after_ops, peak_live_bytes, snapshot, timeline, EvalOptions,
+    FreeBreakdown, Metrics, RecordedMetrics, ReplaySnapshot, SnapshotMoment, Timeline,
 };
 
 /// Device capacity used when none is given: large enough for any trace we know
@@ -63,6 +63,9 @@ pub struct ReplayOptions {
     /// [`RunResult::snapshot`]. A replay that runs out of memory first keeps
     /// the snapshot of the moment it failed.
     pub snapshot_after_ops: Option<usize>,
+    /// Keep the reserved bytes after every op in
+    /// [`RunResult::reserved_after_ops`] (8 bytes an op).
+    pub record_reserved_after_ops: bool,
 }
 
 impl ReplayOptions {
@@ -78,6 +81,7 @@ impl ReplayOptions {
             use_recorded_addresses: false,
             check_invariants_every: 0,
             snapshot_after_ops: None,
+            record_reserved_after_ops: false,
         }
     }
 }
@@ -153,6 +157,11 @@ pub struct RunResult {
     pub ops_at_peak_reserved: usize,
     /// The allocator as [`ReplayOptions::snapshot_after_ops`] asked.
     pub snapshot: Option<Snapshot>,
+    /// With [`ReplayOptions::record_reserved_after_ops`]: the reserved bytes
+    /// read between ops from the engine's counters, `[i]` after `i` ops
+    /// (`[0]`: the window's initial state), up to the last op that ran
+    /// (not the op that ran out of memory).
+    pub reserved_after_ops: Vec<u64>,
 }
 
 /// A trace's ops with allocation ids renumbered densely, ready to replay many
@@ -349,6 +358,7 @@ impl PreparedTrace {
             reproduced_ooms: Vec::new(),
             ops_at_peak_reserved: 0,
             snapshot: None,
+            reserved_after_ops: Vec::new(),
         };
 
         for (image, slots) in &self.initial {
@@ -375,6 +385,12 @@ impl PreparedTrace {
         let half = self.ops.len() / 2;
         let mut calls_at_half = allocator.device().call_counts();
         let mut peak_reserved_between_ops = reserved_now(&allocator);
+        if options.record_reserved_after_ops {
+            result.reserved_after_ops.reserve(self.ops.len() + 1);
+            result
+                .reserved_after_ops
+                .push(peak_reserved_between_ops as u64);
+        }
         let started = Instant::now();
         for (i, op) in self.ops.iter().enumerate() {
             if options.snapshot_after_ops == Some(i) {
@@ -386,6 +402,9 @@ impl PreparedTrace {
             }
             let step = self.step(&mut allocator, &mut ptrs, (i, *op), options, &mut result);
             let reserved = reserved_now(&allocator);
+            if options.record_reserved_after_ops && step.is_ok() {
+                result.reserved_after_ops.push(reserved as u64);
+            }
             if reserved > peak_reserved_between_ops {
                 peak_reserved_between_ops = reserved;
                 result.ops_at_peak_reserved = i + 1;

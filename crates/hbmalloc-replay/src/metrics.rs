@@ -106,6 +106,22 @@ pub struct Metrics {
 /// The max over time of the sum of live requested sizes, computed from the
 /// trace alone (no allocator involved): the floor any policy is measured against.
 pub fn peak_live_bytes(trace: &DeviceTrace) -> u64 {
+    let mut peak = 0;
+    walk_live_bytes(trace, |live| peak = peak.max(live));
+    peak
+}
+
+/// The sum of live requested sizes after each op, from the trace alone:
+/// `[i]` after `i` ops, `[0]` the window's initial state.
+pub fn live_bytes_after_ops(trace: &DeviceTrace) -> Vec<u64> {
+    let mut live = Vec::with_capacity(trace.ops.len() + 1);
+    walk_live_bytes(trace, |bytes| live.push(bytes));
+    live
+}
+
+/// Calls `visit` with the live requested bytes of the initial state, then
+/// after each op.
+fn walk_live_bytes(trace: &DeviceTrace, mut visit: impl FnMut(u64)) {
     let mut live = std::collections::HashMap::new();
     let mut current: u64 = 0;
     for seg in &trace.initial_segments {
@@ -116,19 +132,52 @@ pub fn peak_live_bytes(trace: &DeviceTrace) -> u64 {
             }
         }
     }
-    let mut peak = current;
+    visit(current);
     for op in &trace.ops {
         match *op {
             Op::Alloc { id, size, .. } => {
                 live.insert(id, size);
                 current += size;
-                peak = peak.max(current);
             }
             Op::Free { id } => current -= live.remove(&id).unwrap_or(0),
             _ => {}
         }
+        visit(current);
     }
-    peak
+}
+
+/// Live and reserved memory after every op of one trace, for several
+/// configurations side by side: where reserved memory parts from live
+/// memory, and when (`hbmalloc compare --timeline`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Timeline {
+    /// [`live_bytes_after_ops`]: the same for every configuration.
+    pub live_bytes: Vec<u64>,
+    /// Each configuration's settings and its reserved bytes after each op
+    /// ([`RunResult::reserved_after_ops`](crate::RunResult::reserved_after_ops)):
+    /// shorter than `live_bytes` when that replay ran out of memory.
+    pub reserved_bytes: Vec<(String, Vec<u64>)>,
+}
+
+/// Replays `trace` once under each of `configurations` and keeps live and
+/// reserved memory after every op. `find_min_capacity` is ignored.
+pub fn timeline(
+    trace: &DeviceTrace,
+    configurations: &[EvalOptions],
+) -> Result<Timeline, ReplayError> {
+    let prepared = PreparedTrace::new(trace)?;
+    let mut reserved_bytes = Vec::with_capacity(configurations.len());
+    for options in configurations {
+        let mut replay = options.replay_options();
+        replay.latency = LatencyModel::zero();
+        replay.record_reserved_after_ops = true;
+        let run = prepared.run(&replay)?;
+        reserved_bytes.push((options.policy.to_settings(), run.reserved_after_ops));
+    }
+    Ok(Timeline {
+        live_bytes: live_bytes_after_ops(trace),
+        reserved_bytes,
+    })
 }
 
 /// `Metrics::out_of_memory` in JSON: `"op N: "` and the report's first
@@ -206,11 +255,21 @@ pub fn evaluate(
     })
 }
 
-/// The allocator at the moment its reserved memory first peaked (or at its
-/// out-of-memory error): what pytorch.org/memory_viz shows to explain
-/// `waste_bytes`.
+/// When [`snapshot`] takes the allocator's snapshot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SnapshotMoment {
+    /// When reserved memory first reached its peak: what pytorch.org/memory_viz
+    /// shows to explain `waste_bytes`.
+    Peak,
+    /// After this many ops (0: the window's initial state), to see how the
+    /// allocator got there (`hbmalloc compare --timeline` says when).
+    AfterOps(usize),
+}
+
+/// The allocator at a [`SnapshotMoment`] (or at its out-of-memory error, if
+/// that came first), with its free memory summed up.
 #[derive(Clone, Debug)]
-pub struct PeakSnapshot {
+pub struct ReplaySnapshot {
     /// Ops replayed when the snapshot was taken (when the replay ran out of
     /// memory, those before the op that failed).
     pub ops_replayed: usize,
@@ -237,9 +296,10 @@ pub struct PeakSnapshot {
     pub largest_free_block_bytes: u64,
     /// Its free bytes by what keeps them from serving requests.
     pub free_breakdown: FreeBreakdown,
-    /// The replay's `peak_reserved_bytes`: above `reserved_bytes` only when
-    /// the peak lasted less than one op (memory taken and given back within
-    /// one malloc, as an out-of-memory retry does).
+    /// The replay's `peak_reserved_bytes` up to the snapshot: at the peak,
+    /// above `reserved_bytes` only when the peak lasted less than one op
+    /// (memory taken and given back within one malloc, as an out-of-memory
+    /// retry does).
     pub peak_reserved_bytes: u64,
 }
 
@@ -299,33 +359,55 @@ impl FreeBreakdown {
     }
 }
 
-/// Replays `trace` under `options` to find the op after which reserved
-/// memory first reached its peak, then again up to that op, and returns the
-/// allocator's snapshot there (the engine is deterministic: the second
-/// replay makes the same decisions as the first). A replay that runs out of
-/// memory is snapshotted where it failed. `find_min_capacity` is ignored.
-pub fn snapshot_at_peak(
+/// Replays `trace` under `options` up to `moment` and returns the
+/// allocator's snapshot there. For the peak it replays twice: once to find
+/// the op after which reserved memory first reached its peak, then up to
+/// that op (the engine is deterministic: the second replay makes the same
+/// decisions as the first). A replay that runs out of memory first is
+/// snapshotted where it failed. `find_min_capacity` is ignored.
+pub fn snapshot(
     trace: &DeviceTrace,
     options: &EvalOptions,
-) -> Result<PeakSnapshot, ReplayError> {
+    moment: SnapshotMoment,
+) -> Result<ReplaySnapshot, ReplayError> {
     let prepared = PreparedTrace::new(trace)?;
     let mut replay = options.replay_options();
-    let first = prepared.run(&replay)?;
-    let (ops_replayed, out_of_memory_op) = match first.outcome {
-        Outcome::Completed => (first.ops_at_peak_reserved, None),
-        // Asked to stop past the failing op, the replay keeps the snapshot
-        // of the moment it failed.
-        Outcome::OutOfMemory { op_index, .. } => (op_index, Some(op_index)),
+    let after_ops = match moment {
+        SnapshotMoment::Peak => {
+            let first = prepared.run(&replay)?;
+            match first.outcome {
+                Outcome::Completed => first.ops_at_peak_reserved,
+                // Asked to stop past the failing op, the replay keeps the
+                // snapshot of the moment it failed.
+                Outcome::OutOfMemory { op_index, .. } => op_index + 1,
+            }
+        }
+        SnapshotMoment::AfterOps(n) if n > prepared.len() => {
+            return Err(ReplayError {
+                op_index: Some(n),
+                message: format!(
+                    "past the trace's end: it has {} ops, and a snapshot is taken after \
+                     op 0 (the initial state) to {}",
+                    prepared.len(),
+                    prepared.len()
+                ),
+            })
+        }
+        SnapshotMoment::AfterOps(n) => n,
     };
-    replay.snapshot_after_ops = Some(out_of_memory_op.map_or(ops_replayed, |op| op + 1));
+    replay.snapshot_after_ops = Some(after_ops);
     replay.record_history = true;
-    let snapshot = prepared
-        .run(&replay)?
+    let run = prepared.run(&replay)?;
+    let (ops_replayed, out_of_memory_op) = match run.outcome {
+        Outcome::OutOfMemory { op_index, .. } => (op_index, Some(op_index)),
+        Outcome::Completed => (after_ops, None),
+    };
+    let snapshot = run
         .snapshot
         .expect("a replay asked for a snapshot keeps one");
     let blocks = || snapshot.segments.iter().flat_map(|s| &s.blocks);
     let free = || blocks().filter(|b| b.state == BlockState::Inactive);
-    Ok(PeakSnapshot {
+    Ok(ReplaySnapshot {
         ops_replayed,
         out_of_memory_op,
         ops: prepared.len(),
@@ -337,7 +419,7 @@ pub fn snapshot_at_peak(
         largest_free_block_bytes: free().map(|b| b.size).max().unwrap_or(0),
         free_breakdown: FreeBreakdown::of(&snapshot, SimConfig::default().granularity),
         snapshot,
-        peak_reserved_bytes: first.peak_reserved_bytes,
+        peak_reserved_bytes: run.peak_reserved_bytes,
     })
 }
 
@@ -533,7 +615,7 @@ mod tests {
     fn the_peak_snapshot_says_where_its_free_memory_lies() {
         let trace = peak_in_the_middle();
         for settings in ["policy:pytorch", "policy:hbm"] {
-            let peak = snapshot_at_peak(&trace, &options(settings, None)).unwrap();
+            let peak = snapshot(&trace, &options(settings, None), SnapshotMoment::Peak).unwrap();
             let free = peak.free_breakdown;
             assert_eq!(peak.segments, peak.snapshot.segments.len(), "{settings}");
             assert!(peak.segments >= 1, "{settings}");
@@ -561,7 +643,7 @@ mod tests {
     fn the_snapshot_is_taken_when_reserved_memory_first_peaks() {
         let trace = peak_in_the_middle();
         for settings in ["policy:pytorch", "policy:hbm"] {
-            let peak = snapshot_at_peak(&trace, &options(settings, None)).unwrap();
+            let peak = snapshot(&trace, &options(settings, None), SnapshotMoment::Peak).unwrap();
             assert_eq!(peak.ops, 5, "{settings}");
             assert_eq!(peak.ops_replayed, 2, "{settings}");
             assert_eq!(peak.out_of_memory_op, None, "{settings}");
@@ -597,10 +679,82 @@ mod tests {
     }
 
     #[test]
+    fn a_snapshot_after_an_op_shows_the_allocator_then() {
+        let trace = peak_in_the_middle();
+        for settings in ["policy:pytorch", "policy:hbm"] {
+            let options = options(settings, None);
+            // After the first free: the 32 MiB block alone is live.
+            let taken = snapshot(&trace, &options, SnapshotMoment::AfterOps(3)).unwrap();
+            assert_eq!(taken.ops_replayed, 3, "{settings}");
+            assert_eq!(taken.out_of_memory_op, None, "{settings}");
+            assert_eq!(allocated(&taken.snapshot), [32 * MIB], "{settings}");
+            // The initial state, and after the last op.
+            let first = snapshot(&trace, &options, SnapshotMoment::AfterOps(0)).unwrap();
+            assert!(allocated(&first.snapshot).is_empty(), "{settings}");
+            let last = snapshot(&trace, &options, SnapshotMoment::AfterOps(5)).unwrap();
+            assert_eq!(allocated(&last.snapshot), [16 * MIB], "{settings}");
+            // Past the end: refused, naming the trace's length.
+            let past = snapshot(&trace, &options, SnapshotMoment::AfterOps(6)).unwrap_err();
+            assert_eq!(past.op_index, Some(6), "{settings}");
+            assert!(past.message.contains("it has 5 ops"), "{past}");
+            // Out of memory before the op asked for: snapshotted there.
+            let small = self::options(settings, Some(80 * MIB));
+            let failed = snapshot(&trace, &small, SnapshotMoment::AfterOps(4)).unwrap();
+            assert_eq!(failed.out_of_memory_op, Some(1), "{settings}");
+            assert_eq!(allocated(&failed.snapshot), [64 * MIB], "{settings}");
+        }
+    }
+
+    #[test]
+    fn the_timeline_follows_live_and_reserved_memory_op_by_op() {
+        let trace = peak_in_the_middle();
+        let live = live_bytes_after_ops(&trace);
+        assert_eq!(live, [0, 64 * MIB, 96 * MIB, 32 * MIB, 0, 16 * MIB]);
+        assert_eq!(live.iter().max(), Some(&peak_live_bytes(&trace)));
+        let configurations = [
+            options("policy:pytorch", None),
+            options("policy:hbm", None),
+            options("policy:hbm", Some(80 * MIB)),
+        ];
+        let timeline = timeline(&trace, &configurations).unwrap();
+        assert_eq!(timeline.live_bytes, live);
+        let names: Vec<&str> = timeline
+            .reserved_bytes
+            .iter()
+            .map(|(s, _)| s.as_str())
+            .collect();
+        assert_eq!(names, ["policy:pytorch", "policy:hbm", "policy:hbm"]);
+        for (options, (settings, reserved)) in configurations.iter().zip(&timeline.reserved_bytes) {
+            if options.capacity_bytes.is_some() {
+                continue;
+            }
+            assert_eq!(reserved.len(), live.len(), "{settings}");
+            assert_eq!(reserved[0], 0, "{settings}");
+            // Never below live memory; its peak is the replay's, at the
+            // live peak.
+            for (op, (r, l)) in reserved.iter().zip(&live).enumerate() {
+                assert!(r >= l, "{settings} op {op}: {r} < {l}");
+            }
+            let peak = evaluate("peak.csv", &trace, options)
+                .unwrap()
+                .peak_reserved_bytes;
+            assert_eq!(reserved.iter().max(), Some(&peak), "{settings}");
+            assert_eq!(reserved[2], peak, "{settings}");
+        }
+        // On 80 MiB the second allocation fails: the column stops before it.
+        assert_eq!(timeline.reserved_bytes[2].1.len(), 2);
+    }
+
+    #[test]
     fn a_replay_that_runs_out_of_memory_is_snapshotted_where_it_failed() {
         let trace = peak_in_the_middle();
         for settings in ["policy:pytorch", "policy:hbm"] {
-            let peak = snapshot_at_peak(&trace, &options(settings, Some(80 * MIB))).unwrap();
+            let peak = snapshot(
+                &trace,
+                &options(settings, Some(80 * MIB)),
+                SnapshotMoment::Peak,
+            )
+            .unwrap();
             assert_eq!(peak.out_of_memory_op, Some(1), "{settings}");
             assert_eq!(peak.ops_replayed, 1, "{settings}");
             assert_eq!(allocated(&peak.snapshot), [64 * MIB], "{settings}");
