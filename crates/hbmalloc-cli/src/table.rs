@@ -77,7 +77,8 @@ pub fn compare_table(rows: &[Vec<Metrics>], whole_handle_maps: bool) -> String {
     out += &"-".repeat(width);
     out.push('\n');
     let mut total_live = 0u64;
-    let mut total_waste = vec![0u64; labels.len()];
+    // Per configuration: reserved, waste and calls, summed over the rows.
+    let mut totals = vec![(0u64, 0u64, 0u64); labels.len()];
     for row in rows {
         let Some(m0) = row.first() else { continue };
         total_live += m0.peak_live_bytes;
@@ -95,7 +96,10 @@ pub fn compare_table(rows: &[Vec<Metrics>], whole_handle_maps: bool) -> String {
             recorded
         );
         for (i, m) in row.iter().enumerate() {
-            total_waste[i] += m.waste_bytes;
+            let total = &mut totals[i];
+            total.0 += m.peak_reserved_bytes;
+            total.1 += m.waste_bytes;
+            total.2 += m.memory_device_calls;
             let min_cap = match (m.min_capacity_bytes, &m.out_of_memory) {
                 (_, Some(_)) => "OOM".to_string(),
                 (Some(c), None) => short(c),
@@ -118,26 +122,26 @@ pub fn compare_table(rows: &[Vec<Metrics>], whole_handle_maps: bool) -> String {
     let _ = write!(
         out,
         "{:<35} {:>4} {:>8} {:>8}",
-        "total waste (reserved - live)",
+        "total (sums over the rows)",
         "",
         short(total_live),
         ""
     );
-    for w in &total_waste {
+    for &(reserved, waste, calls) in &totals {
         let _ = write!(
             out,
             " | {:>8} {:>7} {:>5} {:>8} {:>6}",
+            short(reserved),
+            short(waste),
             "",
-            short(*w),
             "",
-            "",
-            ""
+            calls
         );
     }
     out.push('\n');
     out += "\nlive: peak of live requested bytes; reserved: peak device memory held; waste = reserved - live;\n\
             eff = live / reserved; min cap: smallest device on which the trace completes (2 MiB resolution);\n\
-            calls: driver calls that allocate, free, map or unmap memory.\n";
+            calls: driver calls that allocate, free, map or unmap memory. The total row sums each column.\n";
     out += if whole_handle_maps {
         "Replayed on a simulated GPU whose driver maps whole physical handles only.\n"
     } else {

@@ -375,6 +375,47 @@ fn replay_writes_a_snapshot_after_any_op() {
     );
 }
 
+/// The table's last row sums each column over the rows: live, and each
+/// configuration's reserved memory, waste and calls.
+#[test]
+fn compare_sums_every_column_in_its_total_row() {
+    let a = temp_file(PEAK_IN_THE_MIDDLE);
+    let b =
+        temp_file(b"Thread,Time,Action,Pointer,Size,Stream\n1,0.1,allocate,0x1000,3145728,0x0\n");
+    let out = hbmalloc(&[
+        "compare",
+        a.path().to_str().unwrap(),
+        b.path().to_str().unwrap(),
+        "--run",
+        "policy:hbm",
+        "--no-min-capacity",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The last field of a row is hbm's calls.
+    let calls = |line: &str| -> u64 { line.split_whitespace().last().unwrap().parse().unwrap() };
+    // The rows lie between the two rules, the total after the second.
+    let rows: Vec<&str> = stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("---"))
+        .filter(|l| !l.starts_with("---"))
+        .take(3)
+        .collect();
+    assert_eq!(rows.len(), 3, "{stdout}");
+    assert!(
+        rows[2].starts_with("total (sums over the rows)"),
+        "{stdout}"
+    );
+    assert_eq!(calls(rows[2]), calls(rows[0]) + calls(rows[1]), "{stdout}");
+    assert!(calls(rows[1]) > 0, "{stdout}");
+    // Live: 96 MiB and 3 MiB.
+    assert!(rows[2].contains("99M"), "{stdout}");
+}
+
 #[test]
 fn compare_writes_the_timeline_of_every_configuration_as_csv() {
     let trace = temp_file(PEAK_IN_THE_MIDDLE);
