@@ -185,11 +185,13 @@ pub fn metrics_text(m: &Metrics) -> String {
         .collect();
     let _ = writeln!(out, "  device_calls               {}", calls.join(" "));
     let _ = writeln!(out, "  cache_hit_rate             {:.4}", m.cache_hit_rate);
-    let _ = writeln!(
-        out,
-        "  steady_state_device_calls  {}",
-        m.steady_state_device_calls
-    );
+    let _ = match m.steady_state_device_calls {
+        Some(calls) => writeln!(out, "  steady_state_device_calls  {calls}"),
+        None => writeln!(
+            out,
+            "  steady_state_device_calls  none: out of memory before the second half of the trace"
+        ),
+    };
     let _ = writeln!(
         out,
         "  simulated_driver_seconds   {:.6}",

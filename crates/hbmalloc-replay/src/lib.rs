@@ -129,8 +129,9 @@ pub struct RunResult {
     pub peak_reserved_bytes: u64,
     /// Driver calls over the whole replay (including the initial state).
     pub calls: CallCounts,
-    /// Driver calls made during the second half of the ops.
-    pub steady_state_calls: CallCounts,
+    /// Driver calls made during the second half of the ops; `None` when the
+    /// replay stopped before it (out of memory, or a snapshot taken).
+    pub steady_state_calls: Option<CallCounts>,
     /// `malloc` calls made.
     pub mallocs: u64,
     /// `free` calls made.
@@ -347,7 +348,7 @@ impl PreparedTrace {
             outcome: Outcome::Completed,
             peak_reserved_bytes: 0,
             calls: CallCounts::default(),
-            steady_state_calls: CallCounts::default(),
+            steady_state_calls: None,
             mallocs: 0,
             frees: 0,
             cache_hits: 0,
@@ -375,7 +376,7 @@ impl PreparedTrace {
                         op_index: 0,
                         report,
                     };
-                    return Ok(finish(result, &allocator, &CallCounts::default(), options));
+                    return Ok(finish(result, &allocator, None, options));
                 }
                 Err(e) => return Err(at_start(e.to_string())),
             }
@@ -383,7 +384,9 @@ impl PreparedTrace {
         let history_base = allocator.history().recorded();
         let mut history_seen = history_base;
         let half = self.ops.len() / 2;
-        let mut calls_at_half = allocator.device().call_counts();
+        // The calls made before the second half of the trace; `None` until
+        // the replay gets there.
+        let mut calls_at_half = (half == 0).then(|| allocator.device().call_counts());
         let mut peak_reserved_between_ops = reserved_now(&allocator);
         if options.record_reserved_after_ops {
             result.reserved_after_ops.reserve(self.ops.len() + 1);
@@ -398,7 +401,7 @@ impl PreparedTrace {
                 break;
             }
             if i == half {
-                calls_at_half = allocator.device().call_counts();
+                calls_at_half = Some(allocator.device().call_counts());
             }
             let step = self.step(&mut allocator, &mut ptrs, (i, *op), options, &mut result);
             let reserved = reserved_now(&allocator);
@@ -426,7 +429,7 @@ impl PreparedTrace {
                             op_index: i,
                             report,
                         };
-                        Ok(finish(result, &allocator, &calls_at_half, options))
+                        Ok(finish(result, &allocator, calls_at_half.as_ref(), options))
                     }
                     other => Err(ReplayError {
                         op_index: Some(i),
@@ -455,7 +458,7 @@ impl PreparedTrace {
             }
         }
         result.loop_ns = started.elapsed().as_nanos() as u64;
-        Ok(finish(result, &allocator, &calls_at_half, options))
+        Ok(finish(result, &allocator, calls_at_half.as_ref(), options))
     }
 
     /// Replays the mallocs, frees and `empty_cache` calls through a shared,
@@ -589,7 +592,7 @@ fn reserved_now(allocator: &Allocator<SimDevice>) -> i64 {
 fn finish(
     mut result: RunResult,
     allocator: &Allocator<SimDevice>,
-    at_half: &CallCounts,
+    at_half: Option<&CallCounts>,
     options: &ReplayOptions,
 ) -> RunResult {
     if options.snapshot_after_ops.is_some() && result.snapshot.is_none() {
@@ -598,7 +601,7 @@ fn finish(
     let device = allocator.device();
     result.peak_reserved_bytes = device.peak_used_bytes();
     result.calls = device.call_counts();
-    result.steady_state_calls = result.calls.since(at_half);
+    result.steady_state_calls = at_half.map(|at_half| result.calls.since(at_half));
     result.final_stats = allocator.stats().clone();
     result
 }

@@ -78,11 +78,13 @@ pub struct Metrics {
     pub memory_device_calls: u64,
     /// Fraction of mallocs served without any driver call.
     pub cache_hit_rate: f64,
-    /// Memory-moving driver calls in the second half of the trace.
-    pub steady_state_device_calls: u64,
+    /// Memory-moving driver calls in the second half of the trace; `None`
+    /// (JSON `null`) when the replay ran out of memory before it.
+    pub steady_state_device_calls: Option<u64>,
     /// Driver calls in the second half of the trace, by kind (only kinds that
-    /// were called): what the steady-state calls are made of.
-    pub steady_state_calls_by_kind: BTreeMap<String, u64>,
+    /// were called): what the steady-state calls are made of; `None` as for
+    /// `steady_state_device_calls`.
+    pub steady_state_calls_by_kind: Option<BTreeMap<String, u64>>,
     /// Driver time under the latency model.
     pub simulated_driver_seconds: f64,
     /// Allocator CPU time per malloc or free, measured in the replay loop.
@@ -237,8 +239,8 @@ pub fn evaluate(
         device_calls: by_kind(&run.calls),
         memory_device_calls: run.calls.memory_calls(),
         cache_hit_rate: ratio(run.cache_hits, run.mallocs),
-        steady_state_device_calls: run.steady_state_calls.memory_calls(),
-        steady_state_calls_by_kind: by_kind(&run.steady_state_calls),
+        steady_state_device_calls: run.steady_state_calls.as_ref().map(|c| c.memory_calls()),
+        steady_state_calls_by_kind: run.steady_state_calls.as_ref().map(by_kind),
         simulated_driver_seconds: run.calls.simulated_ns as f64 / 1e9,
         ns_per_op: if ops == 0 {
             0.0
@@ -743,6 +745,20 @@ mod tests {
         }
         // On 80 MiB the second allocation fails: the column stops before it.
         assert_eq!(timeline.reserved_bytes[2].1.len(), 2);
+    }
+
+    #[test]
+    fn a_replay_that_runs_out_of_memory_before_the_second_half_has_no_steady_state() {
+        let trace = peak_in_the_middle();
+        for settings in ["policy:pytorch", "policy:hbm"] {
+            // Out of memory at op 1 of 5: the second half starts at op 2.
+            let failed = evaluate("peak.csv", &trace, &options(settings, Some(80 * MIB))).unwrap();
+            assert!(failed.out_of_memory.is_some(), "{settings}");
+            assert_eq!(failed.steady_state_device_calls, None, "{settings}");
+            assert_eq!(failed.steady_state_calls_by_kind, None, "{settings}");
+            let completed = evaluate("peak.csv", &trace, &options(settings, None)).unwrap();
+            assert!(completed.steady_state_device_calls.is_some(), "{settings}");
+        }
     }
 
     #[test]
