@@ -329,7 +329,10 @@ fn run(command: Command) -> Result<(), String> {
                         let timeline = timeline(device, &configurations).map_err(|e| {
                             format!("{} device {}: {e}", trace.source, device.device)
                         })?;
-                        std::fs::write(&path, table::timeline_csv(&timeline))
+                        let mut file = std::fs::File::create(&path)
+                            .map(std::io::BufWriter::new)
+                            .map_err(|e| format!("{}: {e}", path.display()))?;
+                        table::write_timeline_csv(&timeline, &mut file)
                             .map_err(|e| format!("{}: {e}", path.display()))?;
                         eprintln!(
                             "hbmalloc: timeline of {} device {} ({} ops, {} configurations) -> {}",

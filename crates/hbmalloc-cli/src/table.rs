@@ -265,29 +265,32 @@ pub fn fidelity_text(source: &str, r: &FidelityReport) -> String {
     out
 }
 
-/// The timeline as CSV: `op` (ops replayed; 0 is the initial state),
+/// Writes the timeline as CSV to `out`, a row at a time (a trace may have
+/// millions of ops): `op` (ops replayed; 0 is the initial state),
 /// `live_bytes`, then one column of reserved bytes per configuration, named
 /// `reserved_bytes SETTINGS` (quoted: settings hold commas). A replay that ran
 /// out of memory leaves its column empty from the op that failed.
-pub fn timeline_csv(timeline: &Timeline) -> String {
+pub fn write_timeline_csv(
+    timeline: &Timeline,
+    out: &mut impl std::io::Write,
+) -> std::io::Result<()> {
     let quoted = |field: &str| format!("\"{}\"", field.replace('"', "\"\""));
-    let mut out = String::from("op,live_bytes");
+    write!(out, "op,live_bytes")?;
     for (settings, _) in &timeline.reserved_bytes {
-        out.push(',');
-        out.push_str(&quoted(&format!("reserved_bytes {settings}")));
+        write!(out, ",{}", quoted(&format!("reserved_bytes {settings}")))?;
     }
-    out.push('\n');
+    writeln!(out)?;
     for (op, live) in timeline.live_bytes.iter().enumerate() {
-        let _ = write!(out, "{op},{live}");
+        write!(out, "{op},{live}")?;
         for (_, reserved) in &timeline.reserved_bytes {
-            out.push(',');
-            if let Some(bytes) = reserved.get(op) {
-                let _ = write!(out, "{bytes}");
+            match reserved.get(op) {
+                Some(bytes) => write!(out, ",{bytes}")?,
+                None => write!(out, ",")?,
             }
         }
-        out.push('\n');
+        writeln!(out)?;
     }
-    out
+    out.flush()
 }
 
 #[cfg(test)]
@@ -306,8 +309,10 @@ mod tests {
                 ("policy:hbm".into(), vec![0, 4096]),
             ],
         };
+        let mut csv = Vec::new();
+        write_timeline_csv(&timeline, &mut csv).unwrap();
         assert_eq!(
-            timeline_csv(&timeline),
+            String::from_utf8(csv).unwrap(),
             "op,live_bytes,\"reserved_bytes policy:pytorch,expandable_segments:True\",\
              \"reserved_bytes policy:hbm\"\n\
              0,0,0,0\n\
