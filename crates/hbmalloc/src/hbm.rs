@@ -148,9 +148,12 @@
 //! only requests that fit in what is left of a granule can use it there.
 //! Groups are lent a granule at a time. Sharing a granule between two views
 //! byte by byte (a block at one view, another at the other, on disjoint
-//! bytes) could give that memory back where it would otherwise create new
-//! memory; only at the out-of-memory retry it gives nothing on the rows that
-//! miss 1.03x (a prototype, `docs/hbm-experiments.md`).
+//! bytes) was prototyped twice (`docs/hbm-experiments.md`): at the
+//! out-of-memory retry it gave nothing on the rows that miss 1.03x; on a
+//! miss it gave some of that memory back (jittered waste 6.80 -> 6.70 GiB)
+//! but cost repeating steps their settled state (each step borrowed and
+//! gave back again), and borrows kept across steps stranded more memory
+//! than they saved.
 //!
 //! Ideas measured against this design and not adopted (growth and
 //! map-ahead sizes, allowance caps and floors, donor and victim orders,
