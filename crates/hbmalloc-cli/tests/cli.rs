@@ -10,6 +10,18 @@ fn hbmalloc(args: &[&str]) -> Output {
         .expect("run hbmalloc")
 }
 
+/// Runs hbmalloc, asserts it succeeded (showing its stderr if not), and
+/// returns its stdout.
+fn succeed(args: &[&str]) -> String {
+    let out = hbmalloc(args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// Asserts a failure whose message is one line that mentions `needle`.
 fn assert_clear_error(output: &Output, needle: &str) {
     assert!(!output.status.success(), "expected failure, got success");
@@ -34,13 +46,7 @@ fn temp_file(bytes: &[u8]) -> tempfile::NamedTempFile {
 
 #[test]
 fn compare_with_no_argument_runs_the_bundled_trace() {
-    let out = hbmalloc(&["compare", "--no-min-capacity"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = succeed(&["compare", "--no-min-capacity"]);
     assert!(stdout.contains("gpt2_train"), "{stdout}");
     assert!(stdout.contains("pytorch+expandable"), "{stdout}");
 }
@@ -233,18 +239,12 @@ const PEAK_IN_THE_MIDDLE: &[u8] = b"Thread,Time,Action,Pointer,Size,Stream\n\
 #[test]
 fn a_replay_that_runs_out_of_memory_prints_the_whole_report() {
     let trace = temp_file(PEAK_IN_THE_MIDDLE);
-    let out = hbmalloc(&[
+    let stdout = succeed(&[
         "replay",
         trace.path().to_str().unwrap(),
         "--capacity",
         "80MiB",
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     assert!(stdout.contains("out of memory at op 1:"), "{stdout}");
     assert!(
         stdout.contains("tried to allocate 32.00 MiB")
@@ -262,7 +262,7 @@ fn replay_writes_the_snapshot_at_peak_for_memory_viz() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("peak.pickle");
     for policy in ["pytorch", "hbm"] {
-        let out = hbmalloc(&[
+        let stdout = succeed(&[
             "replay",
             trace.path().to_str().unwrap(),
             "--policy",
@@ -270,12 +270,6 @@ fn replay_writes_the_snapshot_at_peak_for_memory_viz() {
             "--snapshot-at-peak",
             path.to_str().unwrap(),
         ]);
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
         assert!(
             stdout.contains("at peak, after op 2 of 5") && stdout.contains("96.00 MiB in use"),
             "{stdout}"
@@ -328,19 +322,13 @@ fn replay_writes_a_snapshot_after_any_op() {
     let trace = temp_file(PEAK_IN_THE_MIDDLE);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("op3.pickle");
-    let out = hbmalloc(&[
+    let stdout = succeed(&[
         "replay",
         trace.path().to_str().unwrap(),
         "--snapshot-at-op",
         "3",
         path.to_str().unwrap(),
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     assert!(
         stdout.contains("after op 3 of 5") && stdout.contains("32.00 MiB in use"),
         "{stdout}"
@@ -382,7 +370,7 @@ fn compare_sums_every_column_in_its_total_row() {
     let a = temp_file(PEAK_IN_THE_MIDDLE);
     let b =
         temp_file(b"Thread,Time,Action,Pointer,Size,Stream\n1,0.1,allocate,0x1000,3145728,0x0\n");
-    let out = hbmalloc(&[
+    let stdout = succeed(&[
         "compare",
         a.path().to_str().unwrap(),
         b.path().to_str().unwrap(),
@@ -390,12 +378,6 @@ fn compare_sums_every_column_in_its_total_row() {
         "policy:hbm",
         "--no-min-capacity",
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     // The last field of a row is hbm's calls.
     let calls = |line: &str| -> u64 { line.split_whitespace().last().unwrap().parse().unwrap() };
     // The rows lie between the two rules, the total after the second.
@@ -421,18 +403,13 @@ fn compare_writes_the_timeline_of_every_configuration_as_csv() {
     let trace = temp_file(PEAK_IN_THE_MIDDLE);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("timeline.csv");
-    let out = hbmalloc(&[
+    succeed(&[
         "compare",
         trace.path().to_str().unwrap(),
         "--no-min-capacity",
         "--timeline",
         path.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let csv = std::fs::read_to_string(&path).unwrap();
     let lines: Vec<&str> = csv.lines().collect();
     assert_eq!(
