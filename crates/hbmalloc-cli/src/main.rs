@@ -296,18 +296,24 @@ fn run(command: Command) -> Result<(), String> {
             let mut rows = Vec::new();
             for trace in &traces {
                 for device in &trace.devices {
-                    let mut metrics = Vec::new();
-                    for policy in &runs {
-                        let options = EvalOptions {
+                    let in_device =
+                        |e: String| format!("{} device {}: {e}", trace.source, device.device);
+                    // Each configuration's options on this device: the
+                    // metrics and the timeline replay the same ones.
+                    let configurations: Vec<EvalOptions> = runs
+                        .iter()
+                        .map(|policy| EvalOptions {
                             policy: policy.clone(),
                             capacity_bytes: capacity.map(|c| c.bytes(device)),
                             find_min_capacity: !no_min_capacity,
                             reproduce_recorded_ooms: false,
                             maps_handle_parts: !what_if.whole_handle_maps,
-                        };
-                        let m = evaluate(&trace.source, device, &options).map_err(|e| {
-                            format!("{} device {}: {e}", trace.source, device.device)
-                        })?;
+                        })
+                        .collect();
+                    let mut metrics = Vec::new();
+                    for options in &configurations {
+                        let m = evaluate(&trace.source, device, options)
+                            .map_err(|e| in_device(e.to_string()))?;
                         if json {
                             outln!("{}", to_json(&m));
                         }
@@ -316,31 +322,11 @@ fn run(command: Command) -> Result<(), String> {
                     rows.push(metrics);
                     if let Some(path) = &timeline_path {
                         let path = device_path(path, device.device, trace.devices.len() > 1);
-                        let configurations: Vec<EvalOptions> = runs
-                            .iter()
-                            .map(|policy| EvalOptions {
-                                policy: policy.clone(),
-                                capacity_bytes: capacity.map(|c| c.bytes(device)),
-                                find_min_capacity: false,
-                                reproduce_recorded_ooms: false,
-                                maps_handle_parts: !what_if.whole_handle_maps,
-                            })
-                            .collect();
-                        let timeline = timeline(device, &configurations).map_err(|e| {
-                            format!("{} device {}: {e}", trace.source, device.device)
-                        })?;
-                        let mut file = std::fs::File::create(&path)
-                            .map(std::io::BufWriter::new)
-                            .map_err(|e| format!("{}: {e}", path.display()))?;
-                        table::write_timeline_csv(&timeline, &mut file)
-                            .map_err(|e| format!("{}: {e}", path.display()))?;
+                        let written =
+                            write_timeline(device, &configurations, &path).map_err(in_device)?;
                         eprintln!(
-                            "hbmalloc: timeline of {} device {} ({} ops, {} configurations) -> {}",
-                            trace.source,
-                            device.device,
-                            timeline.live_bytes.len() - 1,
-                            timeline.reserved_bytes.len(),
-                            path.display()
+                            "hbmalloc: {} device {}: {written}",
+                            trace.source, device.device
                         );
                     }
                 }
@@ -521,6 +507,27 @@ fn device_path(path: &Path, device: i64, several: bool) -> PathBuf {
         None => format!("{stem}.dev{device}"),
     };
     path.with_file_name(name)
+}
+
+/// Writes the timeline of `configurations` on `device` (see `--timeline`)
+/// and says what it holds.
+fn write_timeline(
+    device: &hbmalloc_trace::DeviceTrace,
+    configurations: &[EvalOptions],
+    path: &Path,
+) -> Result<String, String> {
+    let timeline = timeline(device, configurations).map_err(|e| e.to_string())?;
+    let mut file = std::fs::File::create(path)
+        .map(std::io::BufWriter::new)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    table::write_timeline_csv(&timeline, &mut file)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(format!(
+        "timeline of {} ops, {} configurations -> {}",
+        timeline.live_bytes.len() - 1,
+        timeline.reserved_bytes.len(),
+        path.display()
+    ))
 }
 
 /// Writes the snapshot at `moment` (see `--snapshot-at-peak` and
