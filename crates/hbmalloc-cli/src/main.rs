@@ -10,7 +10,8 @@ use clap::{Args, Parser, Subcommand};
 use hbmalloc::format::format_bytes;
 use hbmalloc::PolicyConfig;
 use hbmalloc_replay::{
-    evaluate, fidelity, snapshot, timeline, EvalOptions, Metrics, SnapshotMoment,
+    evaluate, fidelity, plan_greedy_by_size, snapshot, timeline, EvalOptions, Metrics,
+    SnapshotMoment,
 };
 use hbmalloc_trace::Trace;
 
@@ -149,6 +150,14 @@ enum Command {
         /// the extension. One trace file only.
         #[arg(long, value_name = "PATH")]
         timeline: Option<PathBuf>,
+        /// Also lay each trace out offline, knowing all of it in advance
+        /// (greedy by size: largest block first, each in the smallest gap
+        /// among the blocks alive with it), and show what that plan holds
+        /// with granules mapped only under blocks: a reference for how much
+        /// of a policy's waste came from not knowing the future. No online
+        /// allocator can be sure to reach it.
+        #[arg(long)]
+        planned: bool,
         #[command(flatten)]
         what_if: WhatIf,
     },
@@ -283,6 +292,7 @@ fn run(command: Command) -> Result<(), String> {
             no_min_capacity,
             json,
             timeline: timeline_path,
+            planned,
             what_if,
         } => {
             let runs = parse_runs(&runs)?;
@@ -294,6 +304,7 @@ fn run(command: Command) -> Result<(), String> {
             }
             let traces = what_if.apply(load_or_bundled(&traces)?)?;
             let mut rows = Vec::new();
+            let mut plans = Vec::new();
             for trace in &traces {
                 for device in &trace.devices {
                     let in_device =
@@ -319,7 +330,17 @@ fn run(command: Command) -> Result<(), String> {
                         }
                         metrics.push(m);
                     }
+                    let plan = planned.then(|| plan_greedy_by_size(device));
+                    if let (Some(plan), true) = (&plan, json) {
+                        let mut value = serde_json::json!({
+                            "trace": metrics.first().map_or(&trace.source, |m| &m.trace),
+                            "device": device.device,
+                        });
+                        value["planned"] = serde_json::to_value(plan).map_err(|e| e.to_string())?;
+                        outln!("{value}");
+                    }
                     rows.push(metrics);
+                    plans.push(plan);
                     if let Some(path) = &timeline_path {
                         let path = device_path(path, device.device, trace.devices.len() > 1);
                         let written =
@@ -332,7 +353,10 @@ fn run(command: Command) -> Result<(), String> {
                 }
             }
             if !json {
-                out!("{}", table::compare_table(&rows, what_if.whole_handle_maps));
+                out!(
+                    "{}",
+                    table::compare_table(&rows, &plans, what_if.whole_handle_maps)
+                );
             }
             Ok(())
         }

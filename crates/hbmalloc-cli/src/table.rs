@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use hbmalloc_replay::{FidelityReport, Metrics, Timeline};
+use hbmalloc_replay::{FidelityReport, Metrics, Plan, Timeline};
 
 use crate::human;
 
@@ -47,15 +47,24 @@ pub fn trace_name(source: &str) -> String {
 }
 
 /// One row per trace and device; for each configuration its peak reserved,
-/// waste, efficiency, minimum capacity and memory-moving driver calls. The
+/// waste, efficiency, minimum capacity and memory-moving driver calls; and,
+/// where `plans` has one for the row, what the offline plan holds. The
 /// footer says which driver the replays simulated (`whole_handle_maps`).
-pub fn compare_table(rows: &[Vec<Metrics>], whole_handle_maps: bool) -> String {
+pub fn compare_table(
+    rows: &[Vec<Metrics>],
+    plans: &[Option<Plan>],
+    whole_handle_maps: bool,
+) -> String {
     let mut out = String::new();
     let Some(first) = rows.first() else {
         return "no trace had any device activity\n".into();
     };
     let labels: Vec<String> = first.iter().map(|m| label(&m.settings)).collect();
+    let planned = plans.iter().any(Option::is_some);
     let _ = write!(out, "{:<35} {:>4} {:>8} {:>8}", "", "", "", "recorded");
+    if planned {
+        let _ = write!(out, " | {:^22}", "planned (offline)");
+    }
     for l in &labels {
         let _ = write!(out, " | {:^38}", l);
     }
@@ -65,6 +74,9 @@ pub fn compare_table(rows: &[Vec<Metrics>], whole_handle_maps: bool) -> String {
         "{:<35} {:>4} {:>8} {:>8}",
         "trace", "dev", "live", "reserved"
     );
+    if planned {
+        let _ = write!(out, " | {:>8} {:>7} {:>5}", "reserved", "waste", "eff");
+    }
     for _ in &labels {
         let _ = write!(
             out,
@@ -79,7 +91,8 @@ pub fn compare_table(rows: &[Vec<Metrics>], whole_handle_maps: bool) -> String {
     let mut total_live = 0u64;
     // Per configuration: reserved, waste and calls, summed over the rows.
     let mut totals = vec![(0u64, 0u64, 0u64); labels.len()];
-    for row in rows {
+    let mut planned_totals = (0u64, 0u64);
+    for (index, row) in rows.iter().enumerate() {
         let Some(m0) = row.first() else { continue };
         total_live += m0.peak_live_bytes;
         let recorded = m0
@@ -95,6 +108,25 @@ pub fn compare_table(rows: &[Vec<Metrics>], whole_handle_maps: bool) -> String {
             short(m0.peak_live_bytes),
             recorded
         );
+        match plans.get(index).copied().flatten() {
+            Some(plan) => {
+                let reserved = plan.peak_mapped_bytes;
+                let waste = reserved.saturating_sub(m0.peak_live_bytes);
+                planned_totals.0 += reserved;
+                planned_totals.1 += waste;
+                let _ = write!(
+                    out,
+                    " | {:>8} {:>7} {:>5.3}",
+                    short(reserved),
+                    short(waste),
+                    m0.peak_live_bytes as f64 / reserved.max(1) as f64
+                );
+            }
+            None if planned => {
+                let _ = write!(out, " | {:>8} {:>7} {:>5}", "-", "-", "-");
+            }
+            None => {}
+        }
         for (i, m) in row.iter().enumerate() {
             let total = &mut totals[i];
             total.0 += m.peak_reserved_bytes;
@@ -127,6 +159,16 @@ pub fn compare_table(rows: &[Vec<Metrics>], whole_handle_maps: bool) -> String {
         short(total_live),
         ""
     );
+    if planned {
+        let (reserved, waste) = planned_totals;
+        let _ = write!(
+            out,
+            " | {:>8} {:>7} {:>5}",
+            short(reserved),
+            short(waste),
+            ""
+        );
+    }
     for &(reserved, waste, calls) in &totals {
         let _ = write!(
             out,
@@ -142,6 +184,11 @@ pub fn compare_table(rows: &[Vec<Metrics>], whole_handle_maps: bool) -> String {
     out += "\nlive: peak of live requested bytes; reserved: peak device memory held; waste = reserved - live;\n\
             eff = live / reserved; min cap: smallest device on which the trace completes (2 MiB resolution);\n\
             calls: driver calls that allocate, free, map or unmap memory. The total row sums each column.\n";
+    if planned {
+        out += "planned: each trace laid out offline, knowing all of it in advance (greedy by size), its\n\
+                granules mapped only while a block lies on them (driver calls not counted): what\n\
+                foresight alone would save.\n";
+    }
     out += if whole_handle_maps {
         "Replayed on a simulated GPU whose driver maps whole physical handles only.\n"
     } else {

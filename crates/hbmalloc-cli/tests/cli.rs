@@ -557,3 +557,48 @@ fn whole_handle_maps_replays_hbm_on_a_handle_per_granule() {
     assert!(table(&[]).contains("also maps part of a physical handle"));
     assert!(table(&["--whole-handle-maps"]).contains("maps whole physical handles only"));
 }
+
+/// X (2 MiB), then Y (4 MiB), X freed, then Z (4 MiB): Y and Z are the peak
+/// (8 MiB). Laid out knowing Z is coming, Y and Z lie side by side and X
+/// above Y, so the plan maps 8 MiB at most.
+const HOLE_THE_FUTURE_FILLS: &[u8] = b"Thread,Time,Action,Pointer,Size,Stream\n\
+1,0.1,allocate,0x1000,2097152,0x0\n\
+1,0.2,allocate,0x2000,4194304,0x0\n\
+1,0.3,free,0x1000,2097152,0x0\n\
+1,0.4,allocate,0x3000,4194304,0x0\n";
+
+#[test]
+fn compare_shows_what_an_offline_plan_of_the_trace_holds() {
+    let trace = temp_file(HOLE_THE_FUTURE_FILLS);
+    let path = trace.path().to_str().unwrap();
+    let args = [
+        "compare",
+        path,
+        "--planned",
+        "--run",
+        "policy:hbm",
+        "--no-min-capacity",
+    ];
+    let stdout = succeed(&args);
+    assert!(stdout.contains("planned (offline)"), "{stdout}");
+    let row = stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("---"))
+        .nth(1)
+        .unwrap();
+    let planned: Vec<&str> = row.split('|').nth(1).unwrap().split_whitespace().collect();
+    assert_eq!(planned, ["8M", "0K", "1.000"], "{stdout}");
+
+    let stdout = succeed(&[&args[..], &["--json"]].concat());
+    let plan: serde_json::Value = stdout
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|v| v.get("planned").is_some())
+        .unwrap_or_else(|| panic!("no plan in {stdout}"));
+    let mib = |key: &str| plan["planned"][key].as_u64().unwrap() >> 20;
+    assert_eq!(mib("arena_bytes"), 8, "{stdout}");
+    assert_eq!(mib("peak_mapped_bytes"), 8, "{stdout}");
+    assert_eq!(mib("peak_live_rounded_bytes"), 8, "{stdout}");
+    assert_eq!(plan["planned"]["blocks"], 3, "{stdout}");
+    assert_eq!(plan["device"], 0, "{stdout}");
+}

@@ -5,7 +5,9 @@
 use std::path::{Path, PathBuf};
 
 use hbmalloc::{CallKind, PolicyConfig};
-use hbmalloc_replay::{evaluate, fidelity, EvalOptions, Outcome, PreparedTrace, ReplayOptions};
+use hbmalloc_replay::{
+    evaluate, fidelity, plan_greedy_by_size, EvalOptions, Outcome, PreparedTrace, ReplayOptions,
+};
 use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op, Trace};
 
 /// `shared/traces` beside the repository. CI always has it; elsewhere the
@@ -162,6 +164,41 @@ fn compare_runs_on_every_trace_and_peak_live_is_exact() {
     }
     assert!(
         rows >= 2 * 21,
+        "expected every trace and device, got {rows} rows"
+    );
+}
+
+/// The offline plan of every shared trace places every block and holds no
+/// less than the trace's live peak (the plan's own rounded peak, computed
+/// apart from the independent one here), mapping no more than its arena.
+#[test]
+fn the_offline_plan_of_every_trace_holds_at_least_its_live_peak() {
+    let Some(shared) = shared_traces() else {
+        return;
+    };
+    let mut rows = 0;
+    for sub in ["pytorch-snapshots", "profiler-cpu"] {
+        for trace in load_dir(&shared.join(sub)) {
+            for device in &trace.devices {
+                let live = independent_peak_live(device);
+                let plan = plan_greedy_by_size(device);
+                let name = format!("{} device {}: {plan:?}", trace.source, device.device);
+                assert!(plan.peak_live_rounded_bytes >= live, "{name}");
+                assert!(
+                    plan.peak_mapped_bytes >= plan.peak_live_rounded_bytes,
+                    "{name}"
+                );
+                assert!(plan.arena_bytes >= plan.peak_live_rounded_bytes, "{name}");
+                assert!(
+                    plan.peak_mapped_bytes <= plan.arena_bytes.next_multiple_of(2 << 20),
+                    "{name}"
+                );
+                rows += 1;
+            }
+        }
+    }
+    assert!(
+        rows >= 21,
         "expected every trace and device, got {rows} rows"
     );
 }

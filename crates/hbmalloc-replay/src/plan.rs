@@ -1,0 +1,354 @@
+//! Offline planning: the memory a planner that saw the whole trace in advance
+//! would hold, as a reference for the online policies.
+//!
+//! An allocator decides where a block goes when it is asked, knowing nothing
+//! of what comes next. A planner that knows every block's size and lifetime
+//! up front can lay them out in one arena (STAlloc; the memory planners of
+//! TFLite and MLC). Laying them out optimally is NP-hard (dynamic storage
+//! allocation), so this is the classic heuristic, *greedy by size*: largest
+//! block first, each at the smallest gap that fits among the already placed
+//! blocks whose lifetimes overlap its own (the lowest such gap on a tie, the
+//! arena's end if none fits).
+//!
+//! Its arena is a reference, not a bound. A better planner may need less; no
+//! online allocator can be sure of doing as well, since it would need to know
+//! the future. Lifetimes are the trace's: a block is live from its `Alloc` to
+//! its `Free`, as in [`peak_live_bytes`](crate::peak_live_bytes) (a block
+//! used on another stream is not held until that stream's work completes),
+//! and blocks live at the window start are live from its start. Sizes are
+//! rounded up to [`PLAN_BLOCK_ROUND`] bytes, as both policies round requests.
+
+use std::collections::HashMap;
+
+use hbmalloc::SimConfig;
+use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op};
+use serde::Serialize;
+
+/// Every block is rounded up to a multiple of this, as the `pytorch` and
+/// `hbm` policies round every request (PyTorch's `kMinBlockSize`).
+pub const PLAN_BLOCK_ROUND: u64 = 512;
+
+/// The outcome of [`plan_greedy_by_size`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Plan {
+    /// The arena the plan needs: the end of its highest block.
+    pub arena_bytes: u64,
+    /// The peak of live bytes, rounded as the plan rounds them: no plan
+    /// needs less than this.
+    pub peak_live_rounded_bytes: u64,
+    /// The most granules of the arena that blocks lay on at one time,
+    /// in bytes: what the plan holds if the arena's granules are mapped
+    /// only while a block lies on them (with the virtual-memory API).
+    pub peak_mapped_bytes: u64,
+    /// How many blocks were placed.
+    pub blocks: usize,
+}
+
+/// A block to place: its rounded size and its lifetime `[start, end)`, in
+/// states of the trace (0: the window start; `i + 1`: after op `i`).
+#[derive(Clone, Copy, Debug)]
+struct Lifetime {
+    size: u64,
+    start: usize,
+    end: usize,
+}
+
+impl Lifetime {
+    fn overlaps(&self, other: &Lifetime) -> bool {
+        self.start < other.end && other.start < self.end
+    }
+}
+
+/// Each block of `trace` with its lifetime, in the order they began.
+fn lifetimes(trace: &DeviceTrace) -> Vec<Lifetime> {
+    let never_freed = trace.ops.len() + 1;
+    let lifetime = |size: u64, start| Lifetime {
+        size: size.div_ceil(PLAN_BLOCK_ROUND).max(1) * PLAN_BLOCK_ROUND,
+        start,
+        end: never_freed,
+    };
+    let mut blocks = Vec::new();
+    // Each live block's index in `blocks`, by its id.
+    let mut open = HashMap::new();
+    for segment in &trace.initial_segments {
+        for block in &segment.blocks {
+            if let InitialBlockState::Allocated(id) = block.state {
+                open.insert(id, blocks.len());
+                blocks.push(lifetime(block.requested_size, 0));
+            }
+        }
+    }
+    for (index, op) in trace.ops.iter().enumerate() {
+        match *op {
+            Op::Alloc { id, size, .. } => {
+                open.insert(id, blocks.len());
+                blocks.push(lifetime(size, index + 1));
+            }
+            Op::Free { id } => {
+                if let Some(block) = open.remove(&id) {
+                    blocks[block].end = index + 1;
+                }
+            }
+            _ => {}
+        }
+    }
+    blocks
+}
+
+/// Lays out every block of `trace` greedy by size (see the module's header)
+/// and returns the arena that takes, with granules of the simulated
+/// device's size (the one every replay runs on).
+pub fn plan_greedy_by_size(trace: &DeviceTrace) -> Plan {
+    let granule = SimConfig::default()
+        .granularity
+        .unwrap_or(crate::metrics::MIN_CAPACITY_RESOLUTION_BYTES);
+    plan_with_granule(trace, granule)
+}
+
+fn plan_with_granule(trace: &DeviceTrace, granule: u64) -> Plan {
+    let blocks = lifetimes(trace);
+    let offsets = place(&blocks);
+    let arena_bytes = blocks
+        .iter()
+        .zip(&offsets)
+        .map(|(block, offset)| offset + block.size)
+        .max()
+        .unwrap_or(0);
+    Plan {
+        arena_bytes,
+        peak_live_rounded_bytes: peak_rounded(&blocks),
+        peak_mapped_bytes: peak_mapped(&blocks, &offsets, granule),
+        blocks: blocks.len(),
+    }
+}
+
+/// Each block's offset in the arena, greedy by size.
+fn place(blocks: &[Lifetime]) -> Vec<u64> {
+    let mut order: Vec<usize> = (0..blocks.len()).collect();
+    // Largest first; among equal sizes, the one that began first.
+    order.sort_by_key(|&i| (std::cmp::Reverse(blocks[i].size), blocks[i].start));
+    let mut offsets = vec![0; blocks.len()];
+    // Placed blocks as (offset, index), kept in offset order, so one pass
+    // over them finds the gaps between those alive at the same time.
+    let mut placed: Vec<(u64, usize)> = Vec::with_capacity(blocks.len());
+    for &index in &order {
+        let block = &blocks[index];
+        let mut covered_to = 0u64;
+        let mut best: Option<(u64, u64)> = None; // (gap, offset)
+        for &(offset, other) in &placed {
+            let other = &blocks[other];
+            if !block.overlaps(other) {
+                continue;
+            }
+            if offset > covered_to {
+                let gap = offset - covered_to;
+                if gap >= block.size && best.is_none_or(|(best_gap, _)| gap < best_gap) {
+                    best = Some((gap, covered_to));
+                }
+            }
+            covered_to = covered_to.max(offset + other.size);
+        }
+        let offset = best.map_or(covered_to, |(_, offset)| offset);
+        let at = placed.partition_point(|&(o, _)| o <= offset);
+        placed.insert(at, (offset, index));
+        offsets[index] = offset;
+    }
+    offsets
+}
+
+/// The most granules (of `granule` bytes) that blocks lie on at once, in
+/// bytes, with each block at its offset.
+fn peak_mapped(blocks: &[Lifetime], offsets: &[u64], granule: u64) -> u64 {
+    let mut changes: Vec<(usize, bool, usize)> = Vec::with_capacity(blocks.len() * 2);
+    for (index, b) in blocks.iter().enumerate() {
+        changes.push((b.start, true, index));
+        changes.push((b.end, false, index));
+    }
+    // Frees before allocations at the same state, as in `peak_rounded`.
+    changes.sort_unstable();
+    // Blocks on each granule in use, by granule index.
+    let mut users: HashMap<u64, u32> = HashMap::new();
+    let mut peak = 0;
+    for (_, begins, index) in changes {
+        let (offset, size) = (offsets[index], blocks[index].size);
+        for g in offset / granule..(offset + size).div_ceil(granule) {
+            if begins {
+                *users.entry(g).or_default() += 1;
+            } else if let Some(count) = users.get_mut(&g) {
+                *count -= 1;
+                if *count == 0 {
+                    users.remove(&g);
+                }
+            }
+        }
+        peak = peak.max(users.len());
+    }
+    peak as u64 * granule
+}
+
+/// The most rounded bytes live at once.
+fn peak_rounded(blocks: &[Lifetime]) -> u64 {
+    let mut changes: Vec<(usize, i128)> = Vec::with_capacity(blocks.len() * 2);
+    for b in blocks {
+        changes.push((b.start, i128::from(b.size)));
+        changes.push((b.end, -i128::from(b.size)));
+    }
+    // Frees before allocations at the same state: a block freed by op i
+    // is gone in the state after it.
+    changes.sort_by_key(|&(at, delta)| (at, delta > 0));
+    let (mut live, mut peak) = (0i128, 0i128);
+    for (_, delta) in changes {
+        live += delta;
+        peak = peak.max(live);
+    }
+    peak as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hbmalloc_trace::{InitialBlock, InitialSegment};
+
+    const K: u64 = 1024;
+    /// A small granule, so that tests of a few KiB see granules.
+    const G: u64 = 4 * K;
+
+    fn alloc(id: u64, size: u64) -> Op {
+        Op::Alloc {
+            id,
+            size,
+            stream: 0,
+        }
+    }
+
+    fn free(id: u64) -> Op {
+        Op::Free { id }
+    }
+
+    fn trace(ops: Vec<Op>) -> DeviceTrace {
+        DeviceTrace {
+            ops,
+            ..Default::default()
+        }
+    }
+
+    /// A deterministic pseudo-random program (xorshift, fixed seed): up to
+    /// `blocks` allocations of 1 B to `max_size`, about half freed at random.
+    fn random_program(seed: u64, blocks: u64, max_size: u64) -> DeviceTrace {
+        let mut state = seed;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut ops = Vec::new();
+        let mut live: Vec<u64> = Vec::new();
+        for id in 0..blocks {
+            if !live.is_empty() && next() % 2 == 0 {
+                let victim = live.swap_remove((next() % live.len() as u64) as usize);
+                ops.push(free(victim));
+            }
+            ops.push(alloc(id, 1 + next() % max_size));
+            live.push(id);
+        }
+        trace(ops)
+    }
+
+    #[test]
+    fn blocks_that_never_live_together_share_memory() {
+        let plan = plan_with_granule(
+            &trace(vec![alloc(1, 4 * K), free(1), alloc(2, 4 * K), free(2)]),
+            G,
+        );
+        assert_eq!(plan.arena_bytes, 4 * K);
+        assert_eq!(plan.peak_live_rounded_bytes, 4 * K);
+        assert_eq!(plan.peak_mapped_bytes, G);
+        assert_eq!(plan.blocks, 2);
+    }
+
+    #[test]
+    fn knowing_the_future_avoids_the_hole_an_online_allocator_leaves() {
+        // Online, X goes at 0 and Y above it; X's 1 KiB hole cannot take Z
+        // (2 KiB), so Z goes on top: 5 KiB for 4 KiB live. The plan places
+        // Y and Z (the larger blocks) first, side by side, and X above Y,
+        // where Z never is while X lives: 4 KiB.
+        let plan = plan_with_granule(
+            &trace(vec![
+                alloc(1, K),     // X
+                alloc(2, 2 * K), // Y
+                free(1),
+                alloc(3, 2 * K), // Z: Y and Z live (4 KiB)
+            ]),
+            G,
+        );
+        assert_eq!(plan.peak_live_rounded_bytes, 4 * K);
+        assert_eq!(plan.arena_bytes, 4 * K);
+    }
+
+    #[test]
+    fn sizes_round_up_and_blocks_live_at_the_window_start_count_from_it() {
+        let mut t = trace(vec![alloc(2, 100), free(7)]);
+        t.initial_segments.push(InitialSegment {
+            address: 0,
+            stream: 0,
+            small_pool: false,
+            expandable: false,
+            blocks: vec![
+                InitialBlock {
+                    size: 2 * K,
+                    requested_size: 1000,
+                    state: InitialBlockState::Allocated(7),
+                },
+                InitialBlock {
+                    size: 2 * K,
+                    requested_size: 0,
+                    state: InitialBlockState::Free,
+                },
+            ],
+        });
+        let plan = plan_with_granule(&t, G);
+        // 1000 -> 1024 and 100 -> 512, alive together after the first op.
+        assert_eq!(plan.peak_live_rounded_bytes, K + 512);
+        assert_eq!(plan.arena_bytes, K + 512);
+        assert_eq!(plan.blocks, 2);
+    }
+
+    #[test]
+    fn no_two_blocks_alive_together_overlap_in_the_arena() {
+        for seed in [1, 2, 3] {
+            let t = random_program(0x9e37_79b9_7f4a_7c15 ^ seed, 1_000, 64 * K);
+            let blocks = lifetimes(&t);
+            let offsets = place(&blocks);
+            for (i, a) in blocks.iter().enumerate() {
+                for (j, b) in blocks.iter().enumerate().skip(i + 1) {
+                    let apart =
+                        offsets[i] + a.size <= offsets[j] || offsets[j] + b.size <= offsets[i];
+                    assert!(
+                        !a.overlaps(b) || apart,
+                        "seed {seed}: blocks {i} and {j} live together and overlap"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_plan_holds_no_less_than_live_memory_and_maps_no_more_than_its_arena() {
+        let plan = plan_with_granule(&random_program(0x9e37_79b9_7f4a_7c15, 2_000, 64 * K), G);
+        assert!(plan.arena_bytes >= plan.peak_live_rounded_bytes, "{plan:?}");
+        assert!(
+            plan.peak_mapped_bytes >= plan.peak_live_rounded_bytes,
+            "{plan:?}"
+        );
+        assert!(
+            plan.peak_mapped_bytes <= plan.arena_bytes.div_ceil(G) * G,
+            "{plan:?}"
+        );
+        // Greedy by size lands near the peak on such a program.
+        assert!(
+            (plan.arena_bytes as f64) < 1.25 * plan.peak_live_rounded_bytes as f64,
+            "{plan:?}"
+        );
+    }
+}
