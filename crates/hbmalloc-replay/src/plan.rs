@@ -63,7 +63,11 @@ impl Lifetime {
 fn lifetimes(trace: &DeviceTrace) -> Vec<Lifetime> {
     let never_freed = trace.ops.len() + 1;
     let lifetime = |size: u64, start| Lifetime {
-        size: size.div_ceil(PLAN_BLOCK_ROUND).max(1) * PLAN_BLOCK_ROUND,
+        // An absurd size saturates rather than wrapping around.
+        size: size
+            .max(1)
+            .checked_next_multiple_of(PLAN_BLOCK_ROUND)
+            .unwrap_or(u64::MAX),
         start,
         end: never_freed,
     };
@@ -111,7 +115,7 @@ fn plan_with_granule(trace: &DeviceTrace, granule: u64) -> Plan {
     let arena_bytes = blocks
         .iter()
         .zip(&offsets)
-        .map(|(block, offset)| offset + block.size)
+        .map(|(block, offset)| offset.saturating_add(block.size))
         .max()
         .unwrap_or(0);
     Plan {
@@ -146,7 +150,7 @@ fn place(blocks: &[Lifetime]) -> Vec<u64> {
                     best = Some((gap, covered_to));
                 }
             }
-            covered_to = covered_to.max(offset + other.size);
+            covered_to = covered_to.max(offset.saturating_add(other.size));
         }
         let offset = best.map_or(covered_to, |(_, offset)| offset);
         let at = placed.partition_point(|&(o, _)| o <= offset);
@@ -157,7 +161,10 @@ fn place(blocks: &[Lifetime]) -> Vec<u64> {
 }
 
 /// The most granules (of `granule` bytes) that blocks lie on at once, in
-/// bytes, with each block at its offset.
+/// bytes, with each block at its offset. Blocks alive together never
+/// overlap, so a granule a block covers whole is its own: only the partly
+/// covered granules at a block's two ends are counted by who uses them, and
+/// the work is a few steps a block however large it is.
 fn peak_mapped(blocks: &[Lifetime], offsets: &[u64], granule: u64) -> u64 {
     let mut changes: Vec<(usize, bool, usize)> = Vec::with_capacity(blocks.len() * 2);
     for (index, b) in blocks.iter().enumerate() {
@@ -166,24 +173,40 @@ fn peak_mapped(blocks: &[Lifetime], offsets: &[u64], granule: u64) -> u64 {
     }
     // Frees before allocations at the same state, as in `peak_rounded`.
     changes.sort_unstable();
-    // Blocks on each granule in use, by granule index.
-    let mut users: HashMap<u64, u32> = HashMap::new();
+    let mut whole_granules: u64 = 0;
+    // Blocks on each partly covered granule in use, by granule index.
+    let mut edge_users: HashMap<u64, u32> = HashMap::new();
     let mut peak = 0;
     for (_, begins, index) in changes {
-        let (offset, size) = (offsets[index], blocks[index].size);
-        for g in offset / granule..(offset + size).div_ceil(granule) {
-            if begins {
-                *users.entry(g).or_default() += 1;
-            } else if let Some(count) = users.get_mut(&g) {
-                *count -= 1;
-                if *count == 0 {
-                    users.remove(&g);
+        let start = offsets[index];
+        let end = start.saturating_add(blocks[index].size);
+        let whole = (end / granule).saturating_sub(start.div_ceil(granule));
+        let mut edges = [None, None];
+        if start % granule != 0 {
+            edges[0] = Some(start / granule);
+        }
+        if end % granule != 0 && edges[0] != Some(end / granule) {
+            edges[1] = Some(end / granule);
+        }
+        if begins {
+            whole_granules += whole;
+            for g in edges.into_iter().flatten() {
+                *edge_users.entry(g).or_default() += 1;
+            }
+        } else {
+            whole_granules -= whole;
+            for g in edges.into_iter().flatten() {
+                if let Some(count) = edge_users.get_mut(&g) {
+                    *count -= 1;
+                    if *count == 0 {
+                        edge_users.remove(&g);
+                    }
                 }
             }
         }
-        peak = peak.max(users.len());
+        peak = peak.max(whole_granules.saturating_add(edge_users.len() as u64));
     }
-    peak as u64 * granule
+    peak.saturating_mul(granule)
 }
 
 /// The most rounded bytes live at once.
@@ -350,5 +373,49 @@ mod tests {
             (plan.arena_bytes as f64) < 1.25 * plan.peak_live_rounded_bytes as f64,
             "{plan:?}"
         );
+    }
+
+    #[test]
+    fn peak_mapped_granules_match_a_count_granule_by_granule() {
+        for seed in [4, 5, 6] {
+            let t = random_program(0x2545_f491_4f6c_dd1d ^ seed, 600, 24 * K);
+            let blocks = lifetimes(&t);
+            let offsets = place(&blocks);
+            // Every state, every granule: is some live block on it?
+            let states = t.ops.len() + 2;
+            let granules = blocks
+                .iter()
+                .zip(&offsets)
+                .map(|(b, o)| (o + b.size).div_ceil(G))
+                .max()
+                .unwrap_or(0);
+            let mut brute = 0;
+            for state in 0..states {
+                let mut used = vec![false; granules as usize];
+                for (b, o) in blocks.iter().zip(&offsets) {
+                    if b.start <= state && state < b.end {
+                        for g in o / G..(o + b.size).div_ceil(G) {
+                            used[g as usize] = true;
+                        }
+                    }
+                }
+                brute = brute.max(used.iter().filter(|&&u| u).count() as u64 * G);
+            }
+            assert_eq!(peak_mapped(&blocks, &offsets, G), brute, "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn an_absurd_size_saturates_instead_of_overflowing() {
+        let plan = plan_with_granule(
+            &trace(vec![
+                alloc(1, u64::MAX),
+                alloc(2, u64::MAX - 3),
+                alloc(3, 0),
+            ]),
+            G,
+        );
+        assert_eq!(plan.arena_bytes, u64::MAX);
+        assert_eq!(plan.blocks, 3);
     }
 }
