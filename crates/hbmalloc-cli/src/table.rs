@@ -112,6 +112,11 @@ pub fn compare_table(
             Some(plan) => {
                 let reserved = plan.peak_mapped_bytes;
                 let waste = reserved.saturating_sub(m0.peak_live_bytes);
+                // As for the policies: nothing live and nothing held is 1.
+                let efficiency = match reserved {
+                    0 => 1.0,
+                    _ => m0.peak_live_bytes as f64 / reserved as f64,
+                };
                 planned_totals.0 += reserved;
                 planned_totals.1 += waste;
                 let _ = write!(
@@ -119,7 +124,7 @@ pub fn compare_table(
                     " | {:>8} {:>7} {:>5.3}",
                     short(reserved),
                     short(waste),
-                    m0.peak_live_bytes as f64 / reserved.max(1) as f64
+                    efficiency
                 );
             }
             None if planned => {
