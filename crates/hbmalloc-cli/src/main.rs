@@ -10,8 +10,8 @@ use clap::{Args, Parser, Subcommand};
 use hbmalloc::format::format_bytes;
 use hbmalloc::PolicyConfig;
 use hbmalloc_replay::{
-    evaluate, fidelity, plan_greedy_by_size, snapshot, timeline, EvalOptions, Metrics,
-    SnapshotMoment,
+    evaluate, fidelity, plan_greedy_by_size, plan_last_step, snapshot, timeline, EvalOptions,
+    Metrics, SnapshotMoment,
 };
 use hbmalloc_trace::Trace;
 
@@ -337,6 +337,8 @@ fn run(command: Command) -> Result<(), String> {
                             "device": device.device,
                         });
                         value["planned"] = serde_json::to_value(plan).map_err(|e| e.to_string())?;
+                        value["planned_last_step"] = serde_json::to_value(plan_last_step(device))
+                            .map_err(|e| e.to_string())?;
                         outln!("{value}");
                     }
                     rows.push(metrics);

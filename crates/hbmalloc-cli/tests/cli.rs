@@ -600,5 +600,7 @@ fn compare_shows_what_an_offline_plan_of_the_trace_holds() {
     assert_eq!(mib("peak_mapped_bytes"), 8, "{stdout}");
     assert_eq!(mib("peak_live_rounded_bytes"), 8, "{stdout}");
     assert_eq!(plan["planned"]["blocks"], 3, "{stdout}");
+    // Four ops repeat nothing: no step to plan.
+    assert!(plan["planned_last_step"].is_null(), "{stdout}");
     assert_eq!(plan["device"], 0, "{stdout}");
 }

@@ -26,7 +26,7 @@ pub use metrics::{
     evaluate, live_bytes_after_ops, peak_live_bytes, snapshot, timeline, EvalOptions,
     FreeBreakdown, Metrics, RecordedMetrics, ReplaySnapshot, SnapshotMoment, Timeline,
 };
-pub use plan::{plan_greedy_by_size, Plan, PLAN_BLOCK_ROUND};
+pub use plan::{plan_greedy_by_size, plan_last_step, Plan, StepPlan, PLAN_BLOCK_ROUND};
 
 /// Device capacity used when none is given: large enough for any trace we know
 /// (1 TiB), so only the policy decides how much is reserved.

@@ -17,11 +17,17 @@
 //! used on another stream is not held until that stream's work completes),
 //! and blocks live at the window start are live from its start. Sizes are
 //! rounded up to [`PLAN_BLOCK_ROUND`] bytes, as both policies round requests.
+//!
+//! [`plan_last_step`] asks the same of a training step: a program repeats
+//! its steps, so an allocator that has seen one step knows the next. It
+//! plans the blocks a step allocates and frees itself, and leaves the rest
+//! (live across the step's boundaries: weights, gradients, optimizer state)
+//! to be placed online.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use hbmalloc::SimConfig;
-use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op};
+use hbmalloc_trace::{find_last_step, DeviceTrace, InitialBlockState, Op};
 use serde::Serialize;
 
 /// Every block is rounded up to a multiple of this, as the `pytorch` and
@@ -42,6 +48,86 @@ pub struct Plan {
     pub peak_mapped_bytes: u64,
     /// How many blocks were placed.
     pub blocks: usize,
+}
+
+/// What an allocator that plans a repeating step from the one before could
+/// hold in it ([`plan_last_step`]): the step's own blocks (allocated and
+/// freed inside it) in one arena laid out greedy by size, beside the most
+/// bytes of the other blocks live at once during the step. It counts those
+/// as if they lay without a gap, and the arena as wholly mapped: an
+/// estimate of what a step planner could reach, not something replayed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct StepPlan {
+    /// Index of the step's first op: of the stretches as long as the last
+    /// repeating step (`hbmalloc_trace::find_last_step`) that end in it, the
+    /// one that begins where the least memory is live.
+    pub first_op: usize,
+    /// Ops in the step.
+    pub ops: usize,
+    /// The most requested bytes live at once during the step.
+    pub peak_live_bytes: u64,
+    /// The most requested bytes of blocks live across the step's
+    /// boundaries that are live at once during it.
+    pub outer_peak_bytes: u64,
+    /// The arena the step's own blocks take, planned.
+    pub arena_bytes: u64,
+}
+
+impl StepPlan {
+    /// The estimate: `outer_peak_bytes + arena_bytes`.
+    pub fn held_bytes(&self) -> u64 {
+        self.outer_peak_bytes.saturating_add(self.arena_bytes)
+    }
+}
+
+/// Plans the last repeating step of `trace` (see [`StepPlan`]); `None` when
+/// no stretch of its ops repeats.
+pub fn plan_last_step(trace: &DeviceTrace) -> Option<StepPlan> {
+    let step = find_last_step(&trace.ops)?;
+    let all_live = crate::live_bytes_after_ops(trace);
+    // The step repeats the one before it, so any stretch of its length
+    // ending in it is a step too: begin where least memory is live, where
+    // an iteration begins (fewest blocks cross the boundary).
+    let first_op = (step.start.saturating_sub(step.len - 1)..=step.start)
+        .rev()
+        .min_by_key(|&op| all_live[op])
+        .unwrap_or(step.start);
+    let ops = &trace.ops[first_op..first_op + step.len];
+    // The step's own blocks: allocated and freed inside it.
+    let mut allocated_inside = HashSet::new();
+    let mut own = HashSet::new();
+    for op in ops {
+        match *op {
+            Op::Alloc { id, .. } => {
+                allocated_inside.insert(id);
+            }
+            Op::Free { id } if allocated_inside.contains(&id) => {
+                own.insert(id);
+            }
+            _ => {}
+        }
+    }
+    let is_own =
+        |op: &Op| matches!(*op, Op::Alloc { id, .. } | Op::Free { id } if own.contains(&id));
+    let own_trace = DeviceTrace {
+        ops: ops.iter().filter(|op| is_own(op)).cloned().collect(),
+        ..Default::default()
+    };
+    let own_live = crate::live_bytes_after_ops(&own_trace);
+    let (mut own_ops, mut peak_live_bytes, mut outer_peak_bytes) = (0, 0, 0);
+    for (index, op) in ops.iter().enumerate() {
+        own_ops += usize::from(is_own(op));
+        let live = all_live[first_op + index + 1];
+        peak_live_bytes = peak_live_bytes.max(live);
+        outer_peak_bytes = outer_peak_bytes.max(live.saturating_sub(own_live[own_ops]));
+    }
+    Some(StepPlan {
+        first_op,
+        ops: step.len,
+        peak_live_bytes,
+        outer_peak_bytes,
+        arena_bytes: plan_greedy_by_size(&own_trace).arena_bytes,
+    })
 }
 
 /// A block to place: its rounded size and its lifetime `[start, end)`, in
@@ -417,5 +503,39 @@ mod tests {
         );
         assert_eq!(plan.arena_bytes, u64::MAX);
         assert_eq!(plan.blocks, 3);
+    }
+
+    #[test]
+    fn a_step_plan_lays_out_the_blocks_the_step_frees_itself_beside_the_rest() {
+        // W lives throughout. Each step: X (1 KiB), Y (2 KiB), X freed, Z (2
+        // KiB), then G (4 KiB, kept to the next step, which frees it), Y
+        // and Z freed. Own blocks X, Y, Z plan into 4 KiB (Y and Z side by
+        // side, X above Y); W and G are outer, 16 + 4 KiB at most.
+        let mut ops = vec![alloc(0, 16 * K)];
+        let mut id = 1;
+        let mut kept: Option<u64> = None;
+        for _ in 0..4 {
+            let (x, y, z, g) = (id, id + 1, id + 2, id + 3);
+            id += 4;
+            ops.extend([alloc(x, K), alloc(y, 2 * K), free(x), alloc(z, 2 * K)]);
+            ops.push(alloc(g, 4 * K));
+            if let Some(previous) = kept.replace(g) {
+                ops.push(free(previous));
+            }
+            ops.extend([free(y), free(z)]);
+            // Padding, so that a step is long enough to count as one.
+            for _ in 0..5 {
+                ops.extend([alloc(id, 512), free(id)]);
+                id += 1;
+            }
+        }
+        let plan = plan_last_step(&trace(ops)).expect("the steps repeat");
+        assert_eq!(plan.ops, 18);
+        assert_eq!(plan.arena_bytes, 4 * K);
+        assert_eq!(plan.outer_peak_bytes, 16 * K + 4 * K + 4 * K);
+        assert_eq!(plan.held_bytes(), 28 * K);
+        // Live in the step: W, the previous G, Y and Z, then the new G.
+        assert_eq!(plan.peak_live_bytes, 16 * K + 4 * K + 4 * K + 4 * K);
+        assert_eq!(plan_last_step(&trace(vec![alloc(1, K), free(1)])), None);
     }
 }

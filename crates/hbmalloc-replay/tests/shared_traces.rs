@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 
 use hbmalloc::{CallKind, PolicyConfig};
 use hbmalloc_replay::{
-    evaluate, fidelity, plan_greedy_by_size, EvalOptions, Outcome, PreparedTrace, ReplayOptions,
+    evaluate, fidelity, plan_greedy_by_size, plan_last_step, EvalOptions, Outcome, PreparedTrace,
+    ReplayOptions,
 };
 use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op, Trace};
 
@@ -170,13 +171,14 @@ fn compare_runs_on_every_trace_and_peak_live_is_exact() {
 
 /// The offline plan of every shared trace places every block and holds no
 /// less than the trace's live peak (the plan's own rounded peak, computed
-/// apart from the independent one here), mapping no more than its arena.
+/// apart from the independent one here), mapping no more than its arena;
+/// so does the plan of its last repeating step.
 #[test]
 fn the_offline_plan_of_every_trace_holds_at_least_its_live_peak() {
     let Some(shared) = shared_traces() else {
         return;
     };
-    let mut rows = 0;
+    let (mut rows, mut steps) = (0, 0);
     for sub in ["pytorch-snapshots", "profiler-cpu"] {
         for trace in load_dir(&shared.join(sub)) {
             for device in &trace.devices {
@@ -193,6 +195,16 @@ fn the_offline_plan_of_every_trace_holds_at_least_its_live_peak() {
                     plan.peak_mapped_bytes <= plan.arena_bytes.next_multiple_of(2 << 20),
                     "{name}"
                 );
+                // Live memory in a step is outer plus own blocks, each at
+                // most its own peak: the step estimate holds no less.
+                if let Some(step) = plan_last_step(device) {
+                    assert!(
+                        step.held_bytes() >= step.peak_live_bytes,
+                        "{name}: {step:?}"
+                    );
+                    assert!(step.peak_live_bytes <= live, "{name}: {step:?}");
+                    steps += 1;
+                }
                 rows += 1;
             }
         }
@@ -201,6 +213,9 @@ fn the_offline_plan_of_every_trace_holds_at_least_its_live_peak() {
         rows >= 21,
         "expected every trace and device, got {rows} rows"
     );
+    // Every row but two repeats a step (silmont's full snapshot and
+    // select_n ec5be11 do not).
+    assert!(steps >= 19, "{steps} steps planned");
 }
 
 /// The bisection finds a capacity that works, and one resolution step below it fails.
