@@ -155,7 +155,9 @@ enum Command {
         /// among the blocks alive with it), and show what that plan holds
         /// with granules mapped only under blocks: a reference for how much
         /// of a policy's waste came from not knowing the future. No online
-        /// allocator can be sure to reach it.
+        /// allocator can be sure to reach it. With --json, also an estimate
+        /// for a training loop that plans each step from the one before
+        /// (`planned_last_step`).
         #[arg(long)]
         planned: bool,
         #[command(flatten)]

@@ -80,56 +80,6 @@ impl StepPlan {
     }
 }
 
-/// Plans the last repeating step of `trace` (see [`StepPlan`]); `None` when
-/// no stretch of its ops repeats.
-pub fn plan_last_step(trace: &DeviceTrace) -> Option<StepPlan> {
-    let step = find_last_step(&trace.ops)?;
-    let all_live = crate::live_bytes_after_ops(trace);
-    // The step repeats the one before it, so any stretch of its length
-    // ending in it is a step too: begin where least memory is live, where
-    // an iteration begins (fewest blocks cross the boundary).
-    let first_op = (step.start.saturating_sub(step.len - 1)..=step.start)
-        .rev()
-        .min_by_key(|&op| all_live[op])
-        .unwrap_or(step.start);
-    let ops = &trace.ops[first_op..first_op + step.len];
-    // The step's own blocks: allocated and freed inside it.
-    let mut allocated_inside = HashSet::new();
-    let mut own = HashSet::new();
-    for op in ops {
-        match *op {
-            Op::Alloc { id, .. } => {
-                allocated_inside.insert(id);
-            }
-            Op::Free { id } if allocated_inside.contains(&id) => {
-                own.insert(id);
-            }
-            _ => {}
-        }
-    }
-    let is_own =
-        |op: &Op| matches!(*op, Op::Alloc { id, .. } | Op::Free { id } if own.contains(&id));
-    let own_trace = DeviceTrace {
-        ops: ops.iter().filter(|op| is_own(op)).cloned().collect(),
-        ..Default::default()
-    };
-    let own_live = crate::live_bytes_after_ops(&own_trace);
-    let (mut own_ops, mut peak_live_bytes, mut outer_peak_bytes) = (0, 0, 0);
-    for (index, op) in ops.iter().enumerate() {
-        own_ops += usize::from(is_own(op));
-        let live = all_live[first_op + index + 1];
-        peak_live_bytes = peak_live_bytes.max(live);
-        outer_peak_bytes = outer_peak_bytes.max(live.saturating_sub(own_live[own_ops]));
-    }
-    Some(StepPlan {
-        first_op,
-        ops: step.len,
-        peak_live_bytes,
-        outer_peak_bytes,
-        arena_bytes: plan_greedy_by_size(&own_trace).arena_bytes,
-    })
-}
-
 /// A block to place: its rounded size and its lifetime `[start, end)`, in
 /// states of the trace (0: the window start; `i + 1`: after op `i`).
 #[derive(Clone, Copy, Debug)]
@@ -213,6 +163,56 @@ fn plan_with_granule(trace: &DeviceTrace, granule: u64) -> Plan {
         peak_mapped_bytes: peak_mapped(&blocks, &offsets, granule),
         blocks: blocks.len(),
     }
+}
+
+/// Plans the last repeating step of `trace` (see [`StepPlan`]); `None` when
+/// no stretch of its ops repeats.
+pub fn plan_last_step(trace: &DeviceTrace) -> Option<StepPlan> {
+    let step = find_last_step(&trace.ops)?;
+    let all_live = crate::live_bytes_after_ops(trace);
+    // The step repeats the one before it, so any stretch of its length
+    // ending in it is a step too: begin where least memory is live, where
+    // an iteration begins (fewest blocks cross the boundary).
+    let first_op = (step.start.saturating_sub(step.len - 1)..=step.start)
+        .rev()
+        .min_by_key(|&op| all_live[op])
+        .unwrap_or(step.start);
+    let ops = &trace.ops[first_op..first_op + step.len];
+    // The step's own blocks: allocated and freed inside it.
+    let mut allocated_inside = HashSet::new();
+    let mut own = HashSet::new();
+    for op in ops {
+        match *op {
+            Op::Alloc { id, .. } => {
+                allocated_inside.insert(id);
+            }
+            Op::Free { id } if allocated_inside.contains(&id) => {
+                own.insert(id);
+            }
+            _ => {}
+        }
+    }
+    let is_own =
+        |op: &Op| matches!(*op, Op::Alloc { id, .. } | Op::Free { id } if own.contains(&id));
+    let own_trace = DeviceTrace {
+        ops: ops.iter().filter(|op| is_own(op)).cloned().collect(),
+        ..Default::default()
+    };
+    let own_live = crate::live_bytes_after_ops(&own_trace);
+    let (mut own_ops, mut peak_live_bytes, mut outer_peak_bytes) = (0, 0, 0);
+    for (index, op) in ops.iter().enumerate() {
+        own_ops += usize::from(is_own(op));
+        let live = all_live[first_op + index + 1];
+        peak_live_bytes = peak_live_bytes.max(live);
+        outer_peak_bytes = outer_peak_bytes.max(live.saturating_sub(own_live[own_ops]));
+    }
+    Some(StepPlan {
+        first_op,
+        ops: step.len,
+        peak_live_bytes,
+        outer_peak_bytes,
+        arena_bytes: plan_greedy_by_size(&own_trace).arena_bytes,
+    })
 }
 
 /// Each block's offset in the arena, greedy by size.
