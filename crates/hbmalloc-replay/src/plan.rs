@@ -151,18 +151,23 @@ pub fn plan_greedy_by_size(trace: &DeviceTrace) -> Plan {
 fn plan_with_granule(trace: &DeviceTrace, granule: u64) -> Plan {
     let blocks = lifetimes(trace);
     let offsets = place(&blocks);
-    let arena_bytes = blocks
-        .iter()
-        .zip(&offsets)
-        .map(|(block, offset)| offset.saturating_add(block.size))
-        .max()
-        .unwrap_or(0);
+    let (peak_live_rounded_bytes, peak_mapped_bytes) = peaks(&blocks, &offsets, granule);
     Plan {
-        arena_bytes,
-        peak_live_rounded_bytes: peak_rounded(&blocks),
-        peak_mapped_bytes: peak_mapped(&blocks, &offsets, granule),
+        arena_bytes: arena_bytes(&blocks, &offsets),
+        peak_live_rounded_bytes,
+        peak_mapped_bytes,
         blocks: blocks.len(),
     }
+}
+
+/// The end of the highest block, each at its offset.
+fn arena_bytes(blocks: &[Lifetime], offsets: &[u64]) -> u64 {
+    blocks
+        .iter()
+        .zip(offsets)
+        .map(|(block, offset)| offset.saturating_add(block.size))
+        .max()
+        .unwrap_or(0)
 }
 
 /// Plans the last repeating step of `trace` (see [`StepPlan`]); `None` when
@@ -211,7 +216,10 @@ pub fn plan_last_step(trace: &DeviceTrace) -> Option<StepPlan> {
         ops: step.len,
         peak_live_bytes,
         outer_peak_bytes,
-        arena_bytes: plan_greedy_by_size(&own_trace).arena_bytes,
+        arena_bytes: {
+            let own_blocks = lifetimes(&own_trace);
+            arena_bytes(&own_blocks, &place(&own_blocks))
+        },
     })
 }
 
@@ -307,26 +315,30 @@ impl ByLifetime {
     }
 }
 
-/// The most granules (of `granule` bytes) that blocks lie on at once, in
-/// bytes, with each block at its offset. Blocks alive together never
-/// overlap, so a granule a block covers whole is its own: only the partly
-/// covered granules at a block's two ends are counted by who uses them, and
-/// the work is a few steps a block however large it is.
-fn peak_mapped(blocks: &[Lifetime], offsets: &[u64], granule: u64) -> u64 {
+/// The most rounded bytes live at once, and the most granules (of
+/// `granule` bytes) that blocks lie on at once, in bytes, with each block at
+/// its offset: one sweep over the blocks' starts and ends. Blocks alive
+/// together never overlap, so a granule a block covers whole is its own:
+/// only the partly covered granules at a block's two ends are counted by who
+/// uses them, and the work is a few steps a block however large it is.
+fn peaks(blocks: &[Lifetime], offsets: &[u64], granule: u64) -> (u64, u64) {
     let mut changes: Vec<(usize, bool, usize)> = Vec::with_capacity(blocks.len() * 2);
     for (index, b) in blocks.iter().enumerate() {
         changes.push((b.start, true, index));
         changes.push((b.end, false, index));
     }
-    // Frees before allocations at the same state, as in `peak_rounded`.
+    // Frees before allocations at the same state: a block freed by op i is
+    // gone in the state after it.
     changes.sort_unstable();
+    let (mut live, mut peak_live) = (0u64, 0u64);
     let mut whole_granules: u64 = 0;
     // Blocks on each partly covered granule in use, by granule index.
     let mut edge_users: HashMap<u64, u32> = HashMap::new();
-    let mut peak = 0;
+    let mut peak_granules = 0;
     for (_, begins, index) in changes {
+        let size = blocks[index].size;
         let start = offsets[index];
-        let end = start.saturating_add(blocks[index].size);
+        let end = start.saturating_add(size);
         let whole = (end / granule).saturating_sub(start.div_ceil(granule));
         let mut edges = [None, None];
         if start % granule != 0 {
@@ -336,11 +348,13 @@ fn peak_mapped(blocks: &[Lifetime], offsets: &[u64], granule: u64) -> u64 {
             edges[1] = Some(end / granule);
         }
         if begins {
+            live = live.saturating_add(size);
             whole_granules += whole;
             for g in edges.into_iter().flatten() {
                 *edge_users.entry(g).or_default() += 1;
             }
         } else {
+            live = live.saturating_sub(size);
             whole_granules -= whole;
             for g in edges.into_iter().flatten() {
                 if let Some(count) = edge_users.get_mut(&g) {
@@ -351,27 +365,10 @@ fn peak_mapped(blocks: &[Lifetime], offsets: &[u64], granule: u64) -> u64 {
                 }
             }
         }
-        peak = peak.max(whole_granules.saturating_add(edge_users.len() as u64));
+        peak_live = peak_live.max(live);
+        peak_granules = peak_granules.max(whole_granules.saturating_add(edge_users.len() as u64));
     }
-    peak.saturating_mul(granule)
-}
-
-/// The most rounded bytes live at once.
-fn peak_rounded(blocks: &[Lifetime]) -> u64 {
-    let mut changes: Vec<(usize, i128)> = Vec::with_capacity(blocks.len() * 2);
-    for b in blocks {
-        changes.push((b.start, i128::from(b.size)));
-        changes.push((b.end, -i128::from(b.size)));
-    }
-    // Frees before allocations at the same state: a block freed by op i
-    // is gone in the state after it.
-    changes.sort_by_key(|&(at, delta)| (at, delta > 0));
-    let (mut live, mut peak) = (0i128, 0i128);
-    for (_, delta) in changes {
-        live += delta;
-        peak = peak.max(live);
-    }
-    peak as u64
+    (peak_live, peak_granules.saturating_mul(granule))
 }
 
 #[cfg(test)]
@@ -548,7 +545,7 @@ mod tests {
                 }
                 brute = brute.max(used.iter().filter(|&&u| u).count() as u64 * G);
             }
-            assert_eq!(peak_mapped(&blocks, &offsets, G), brute, "seed {seed}");
+            assert_eq!(peaks(&blocks, &offsets, G).1, brute, "seed {seed}");
         }
     }
 
