@@ -34,6 +34,7 @@ __all__ = [
     "memory_summary",
     "snapshot",
     "empty_cache",
+    "record_stream",
     "replay",
     "library_path",
     "settings",
@@ -62,6 +63,16 @@ def snapshot(path, device=0):
 def empty_cache(device=0):
     """Returns the cached free memory of ``device`` to the driver."""
     _native.empty_cache(device)
+
+
+def record_stream(ptr, stream, device=0):
+    """Declares that the allocation at ``ptr`` on ``device`` is also used on
+    ``stream``, a ``cudaStream_t`` as an integer (``torch.cuda.Stream.cuda_stream``):
+    once freed, its memory is not reused before the work queued on ``stream``
+    by then has completed (PyTorch's ``Tensor.record_stream``). Returns
+    ``False`` when ``ptr`` is not a live allocation of hbmalloc's on
+    ``device`` (memory from another allocator: there is nothing to do)."""
+    return _native.record_stream(int(ptr), int(stream), device)
 
 
 def settings(device=0):

@@ -2,7 +2,7 @@
 //!
 //! Two faces in one shared library:
 //! - Python functions (`memory_stats`, `memory_summary`, `snapshot`,
-//!   `empty_cache`, `replay`) over the same per-device allocators that the
+//!   `empty_cache`, `record_stream`, `replay`) over the same per-device allocators that the
 //!   C ABI serves;
 //! - the C ABI of `hbmalloc-capi` (`hbmalloc_alloc`, `hbmalloc_free`, ...),
 //!   re-exported so that `torch.cuda.memory.CUDAPluggableAllocator` can load
@@ -95,6 +95,21 @@ fn replay_json(
     })
 }
 
+/// Declares that the allocation at `ptr` on `device` is also used on
+/// `stream` (a `cudaStream_t`, as an integer): its memory is not reused
+/// before the work queued there when it is freed has completed. False when
+/// `ptr` is not a live allocation of hbmalloc's on `device` (memory from
+/// another allocator: nothing to do, as PyTorch's own `recordStream` does).
+#[pyfunction]
+#[pyo3(signature = (ptr, stream, device = 0))]
+fn record_stream(ptr: u64, stream: u64, device: i32) -> PyResult<bool> {
+    match hbmalloc_capi::record_stream(ptr, device, hbmalloc::StreamId(stream)) {
+        Ok(()) => Ok(true),
+        Err(e) if e.status == Status::UnknownPointer => Ok(false),
+        Err(e) => Err(to_py(e)),
+    }
+}
+
 /// The settings string of `device`'s allocator (`policy:pytorch,...`).
 #[pyfunction]
 #[pyo3(signature = (device = 0))]
@@ -111,5 +126,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(replay_json, m)?)?;
     m.add_function(wrap_pyfunction!(settings, m)?)?;
+    m.add_function(wrap_pyfunction!(record_stream, m)?)?;
     Ok(())
 }

@@ -118,6 +118,46 @@ def test_errors_become_python_exceptions(c_abi):
     assert b"0x1000" in buf.value
 
 
+@needs_driver
+def test_record_stream_keeps_a_block_from_reuse_until_the_other_stream_is_done(c_abi):
+    double = ctypes.CDLL(os.environ["HBMALLOC_CUDA_DRIVER"])
+    double.hbm_double_set_events_complete.argtypes = [ctypes.c_bool]
+    alloc_stream, other_stream = 0x5100, 0x5200
+    size = 6 * MIB
+
+    def alloc():
+        ptr = c_abi.hbmalloc_alloc(size, 0, alloc_stream)
+        assert ptr, "allocation failed"
+        return ptr
+
+    def free(ptr):
+        c_abi.hbmalloc_free(ptr, size, 0, alloc_stream)
+
+    double.hbm_double_set_events_complete(False)
+    try:
+        # Without record_stream, a freed block is reused on its stream at once
+        # (what makes the check below able to fail).
+        plain = alloc()
+        free(plain)
+        assert alloc() == plain
+        free(plain)
+
+        used = alloc()
+        assert hbmalloc.record_stream(used, other_stream, device=0) is True
+        free(used)
+        # The other stream's work is pending: the block stays out of reach.
+        other = alloc()
+        assert other != used
+        free(other)
+    finally:
+        double.hbm_double_set_events_complete(True)
+        double.hbm_double_complete_all_events()
+    # Memory hbmalloc did not allocate: nothing to do, as in PyTorch.
+    assert hbmalloc.record_stream(0x1000, other_stream, device=0) is False
+    with pytest.raises(ValueError, match="device 9 is out of range"):
+        hbmalloc.record_stream(0x1000, other_stream, device=9)
+
+
 def test_no_driver_is_a_clear_error():
     result = run_python(
         textwrap.dedent(

@@ -48,6 +48,65 @@ def test_install_plugs_hbmalloc_in_and_refuses_a_second_time():
     assert "second: hbmalloc.torch.install() was already called" in out
 
 
+def test_install_passes_record_stream_on_to_hbmalloc():
+    """PyTorch drops Tensor.record_stream at a pluggable allocator; install()
+    wraps it so that hbmalloc hears of it, and keeps ProcessGroupNCCL off
+    recordStream. Tensors here are stand-ins: CUDA tensors need a GPU."""
+    out = run_ok(
+        """
+        import os, types
+        import torch, hbmalloc, hbmalloc.torch
+        os.environ.pop("TORCH_NCCL_AVOID_RECORD_STREAMS", None)
+        torch_record_stream = torch.Tensor.record_stream
+        heard = []
+        hbmalloc.record_stream = lambda ptr, stream, device=0: heard.append((ptr, stream, device)) or True
+        hbmalloc.torch.install()
+        assert torch.Tensor.record_stream is not torch_record_stream
+        print("nccl:", os.environ["TORCH_NCCL_AVOID_RECORD_STREAMS"])
+
+        # torch's own checks still apply: a CPU tensor is refused as before.
+        try:
+            torch.zeros(1).record_stream(None)
+        except (TypeError, RuntimeError) as e:
+            print("cpu refused:", type(e).__name__)
+        assert heard == []
+
+        def tensor(kind, index, ptr):
+            storage = types.SimpleNamespace(data_ptr=lambda: ptr)
+            return types.SimpleNamespace(
+                device=types.SimpleNamespace(type=kind, index=index),
+                untyped_storage=lambda: storage,
+            )
+
+        stream = types.SimpleNamespace(cuda_stream=0x7700)
+        assert hbmalloc.torch.forward_record_stream(tensor("cuda", 1, 0xABC000), stream)
+        assert not hbmalloc.torch.forward_record_stream(tensor("cpu", None, 0x1000), stream)
+        print("heard:", heard)
+        """
+    )
+    assert "nccl: 1" in out
+    assert "cpu refused:" in out
+    assert f"heard: [({0xABC000}, {0x7700}, 1)]" in out
+
+
+def test_install_warns_when_nccl_is_told_to_record_streams():
+    result = run_python(
+        textwrap.dedent(
+            """
+            import warnings, torch, hbmalloc.torch
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                hbmalloc.torch.install()
+            print([str(w.message) for w in caught])
+            """
+        ),
+        env={"TORCH_NCCL_AVOID_RECORD_STREAMS": "0"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "TORCH_NCCL_AVOID_RECORD_STREAMS=0" in result.stdout
+    assert "ProcessGroupNCCL will call recordStream" in result.stdout
+
+
 def test_install_too_late_after_cuda_was_initialised():
     out = run_ok(
         """
