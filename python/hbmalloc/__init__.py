@@ -7,6 +7,7 @@ device, created at first use) and replay recorded traces offline::
     hbmalloc.memory_stats(0)          # dict with torch.cuda.memory_stats() keys
     print(hbmalloc.memory_summary(0)) # torch.cuda.memory_summary() text
     hbmalloc.snapshot("snap.pickle")  # opens in pytorch.org/memory_viz
+    hbmalloc.reset_peak_memory_stats(0)
     hbmalloc.replay("trace.json.gz", policy="pytorch", config="expandable_segments:True")
 
 To make hbmalloc PyTorch's CUDA allocator, call ``hbmalloc.torch.install()``
@@ -34,6 +35,9 @@ __all__ = [
     "memory_summary",
     "snapshot",
     "empty_cache",
+    "reset_peak_memory_stats",
+    "reset_accumulated_memory_stats",
+    "set_memory_fraction",
     "record_stream",
     "replay",
     "library_path",
@@ -63,6 +67,26 @@ def snapshot(path, device=0):
 def empty_cache(device=0):
     """Returns the cached free memory of ``device`` to the driver."""
     _native.empty_cache(device)
+
+
+def reset_peak_memory_stats(device=0):
+    """``torch.cuda.reset_peak_memory_stats(device)``: every ``peak`` statistic
+    of ``device`` becomes its current value."""
+    _native.reset_peak_memory_stats(device)
+
+
+def reset_accumulated_memory_stats(device=0):
+    """``torch.cuda.reset_accumulated_memory_stats(device)``: the ``allocated``
+    and ``freed`` totals, ``num_alloc_retries`` and ``num_ooms`` of ``device``
+    start again from zero."""
+    _native.reset_accumulated_memory_stats(device)
+
+
+def set_memory_fraction(fraction, device=0):
+    """``torch.cuda.set_per_process_memory_fraction(fraction, device)``: the
+    allocator of ``device`` holds at most ``fraction`` (0 to 1) of its memory,
+    and raises ``MemoryError`` past it."""
+    _native.set_memory_fraction(float(fraction), device)
 
 
 def record_stream(ptr, stream, device=0):

@@ -5,10 +5,17 @@ through ``torch.cuda.memory.CUDAPluggableAllocator``; call it before the
 first CUDA allocation. ``mem_pool()`` gives a ``torch.cuda.MemPool`` backed
 by hbmalloc, for routing only some allocations (``torch.cuda.use_mem_pool``).
 
-With a pluggable allocator installed, ``torch.cuda.memory_stats()``,
-``memory_summary()`` and snapshots raise in PyTorch: use
-``hbmalloc.memory_stats()``, ``hbmalloc.memory_summary()`` and
-``hbmalloc.snapshot()`` instead.
+PyTorch's memory functions: with a pluggable allocator, ``torch.cuda``'s
+statistics (``memory_stats()``, ``memory_allocated()``,
+``max_memory_allocated()``, ``memory_summary()``, ...) and snapshots raise,
+and ``empty_cache()`` and ``set_per_process_memory_fraction()`` do nothing
+(PyTorch forwards them to hooks Python cannot set). ``install()`` routes
+them to hbmalloc instead, at the ``torch._C`` functions ``torch.cuda`` calls:
+statistics and snapshots are hbmalloc's, ``empty_cache()`` empties
+hbmalloc's caches, a memory fraction limits hbmalloc, and
+``reset_peak_memory_stats()`` / ``reset_accumulated_memory_stats()`` reset
+hbmalloc's. ``torch.cuda.memory._record_memory_history()`` still raises:
+set ``HBMALLOC_HISTORY_ENTRIES`` before the first allocation instead.
 
 Streams: PyTorch does not pass ``Tensor.record_stream`` on to a pluggable
 allocator (``CUDAPluggableAllocator`` forwards ``recordStream`` only to a
@@ -27,9 +34,11 @@ Importing this module does not import torch; its functions raise
 """
 
 import os
+import pickle
 import warnings
 
 import hbmalloc
+from hbmalloc import _native
 
 _TOO_LATE = (
     "hbmalloc.torch.install() came too late: PyTorch's CUDA allocator is already "
@@ -106,6 +115,65 @@ def _forward_record_streams(torch):
         )
 
 
+def _nested(flat):
+    """hbmalloc's ``memory_stats()`` (``{"allocation.all.current": n, ...}``)
+    as the nested dict ``torch._C._cuda_memoryStats`` returns, which
+    ``torch.cuda.memory_stats()`` flattens again with dots."""
+    nested = {}
+    for key, value in flat.items():
+        *path, last = key.split(".")
+        node = nested
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return nested
+
+
+def memory_snapshot(pool_and_traces=None):
+    """What ``torch._C._cuda_memorySnapshot`` returns, from hbmalloc's
+    allocators: the segments of every device that has allocated, and each
+    one's trace (``HBMALLOC_HISTORY_ENTRIES``). ``pool_and_traces`` is
+    ``None`` or torch's ``(pool, pool, include_traces)``; hbmalloc has no
+    pools, so the pool is not used."""
+    include_traces = pool_and_traces is None or bool(pool_and_traces[2])
+    merged = {"segments": [], "device_traces": [], "allocator_settings": {},
+              "external_annotations": []}
+    for device in range(_native.device_count()):
+        data = _native.existing_snapshot_bytes(device)
+        snapshot = pickle.loads(data) if data is not None else None
+        merged["device_traces"].append(
+            snapshot["device_traces"][device] if snapshot and include_traces else []
+        )
+        if snapshot:
+            merged["segments"].extend(snapshot["segments"])
+            merged["allocator_settings"] = snapshot["allocator_settings"]
+            merged["external_annotations"].extend(snapshot.get("external_annotations", []))
+    return merged
+
+
+def _route_memory_functions(torch):
+    """Points the ``torch._C`` functions behind ``torch.cuda``'s memory
+    functions at hbmalloc (see the module documentation)."""
+    c = torch._C
+    torch_empty_cache = c._cuda_emptyCache
+    torch_set_memory_fraction = c._cuda_setMemoryFraction
+
+    def empty_cache():
+        torch_empty_cache()
+        _native.empty_cache_all()
+
+    def set_memory_fraction(fraction, device):
+        torch_set_memory_fraction(fraction, device)
+        hbmalloc.set_memory_fraction(fraction, device)
+
+    c._cuda_memoryStats = lambda device: _nested(hbmalloc.memory_stats(device))
+    c._cuda_resetPeakMemoryStats = hbmalloc.reset_peak_memory_stats
+    c._cuda_resetAccumulatedMemoryStats = hbmalloc.reset_accumulated_memory_stats
+    c._cuda_emptyCache = empty_cache
+    c._cuda_setMemoryFraction = set_memory_fraction
+    c._cuda_memorySnapshot = memory_snapshot
+
+
 def is_installed():
     """True once ``install()`` succeeded in this process."""
     return _installed
@@ -116,9 +184,10 @@ def install():
     the ``CUDAPluggableAllocator``.
 
     Also wraps ``torch.Tensor.record_stream`` and sets
-    ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` unless it is set (see the module
-    documentation: PyTorch does not pass ``record_stream`` on to a pluggable
-    allocator).
+    ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` unless it is set, and routes
+    ``torch.cuda``'s statistics, snapshots, ``empty_cache()`` and memory
+    fraction to hbmalloc (see the module documentation: PyTorch passes none
+    of them on to a pluggable allocator).
 
     Raises ``RuntimeError`` when called twice, or when PyTorch's CUDA
     allocator is already initialised (too late), and ``ImportError``
@@ -139,6 +208,7 @@ def install():
         # torch: "Can't swap an already initialized allocator".
         raise RuntimeError(f"{_TOO_LATE} (PyTorch said: {e})") from e
     _forward_record_streams(torch)
+    _route_memory_functions(torch)
     _installed = True
     return plugged
 

@@ -110,6 +110,50 @@ fn record_stream(ptr: u64, stream: u64, device: i32) -> PyResult<bool> {
     }
 }
 
+/// Every peak statistic of `device` becomes its current value.
+#[pyfunction]
+#[pyo3(signature = (device = 0))]
+fn reset_peak_memory_stats(device: i32) -> PyResult<()> {
+    hbmalloc_capi::reset_peak_stats(device).map_err(to_py)
+}
+
+/// The running totals and event counts of `device` start again from zero.
+#[pyfunction]
+#[pyo3(signature = (device = 0))]
+fn reset_accumulated_memory_stats(device: i32) -> PyResult<()> {
+    hbmalloc_capi::reset_accumulated_stats(device).map_err(to_py)
+}
+
+/// Limits `device`'s allocator to `fraction` of the device's memory.
+#[pyfunction]
+#[pyo3(signature = (fraction, device = 0))]
+fn set_memory_fraction(fraction: f64, device: i32) -> PyResult<()> {
+    hbmalloc_capi::set_memory_fraction(fraction, device).map_err(to_py)
+}
+
+/// Returns the cached free memory of every device that has an allocator
+/// (the C ABI's `hbmalloc_reset`).
+#[pyfunction]
+fn empty_cache_all() -> PyResult<()> {
+    hbmalloc_capi::reset().map_err(to_py)
+}
+
+/// The number of devices the CUDA driver sees.
+#[pyfunction]
+fn device_count() -> PyResult<usize> {
+    hbmalloc_capi::init().map_err(to_py)
+}
+
+/// `device`'s snapshot as the bytes of a memory-snapshot pickle, or `None`
+/// when `device` has not allocated yet.
+#[pyfunction]
+#[pyo3(signature = (device = 0))]
+fn existing_snapshot_bytes(device: i32) -> PyResult<Option<std::borrow::Cow<'static, [u8]>>> {
+    hbmalloc_capi::existing_snapshot_pickle(device)
+        .map(|bytes| bytes.map(std::borrow::Cow::Owned))
+        .map_err(to_py)
+}
+
 /// The settings string of `device`'s allocator (`policy:pytorch,...`).
 #[pyfunction]
 #[pyo3(signature = (device = 0))]
@@ -127,5 +171,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(replay_json, m)?)?;
     m.add_function(wrap_pyfunction!(settings, m)?)?;
     m.add_function(wrap_pyfunction!(record_stream, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_peak_memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_accumulated_memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(set_memory_fraction, m)?)?;
+    m.add_function(wrap_pyfunction!(empty_cache_all, m)?)?;
+    m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(existing_snapshot_bytes, m)?)?;
     Ok(())
 }

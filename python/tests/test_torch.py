@@ -89,6 +89,72 @@ def test_install_passes_record_stream_on_to_hbmalloc():
     assert f"heard: [({0xABC000}, {0x7700}, 1)]" in out
 
 
+@needs_driver
+def test_install_routes_torch_memory_functions_to_hbmalloc(tmp_path):
+    """torch.cuda's statistics, resets, empty_cache, memory fraction and
+    snapshots raise or do nothing through a pluggable allocator; after
+    install() they read and steer hbmalloc. Memory is allocated through the
+    C ABI on the driver double (no GPU here)."""
+    dump = tmp_path / "dump.pickle"
+    out = run_ok(
+        f"""
+        import ctypes, pickle
+        import torch, hbmalloc, hbmalloc.torch
+        MIB = 1 << 20
+        hbmalloc.torch.install()
+        # torch.cuda's memory functions answer nothing before CUDA is up; a
+        # GPU process has it up once it allocated.
+        torch.cuda.memory.is_initialized = lambda: True
+        lib = ctypes.CDLL(hbmalloc.library_path())
+        lib.hbmalloc_alloc.restype = ctypes.c_void_p
+        lib.hbmalloc_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.hbmalloc_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.hbmalloc_last_error_code.restype = ctypes.c_int
+
+        p = lib.hbmalloc_alloc(3 * MIB, 0, None)
+        assert p
+        stats = torch.cuda.memory_stats(0)
+        assert dict(stats) == hbmalloc.memory_stats(0), "the same statistics"
+        assert torch.cuda.memory_allocated(0) == stats["allocated_bytes.all.current"] >= 3 * MIB
+        assert torch.cuda.memory_reserved(0) >= 3 * MIB
+        peak = torch.cuda.max_memory_allocated(0)
+        lib.hbmalloc_free(p, 3 * MIB, 0, None)
+        assert torch.cuda.max_memory_allocated(0) == peak > torch.cuda.memory_allocated(0)
+        torch.cuda.reset_peak_memory_stats(0)
+        assert torch.cuda.max_memory_allocated(0) == torch.cuda.memory_allocated(0)
+        assert torch.cuda.memory_stats(0)["allocation.all.allocated"] > 0
+        torch.cuda.reset_accumulated_memory_stats(0)
+        assert torch.cuda.memory_stats(0)["allocation.all.allocated"] == 0
+        print(torch.cuda.memory_summary(0).splitlines()[1])
+
+        torch.cuda.empty_cache()
+        print("reserved after empty_cache:", torch.cuda.memory_reserved(0))
+
+        # torch.cuda.set_per_process_memory_fraction initialises CUDA first:
+        # call what it calls.
+        torch._C._cuda_setMemoryFraction(0.001, 0)
+        assert not lib.hbmalloc_alloc(64 * MIB, 0, None)
+        print("over the fraction:", lib.hbmalloc_last_error_code())
+        torch._C._cuda_setMemoryFraction(1.0, 0)
+
+        q = lib.hbmalloc_alloc(5 * MIB, 0, None)
+        assert q
+        torch.cuda.memory._dump_snapshot({str(dump)!r})
+        with open({str(dump)!r}, "rb") as f:
+            snap = pickle.load(f)
+        sizes = [b["size"] for seg in snap["segments"] for b in seg["blocks"]
+                 if b["state"] == "active_allocated"]
+        print("snapshot:", len(snap["device_traces"]), 5 * MIB in sizes)
+        print("segments:", len(torch.cuda.memory.memory_snapshot()) > 0)
+        """
+    )
+    assert "PyTorch CUDA memory summary, device ID 0" in out
+    assert "reserved after empty_cache: 0" in out
+    assert "over the fraction: 1" in out  # HBMALLOC_OUT_OF_MEMORY
+    assert "snapshot: 2 True" in out  # the driver double has two devices
+    assert "segments: True" in out
+
+
 def test_install_warns_when_nccl_is_told_to_record_streams():
     result = run_python(
         textwrap.dedent(

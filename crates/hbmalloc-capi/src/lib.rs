@@ -340,6 +340,24 @@ pub fn stats_map(device: i32) -> Result<std::collections::BTreeMap<String, i64>,
     with_allocator(device, |a| Ok(a.stats().to_pytorch_map()))
 }
 
+/// `torch.cuda.reset_peak_memory_stats(device)`: every peak statistic of
+/// `device` becomes its current value.
+pub fn reset_peak_stats(device: i32) -> Result<(), ApiError> {
+    with_allocator(device, |a| {
+        a.reset_peak_stats();
+        Ok(())
+    })
+}
+
+/// `torch.cuda.reset_accumulated_memory_stats(device)`: the running totals
+/// and event counts of `device` start again from zero.
+pub fn reset_accumulated_stats(device: i32) -> Result<(), ApiError> {
+    with_allocator(device, |a| {
+        a.reset_accumulated_stats();
+        Ok(())
+    })
+}
+
 /// `torch.cuda.memory_summary()` text for `device`.
 pub fn summary(device: i32, abbreviated: bool) -> Result<String, ApiError> {
     with_allocator(device, |a| {
@@ -353,12 +371,17 @@ pub fn summary(device: i32, abbreviated: bool) -> Result<String, ApiError> {
 
 /// The snapshot of `device` as a PyTorch memory-snapshot pickle.
 pub fn snapshot_pickle(device: i32) -> Result<Vec<u8>, ApiError> {
-    with_allocator(device, |a| {
-        Ok(hbmalloc_export::snapshot_to_pickle(
-            &a.snapshot(),
-            i64::from(device),
-        ))
-    })
+    with_allocator(device, |a| Ok(pickle_snapshot(a, device)))
+}
+
+/// [`snapshot_pickle`], or `None` when `device` has not allocated yet (no
+/// allocator is created for it).
+pub fn existing_snapshot_pickle(device: i32) -> Result<Option<Vec<u8>>, ApiError> {
+    with_existing_allocator(device, |a| Ok(pickle_snapshot(a, device)))
+}
+
+fn pickle_snapshot(allocator: &SharedAllocator<CudaDevice>, device: i32) -> Vec<u8> {
+    hbmalloc_export::snapshot_to_pickle(&allocator.snapshot(), i64::from(device))
 }
 
 /// Writes the snapshot of `device` to `path` (`torch.cuda.memory._dump_snapshot` format).

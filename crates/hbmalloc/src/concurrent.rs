@@ -294,6 +294,21 @@ impl<D: Device> SharedAllocator<D> {
         Ok(())
     }
 
+    /// `reset_peak_memory_stats()` on every shard: each peak becomes the
+    /// current value.
+    pub fn reset_peak_stats(&self) {
+        for shard in self.shards.iter() {
+            lock(shard).reset_peak_stats();
+        }
+    }
+
+    /// `reset_accumulated_memory_stats()` on every shard.
+    pub fn reset_accumulated_stats(&self) {
+        for shard in self.shards.iter() {
+            lock(shard).reset_accumulated_stats();
+        }
+    }
+
     /// Checks every shard's invariants, and that the pointer map names
     /// exactly the live allocations.
     pub fn check_invariants(&self) -> Result<(), String> {

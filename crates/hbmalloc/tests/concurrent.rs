@@ -186,3 +186,34 @@ fn a_memory_fraction_limits_all_shards_together() {
 fn four_threads_churn_hbm_policy_sharded() {
     churn("policy:hbm", 8);
 }
+
+#[test]
+fn resetting_statistics_reaches_every_shard() {
+    for settings in ["policy:pytorch", "policy:hbm"] {
+        let alloc = SharedAllocator::new(SimDevice::new(), config(settings), 8).unwrap();
+        // Streams 1 to 4 land on more than one shard.
+        let ptrs: Vec<_> = (1..=4)
+            .map(|s| alloc.malloc(10 * MIB, StreamId(s)).unwrap())
+            .collect();
+        for &ptr in &ptrs[1..] {
+            alloc.free(ptr).unwrap();
+        }
+        let before = alloc.stats();
+        assert_eq!(
+            before.allocated_bytes[0].peak,
+            40 * MIB as i64,
+            "{settings}"
+        );
+        assert_eq!(before.allocation[0].allocated, 4, "{settings}");
+        alloc.reset_peak_stats();
+        let after = alloc.stats();
+        assert_eq!(after.allocated_bytes[0].peak, 10 * MIB as i64, "{settings}");
+        assert_eq!(after.allocation[0].allocated, 4, "{settings}: totals stay");
+        alloc.reset_accumulated_stats();
+        let after = alloc.stats();
+        assert_eq!(after.allocation[0].allocated, 0, "{settings}");
+        assert_eq!(after.allocation[0].freed, 0, "{settings}");
+        assert_eq!(after.allocation[0].current, 1, "{settings}: current stays");
+        alloc.free(ptrs[0]).unwrap();
+    }
+}
