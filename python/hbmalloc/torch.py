@@ -29,6 +29,16 @@ a collective alive until the collective is waited on instead. Call
 ``install()`` before ``torch.distributed.init_process_group``. Other C++
 callers of ``recordStream`` are not covered.
 
+CUDA graphs: PyTorch does not tell a pluggable allocator about graph
+capture either (its private-pool hooks cannot be set from Python), so memory
+a captured graph uses could be handed to other tensors once they are freed,
+and the graph would overwrite them when it replays. After ``install()``,
+``torch.cuda.CUDAGraph.capture_begin`` (``torch.cuda.graph``,
+``make_graphed_callables``, ``torch.compile(mode="reduce-overhead")``) raises
+``RuntimeError`` saying so. To capture graphs, route only part of a program
+to hbmalloc with ``mem_pool()`` instead: PyTorch's own allocator then keeps a
+graph's memory private.
+
 Importing this module does not import torch; its functions raise
 ``ImportError`` when torch is missing.
 """
@@ -45,6 +55,15 @@ _TOO_LATE = (
     "initialised (CUDA memory was allocated, CUDA was initialised, or another "
     "allocator was installed). Call hbmalloc.torch.install() before the first CUDA "
     "allocation, e.g. right after `import torch`."
+)
+
+_NO_GRAPHS = (
+    "hbmalloc.torch.install() made hbmalloc PyTorch's CUDA allocator, and PyTorch does not "
+    "tell such an allocator about CUDA graph capture: memory the graph uses could be given "
+    "to other tensors and overwritten when the graph replays. CUDA graphs (torch.cuda.graph, "
+    "make_graphed_callables, torch.compile(mode='reduce-overhead')) are refused in this "
+    "process; to use them with hbmalloc, do not call install() and route allocations with "
+    "hbmalloc.torch.mem_pool() instead."
 )
 
 _allocator = None
@@ -174,6 +193,16 @@ def _route_memory_functions(torch):
     c._cuda_memorySnapshot = memory_snapshot
 
 
+def _refuse_graph_capture(torch):
+    """Makes CUDA graph capture raise (see the module documentation)."""
+
+    def capture_begin(self, *args, **kwargs):
+        raise RuntimeError(_NO_GRAPHS)
+
+    capture_begin.__doc__ = torch.cuda.CUDAGraph.capture_begin.__doc__
+    torch.cuda.CUDAGraph.capture_begin = capture_begin
+
+
 def is_installed():
     """True once ``install()`` succeeded in this process."""
     return _installed
@@ -187,7 +216,8 @@ def install():
     ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` unless it is set, and routes
     ``torch.cuda``'s statistics, snapshots, ``empty_cache()`` and memory
     fraction to hbmalloc (see the module documentation: PyTorch passes none
-    of them on to a pluggable allocator).
+    of them on to a pluggable allocator); CUDA graph capture raises from then
+    on, as PyTorch cannot keep a graph's memory private from hbmalloc.
 
     Raises ``RuntimeError`` when called twice, or when PyTorch's CUDA
     allocator is already initialised (too late), and ``ImportError``
@@ -209,6 +239,7 @@ def install():
         raise RuntimeError(f"{_TOO_LATE} (PyTorch said: {e})") from e
     _forward_record_streams(torch)
     _route_memory_functions(torch)
+    _refuse_graph_capture(torch)
     _installed = True
     return plugged
 

@@ -155,6 +155,26 @@ def test_install_routes_torch_memory_functions_to_hbmalloc(tmp_path):
     assert "segments: True" in out
 
 
+def test_install_refuses_cuda_graph_capture():
+    out = run_ok(
+        """
+        import torch, hbmalloc.torch
+        torch_capture_begin = torch.cuda.CUDAGraph.capture_begin
+        hbmalloc.torch.install()
+        assert torch.cuda.CUDAGraph.capture_begin is not torch_capture_begin
+        # A CUDAGraph needs a GPU to exist: the check runs before self is used.
+        try:
+            torch.cuda.CUDAGraph.capture_begin(object(), capture_error_mode="global")
+        except RuntimeError as e:
+            print("refused:", e)
+        else:
+            raise SystemExit("capture_begin did not raise")
+        """
+    )
+    assert "refused: hbmalloc.torch.install() made hbmalloc PyTorch's CUDA allocator" in out
+    assert "hbmalloc.torch.mem_pool()" in out
+
+
 def test_install_warns_when_nccl_is_told_to_record_streams():
     result = run_python(
         textwrap.dedent(
