@@ -7,7 +7,14 @@
  *
  * PyTorch: hbmalloc_alloc and hbmalloc_free have the signatures that
  * torch.cuda.memory.CUDAPluggableAllocator(path, "hbmalloc_alloc",
- * "hbmalloc_free") expects.
+ * "hbmalloc_free") expects. Built that way, from Python, PyTorch passes
+ * nothing else on: Tensor.record_stream, torch.cuda.empty_cache(), memory
+ * fractions and CUDA graph pools stop at hooks only C++ can set
+ * (hbmalloc.torch.install() covers the first three from Python and refuses
+ * graph capture). From C++, torch::cuda::CUDAPluggableAllocator's
+ * set_reset_fn and set_memory_fraction_fn take hbmalloc_reset and
+ * hbmalloc_set_memory_fraction; set_record_stream_fn's hook has no device
+ * argument, so wrap hbmalloc_record_stream with the tensor's device.
  *
  * Errors: every function records its outcome as the calling thread's last
  * error: hbmalloc_last_error_code() gives the status (HBMALLOC_OK after a
