@@ -17,7 +17,8 @@ hbmalloc`` never imports it).
 Configuration comes from the environment, read once at first use:
 ``HBMALLOC_CONF`` (``policy:NAME,key:value,...``), else
 ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` (policy ``pytorch``);
-``HBMALLOC_HISTORY_ENTRIES`` (history kept for snapshots, default 0);
+``HBMALLOC_HISTORY_ENTRIES`` (history kept for snapshots, default 0; later
+``set_history_entries()``);
 ``HBMALLOC_CUDA_DRIVER`` (the CUDA driver library to load).
 
 Errors: ``ValueError`` for bad arguments, devices and configuration,
@@ -38,6 +39,7 @@ __all__ = [
     "reset_peak_memory_stats",
     "reset_accumulated_memory_stats",
     "set_memory_fraction",
+    "set_history_entries",
     "record_stream",
     "replay",
     "library_path",
@@ -87,6 +89,17 @@ def set_memory_fraction(fraction, device=0):
     allocator of ``device`` holds at most ``fraction`` (0 to 1) of its memory,
     and raises ``MemoryError`` past it."""
     _native.set_memory_fraction(float(fraction), device)
+
+
+def set_history_entries(entries, clear=False):
+    """Every device's allocator (and those created later) keeps its last
+    ``entries`` trace entries from now on, for ``snapshot()`` (0 stops
+    recording; ``HBMALLOC_HISTORY_ENTRIES`` sets the first value). ``clear``
+    drops the entries kept so far."""
+    entries = int(entries)
+    if entries < 0:
+        raise ValueError(f"entries must be 0 or more, got {entries}")
+    _native.set_history_entries(entries, bool(clear))
 
 
 def record_stream(ptr, stream, device=0):

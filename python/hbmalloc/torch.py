@@ -14,8 +14,9 @@ them to hbmalloc instead, at the ``torch._C`` functions ``torch.cuda`` calls:
 statistics and snapshots are hbmalloc's, ``empty_cache()`` empties
 hbmalloc's caches, a memory fraction limits hbmalloc, and
 ``reset_peak_memory_stats()`` / ``reset_accumulated_memory_stats()`` reset
-hbmalloc's. ``torch.cuda.memory._record_memory_history()`` still raises:
-set ``HBMALLOC_HISTORY_ENTRIES`` before the first allocation instead.
+hbmalloc's, and ``torch.cuda.memory._record_memory_history()`` sets how
+many trace entries hbmalloc keeps (``max_entries``; its stack and context
+options are not recorded: hbmalloc's entries have no frames).
 
 Streams: PyTorch does not pass ``Tensor.record_stream`` on to a pluggable
 allocator (``CUDAPluggableAllocator`` forwards ``recordStream`` only to a
@@ -191,6 +192,23 @@ def _route_memory_functions(torch):
     c._cuda_emptyCache = empty_cache
     c._cuda_setMemoryFraction = set_memory_fraction
     c._cuda_memorySnapshot = memory_snapshot
+    c._cuda_record_memory_history = _record_memory_history
+    c._cuda_record_memory_history_legacy = _record_memory_history_legacy
+
+
+def _record_memory_history(enabled, context=None, stacks=None, max_entries=2**63 - 1,
+                           clear_history=False, *_rest):
+    """``torch._C._cuda_record_memory_history`` (behind
+    ``torch.cuda.memory._record_memory_history``): ``enabled`` None stops
+    recording, anything else keeps the last ``max_entries`` entries."""
+    hbmalloc.set_history_entries(0 if enabled is None else max_entries, clear_history)
+
+
+def _record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_entries=1,
+                                  trace_alloc_record_context=False, record_context_cpp=False,
+                                  clear_history=False, *_rest):
+    """The boolean form of ``torch.cuda.memory._record_memory_history``."""
+    hbmalloc.set_history_entries(trace_alloc_max_entries if enabled else 0, clear_history)
 
 
 def _refuse_graph_capture(torch):

@@ -131,6 +131,14 @@ fn set_memory_fraction(fraction: f64, device: i32) -> PyResult<()> {
     hbmalloc_capi::set_memory_fraction(fraction, device).map_err(to_py)
 }
 
+/// Every allocator, and those created later, keeps its last `entries`
+/// history entries from now on (0 stops recording); `clear` drops those kept.
+#[pyfunction]
+#[pyo3(signature = (entries, clear = false))]
+fn set_history_entries(entries: usize, clear: bool) -> PyResult<()> {
+    hbmalloc_capi::set_history_entries(entries, clear).map_err(to_py)
+}
+
 /// Returns the cached free memory of every device that has an allocator
 /// (the C ABI's `hbmalloc_reset`).
 #[pyfunction]
@@ -175,6 +183,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reset_accumulated_memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(set_memory_fraction, m)?)?;
     m.add_function(wrap_pyfunction!(empty_cache_all, m)?)?;
+    m.add_function(wrap_pyfunction!(set_history_entries, m)?)?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
     m.add_function(wrap_pyfunction!(existing_snapshot_bytes, m)?)?;
     Ok(())

@@ -137,6 +137,7 @@ def test_install_routes_torch_memory_functions_to_hbmalloc(tmp_path):
         print("over the fraction:", lib.hbmalloc_last_error_code())
         torch._C._cuda_setMemoryFraction(1.0, 0)
 
+        torch.cuda.memory._record_memory_history(max_entries=1000)
         q = lib.hbmalloc_alloc(5 * MIB, 0, None)
         assert q
         torch.cuda.memory._dump_snapshot({str(dump)!r})
@@ -145,6 +146,10 @@ def test_install_routes_torch_memory_functions_to_hbmalloc(tmp_path):
         sizes = [b["size"] for seg in snap["segments"] for b in seg["blocks"]
                  if b["state"] == "active_allocated"]
         print("snapshot:", len(snap["device_traces"]), 5 * MIB in sizes)
+        traced = [e["size"] for e in snap["device_traces"][0] if e["action"] == "alloc"]
+        print("traced:", traced[-1] == 5 * MIB)
+        torch.cuda.memory._record_memory_history(enabled=None, clear_history=True)
+        print("stopped:", torch.cuda.memory._snapshot()["device_traces"][0])
         print("segments:", len(torch.cuda.memory.memory_snapshot()) > 0)
         """
     )
@@ -153,6 +158,8 @@ def test_install_routes_torch_memory_functions_to_hbmalloc(tmp_path):
     assert "over the fraction: 1" in out  # HBMALLOC_OUT_OF_MEMORY
     assert "snapshot: 2 True" in out  # the driver double has two devices
     assert "segments: True" in out
+    assert "traced: True" in out
+    assert "stopped: []" in out
 
 
 def test_install_refuses_cuda_graph_capture():

@@ -137,8 +137,10 @@ struct Runtime {
     config: AllocatorConfig,
     shards: usize,
     devices: Vec<OnceLock<SharedAllocator<CudaDevice>>>,
-    /// Serialises creating allocators (never taken once they exist).
-    creating: Mutex<()>,
+    /// Serialises creating allocators (and changing how much history they
+    /// keep); holds the history entries an allocator created now keeps
+    /// (`HBMALLOC_HISTORY_ENTRIES`, then [`set_history_entries`]).
+    creating: Mutex<usize>,
 }
 
 /// Reads [`SHARDS_ENV`].
@@ -200,10 +202,10 @@ impl Runtime {
         let devices = (0..count.max(0)).map(|_| OnceLock::new()).collect();
         Ok(Runtime {
             driver,
+            creating: Mutex::new(config.history_entries),
             config,
             shards,
             devices,
-            creating: Mutex::new(()),
         })
     }
 
@@ -242,10 +244,14 @@ pub fn with_allocator<R>(
     if let Some(allocator) = slot.get() {
         return f(allocator);
     }
-    let _creating = runtime.creating.lock().unwrap_or_else(|e| e.into_inner());
+    let history_entries = runtime.creating.lock().unwrap_or_else(|e| e.into_inner());
     if slot.get().is_none() {
         let cuda = CudaDevice::new(Arc::clone(&runtime.driver), device).map_err(device_error)?;
-        let allocator = SharedAllocator::new(cuda, runtime.config.clone(), runtime.shards)?;
+        let config = AllocatorConfig {
+            history_entries: *history_entries,
+            ..runtime.config.clone()
+        };
+        let allocator = SharedAllocator::new(cuda, config, runtime.shards)?;
         // Only this thread sets slots (under `creating`), so this cannot fail.
         let _ = slot.set(allocator);
     }
@@ -356,6 +362,19 @@ pub fn reset_accumulated_stats(device: i32) -> Result<(), ApiError> {
         a.reset_accumulated_stats();
         Ok(())
     })
+}
+
+/// `torch.cuda.memory._record_memory_history`: every allocator, and those
+/// created later, keeps its last `entries` history entries from now on (0
+/// stops recording); `clear` drops the entries kept so far.
+pub fn set_history_entries(entries: usize, clear: bool) -> Result<(), ApiError> {
+    let runtime = runtime()?;
+    let mut history_entries = runtime.creating.lock().unwrap_or_else(|e| e.into_inner());
+    *history_entries = entries;
+    for allocator in runtime.devices.iter().filter_map(OnceLock::get) {
+        allocator.set_history_entries(entries, clear);
+    }
+    Ok(())
 }
 
 /// `torch.cuda.memory_summary()` text for `device`.

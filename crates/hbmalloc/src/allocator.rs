@@ -239,6 +239,12 @@ impl<D: Device> Allocator<D> {
         dispatch!(self, p => p.history())
     }
 
+    /// Keeps the last `entries` history entries from now on (0 stops
+    /// recording); `clear` drops those kept. See [`History::set_capacity`].
+    pub fn set_history_entries(&mut self, entries: usize, clear: bool) {
+        dispatch!(mut self, p => p.history_mut().set_capacity(entries, clear))
+    }
+
     /// Segments, blocks, history and settings.
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {

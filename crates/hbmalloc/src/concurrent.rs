@@ -309,6 +309,13 @@ impl<D: Device> SharedAllocator<D> {
         }
     }
 
+    /// [`Allocator::set_history_entries`] on every shard.
+    pub fn set_history_entries(&self, entries: usize, clear: bool) {
+        for shard in self.shards.iter() {
+            lock(shard).set_history_entries(entries, clear);
+        }
+    }
+
     /// Checks every shard's invariants, and that the pointer map names
     /// exactly the live allocations.
     pub fn check_invariants(&self) -> Result<(), String> {

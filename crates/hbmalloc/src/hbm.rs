@@ -944,6 +944,10 @@ impl HbmPolicy {
         &self.history
     }
 
+    pub(crate) fn history_mut(&mut self) -> &mut History {
+        &mut self.history
+    }
+
     pub(crate) fn set_memory_fraction(&mut self, fraction: f64) {
         self.limit_bytes = Some((fraction * self.device_total as f64) as u64);
     }

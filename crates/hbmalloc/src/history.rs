@@ -84,6 +84,21 @@ impl History {
         }
     }
 
+    /// Keeps the last `capacity` entries from now on, dropping the oldest
+    /// past it; 0 stops recording and keeps what was recorded, so that it
+    /// can still be read. `clear` drops every entry kept
+    /// (`torch.cuda.memory._record_memory_history`).
+    pub fn set_capacity(&mut self, capacity: usize, clear: bool) {
+        if clear {
+            self.entries.clear();
+        }
+        if capacity > 0 {
+            let excess = self.entries.len().saturating_sub(capacity);
+            self.entries.drain(..excess);
+        }
+        self.capacity = capacity;
+    }
+
     /// True when entries are being recorded.
     pub fn is_enabled(&self) -> bool {
         self.capacity > 0
@@ -116,5 +131,36 @@ impl History {
     /// Entries recorded since the history was created, including dropped ones.
     pub fn recorded(&self) -> u64 {
         self.recorded
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Action, History};
+    use crate::device::StreamId;
+
+    fn sizes(history: &History) -> Vec<u64> {
+        history.entries().map(|e| e.size).collect()
+    }
+
+    #[test]
+    fn the_capacity_can_change_while_recording() {
+        let mut history = History::with_capacity(0);
+        history.record(Action::Alloc, 0x100, 1, StreamId(0));
+        assert!(sizes(&history).is_empty(), "off by default");
+        history.set_capacity(3, false);
+        for size in 1..=5 {
+            history.record(Action::Alloc, 0x100, size, StreamId(0));
+        }
+        assert_eq!(sizes(&history), [3, 4, 5], "the last 3");
+        history.set_capacity(2, false);
+        assert_eq!(sizes(&history), [4, 5], "shrinking drops the oldest");
+        history.set_capacity(0, false);
+        history.record(Action::Alloc, 0x100, 6, StreamId(0));
+        assert_eq!(sizes(&history), [4, 5], "stopped, entries kept");
+        history.set_capacity(10, true);
+        assert!(sizes(&history).is_empty(), "cleared");
+        history.record(Action::Alloc, 0x100, 7, StreamId(0));
+        assert_eq!(history.entries().next().map(|e| e.sequence), Some(5));
     }
 }

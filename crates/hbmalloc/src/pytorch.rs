@@ -202,6 +202,10 @@ impl PytorchPolicy {
         &self.history
     }
 
+    pub(crate) fn history_mut(&mut self) -> &mut History {
+        &mut self.history
+    }
+
     pub(crate) fn set_memory_fraction(&mut self, fraction: f64) {
         self.allowed_memory_maximum = Some((fraction * self.device_total as f64) as u64);
     }
