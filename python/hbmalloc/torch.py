@@ -152,7 +152,7 @@ def _nested(flat):
 def memory_snapshot(pool_and_traces=None):
     """What ``torch._C._cuda_memorySnapshot`` returns, from hbmalloc's
     allocators: the segments of every device that has allocated, and each
-    one's trace (``HBMALLOC_HISTORY_ENTRIES``). ``pool_and_traces`` is
+    one's trace (``HBMALLOC_HISTORY_ENTRIES``, ``set_history_entries()``). ``pool_and_traces`` is
     ``None`` or torch's ``(pool, pool, include_traces)``; hbmalloc has no
     pools, so the pool is not used."""
     include_traces = pool_and_traces is None or bool(pool_and_traces[2])
@@ -232,10 +232,10 @@ def install():
 
     Also wraps ``torch.Tensor.record_stream`` and sets
     ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` unless it is set, and routes
-    ``torch.cuda``'s statistics, snapshots, ``empty_cache()`` and memory
-    fraction to hbmalloc (see the module documentation: PyTorch passes none
-    of them on to a pluggable allocator); CUDA graph capture raises from then
-    on, as PyTorch cannot keep a graph's memory private from hbmalloc.
+    ``torch.cuda``'s statistics, snapshots, history, ``empty_cache()`` and
+    memory fraction to hbmalloc (see the module documentation: PyTorch passes
+    none of them on to a pluggable allocator); CUDA graph capture raises from
+    then on, as PyTorch cannot keep a graph's memory private from hbmalloc.
 
     Raises ``RuntimeError`` when called twice, or when PyTorch's CUDA
     allocator is already initialised (too late), and ``ImportError``

@@ -2,8 +2,8 @@
 //!
 //! Two faces in one shared library:
 //! - Python functions (`memory_stats`, `memory_summary`, `snapshot`,
-//!   `empty_cache`, `record_stream`, `replay`) over the same per-device allocators that the
-//!   C ABI serves;
+//!   `empty_cache`, `record_stream`, the resets, `replay`, ...) over the same
+//!   per-device allocators that the C ABI serves;
 //! - the C ABI of `hbmalloc-capi` (`hbmalloc_alloc`, `hbmalloc_free`, ...),
 //!   re-exported so that `torch.cuda.memory.CUDAPluggableAllocator` can load
 //!   this very file (`hbmalloc.library_path()`). One library means one set of
