@@ -94,6 +94,21 @@ int hbmalloc_empty_cache(int device);
  * Returns a status. */
 int hbmalloc_set_memory_fraction(double fraction, int device);
 
+/* torch.cuda.reset_peak_memory_stats(device): every peak statistic becomes
+ * its current value. Returns a status. */
+int hbmalloc_reset_peak_stats(int device);
+
+/* torch.cuda.reset_accumulated_memory_stats(device): the allocated and freed
+ * totals, num_alloc_retries and num_ooms start again from 0. Returns a status. */
+int hbmalloc_reset_accumulated_stats(int device);
+
+/* Every device's allocator, and those created later, keeps its last entries
+ * history entries (for hbmalloc_snapshot) from now on; 0 stops recording and
+ * keeps what was recorded, a non-zero clear drops it. HBMALLOC_HISTORY_ENTRIES
+ * gives the first value. Returns a status (HBMALLOC_INVALID_ARGUMENT for
+ * entries < 0). */
+int hbmalloc_set_history_entries(ssize_t entries, int clear);
+
 /* Writes torch.cuda.memory_stats(device) as one JSON object into buf, like
  * snprintf: at most len - 1 bytes and a NUL. Returns the JSON's length
  * (call with buf NULL, len 0 to size the buffer), or -1 on error. */

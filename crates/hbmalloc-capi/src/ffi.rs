@@ -157,6 +157,35 @@ pub extern "C" fn hbmalloc_set_memory_fraction(fraction: f64, device: c_int) -> 
     status_of(|| crate::set_memory_fraction(fraction, device))
 }
 
+/// `torch.cuda.reset_peak_memory_stats(device)`: every peak statistic of
+/// `device` becomes its current value.
+#[no_mangle]
+pub extern "C" fn hbmalloc_reset_peak_stats(device: c_int) -> c_int {
+    status_of(|| crate::reset_peak_stats(device))
+}
+
+/// `torch.cuda.reset_accumulated_memory_stats(device)`.
+#[no_mangle]
+pub extern "C" fn hbmalloc_reset_accumulated_stats(device: c_int) -> c_int {
+    status_of(|| crate::reset_accumulated_stats(device))
+}
+
+/// Every allocator (and those created later) keeps its last `entries`
+/// history entries from now on (0 stops recording); a non-zero `clear`
+/// drops those kept. `entries` below 0 is an invalid argument.
+#[no_mangle]
+pub extern "C" fn hbmalloc_set_history_entries(entries: ssize_t, clear: c_int) -> c_int {
+    status_of(|| {
+        let entries = usize::try_from(entries).map_err(|_| {
+            ApiError::new(
+                Status::InvalidArgument,
+                format!("hbmalloc: invalid history entries {entries}: expected 0 or more"),
+            )
+        })?;
+        crate::set_history_entries(entries, clear != 0)
+    })
+}
+
 /// Writes `memory_stats()` of `device` as JSON into `buf` (snprintf style);
 /// returns the JSON's length, or -1 on error.
 ///

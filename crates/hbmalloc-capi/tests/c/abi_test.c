@@ -70,6 +70,15 @@ int main(int argc, char **argv) {
     CHECK(strstr(summary, "PyTorch CUDA memory summary, device ID 0") != NULL);
 
     CHECK(hbmalloc_snapshot(0, snapshot_path) == HBMALLOC_OK);
+    CHECK(hbmalloc_reset_peak_stats(0) == HBMALLOC_OK);
+    CHECK(hbmalloc_reset_accumulated_stats(0) == HBMALLOC_OK);
+    json_length = hbmalloc_stats_json(0, NULL, 0);
+    json = malloc((size_t)json_length + 1);
+    CHECK(hbmalloc_stats_json(0, json, (size_t)json_length + 1) == json_length);
+    CHECK(strstr(json, "\"allocation.all.allocated\": 0") != NULL);
+    free(json);
+    CHECK(hbmalloc_set_history_entries(-1, 0) == HBMALLOC_INVALID_ARGUMENT);
+    CHECK(hbmalloc_set_history_entries(1000, 1) == HBMALLOC_OK);
 
     hbmalloc_free(p, 4096, 0, stream);
     CHECK(hbmalloc_last_error_code() == HBMALLOC_OK);
