@@ -9,9 +9,11 @@
 //! shards' caches are released and the request retried, so cached memory held
 //! by one stream never causes another stream's out-of-memory error.
 //!
-//! What sharding does change: statistics are summed over shards, so `peak`
-//! values are upper bounds (the sum of each shard's peak; exact when one
-//! stream does all the work, as in most training loops). A memory fraction is
+//! What sharding does change: statistics are summed over shards, so most
+//! `peak` values are upper bounds (the sum of each shard's peak; exact when
+//! one stream does all the work, as in most training loops). The peaks that
+//! `max_memory_allocated()` and `max_memory_reserved()` read are kept exact
+//! (see `CombinedPeaks`). A memory fraction is
 //! enforced on the memory of all shards together by [`LimitedDevice`], under
 //! the shards, and each shard's policy also sees it (for PyTorch's garbage
 //! collection threshold). With one shard the behaviour is exactly the
@@ -19,7 +21,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::allocator::{Allocator, AllocatorConfig};
@@ -29,7 +31,7 @@ use crate::device::{
 };
 use crate::error::AllocError;
 use crate::snapshot::Snapshot;
-use crate::stats::DeviceStats;
+use crate::stats::{DeviceStats, Stat};
 use crate::{FastMap, PointerHasher};
 
 /// The calls a thread-safe allocator offers. Implemented by
@@ -205,6 +207,82 @@ impl<D: Device> Device for LimitedDevice<D> {
     }
 }
 
+/// The aggregate byte statistics whose peaks [`SharedAllocator`] keeps
+/// exact across shards: what `max_memory_allocated()`,
+/// `max_memory_reserved()` and the peaks of `memory_summary()`'s byte rows
+/// read.
+const EXACT_PEAKS: usize = 4;
+
+/// `value` of each [`EXACT_PEAKS`] statistic of `stats`.
+fn exact_values(stats: &DeviceStats, value: fn(&Stat) -> i64) -> [i64; EXACT_PEAKS] {
+    [
+        value(&stats.allocated_bytes[0]),
+        value(&stats.reserved_bytes[0]),
+        value(&stats.active_bytes[0]),
+        value(&stats.requested_bytes[0]),
+    ]
+}
+
+fn exact_currents(stats: &DeviceStats) -> [i64; EXACT_PEAKS] {
+    exact_values(stats, |s| s.current)
+}
+
+fn exact_stats(stats: &mut DeviceStats) -> [&mut Stat; EXACT_PEAKS] {
+    let DeviceStats {
+        allocated_bytes,
+        reserved_bytes,
+        active_bytes,
+        requested_bytes,
+        ..
+    } = stats;
+    [
+        &mut allocated_bytes[0],
+        &mut reserved_bytes[0],
+        &mut active_bytes[0],
+        &mut requested_bytes[0],
+    ]
+}
+
+/// The exact peaks of the [`EXACT_PEAKS`] statistics summed over shards.
+///
+/// The sum of each shard's peak overstates the device's peak whenever two
+/// streams on different shards peak at different times. While one shard is
+/// all that ever allocated, that sum is exact and costs nothing; once a
+/// second shard allocates, every shard operation adds its change of the
+/// statistics here, under its shard's lock, and the peak is the highest sum
+/// seen. A few atomic adds per operation, paid only by programs that
+/// allocate on several shards.
+struct CombinedPeaks {
+    /// The first shard that allocated (`usize::MAX`: none yet).
+    first_shard: AtomicUsize,
+    /// Set (under every shard's lock) once a second shard allocates.
+    tracking: AtomicBool,
+    current: [AtomicI64; EXACT_PEAKS],
+    peak: [AtomicI64; EXACT_PEAKS],
+}
+
+impl CombinedPeaks {
+    fn new() -> Self {
+        CombinedPeaks {
+            first_shard: AtomicUsize::new(usize::MAX),
+            tracking: AtomicBool::new(false),
+            current: Default::default(),
+            peak: Default::default(),
+        }
+    }
+
+    /// A shard's statistics went from `before` to `after`.
+    fn apply(&self, before: [i64; EXACT_PEAKS], after: [i64; EXACT_PEAKS]) {
+        for k in 0..EXACT_PEAKS {
+            let delta = after[k] - before[k];
+            if delta != 0 {
+                let now = self.current[k].fetch_add(delta, Ordering::Relaxed) + delta;
+                self.peak[k].fetch_max(now, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
 /// Shards of the pointer map: enough that threads rarely meet on one.
 const OWNER_SHARDS: usize = 64;
 
@@ -217,6 +295,7 @@ pub struct SharedAllocator<D: Device> {
     shards: Box<[Shard<D>]>,
     /// Which shard owns each live pointer, sharded by pointer.
     owners: Box<[Mutex<FastMap<DevicePtr, u32>>]>,
+    peaks: CombinedPeaks,
 }
 
 impl<D: Device> SharedAllocator<D> {
@@ -234,7 +313,63 @@ impl<D: Device> SharedAllocator<D> {
             device,
             shards,
             owners,
+            peaks: CombinedPeaks::new(),
         })
+    }
+
+    /// Runs `f` on shard `index` under its lock, keeping the combined peaks
+    /// in step once they are tracked.
+    fn on_shard<R>(
+        &self,
+        index: usize,
+        f: impl FnOnce(&mut Allocator<Arc<LimitedDevice<D>>>) -> R,
+    ) -> R {
+        let mut shard = lock(&self.shards[index]);
+        // Set only under every shard's lock, so this one orders it.
+        if !self.peaks.tracking.load(Ordering::Relaxed) {
+            return f(&mut shard);
+        }
+        let before = exact_currents(shard.stats());
+        let result = f(&mut shard);
+        self.peaks.apply(before, exact_currents(shard.stats()));
+        result
+    }
+
+    /// Shard `home` has allocated: from the second shard that does, every
+    /// shard operation keeps the combined peaks (see [`CombinedPeaks`]).
+    fn note_allocating_shard(&self, home: usize) {
+        if self.peaks.tracking.load(Ordering::Relaxed) {
+            return;
+        }
+        let first = match self.peaks.first_shard.compare_exchange(
+            usize::MAX,
+            home,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        ) {
+            Ok(_) => home,
+            Err(first) => first,
+        };
+        if first == home {
+            return;
+        }
+        let shards: Vec<_> = self.shards.iter().map(lock).collect();
+        if self.peaks.tracking.load(Ordering::Relaxed) {
+            return;
+        }
+        // Until now shards have allocated one after another: the device's
+        // peak is the highest of each shard's own and of the sum now.
+        for k in 0..EXACT_PEAKS {
+            let current: i64 = shards.iter().map(|s| exact_currents(s.stats())[k]).sum();
+            let own_peak = shards
+                .iter()
+                .map(|s| exact_values(s.stats(), |s| s.peak)[k])
+                .max()
+                .unwrap_or(0);
+            self.peaks.current[k].store(current, Ordering::Relaxed);
+            self.peaks.peak[k].store(own_peak.max(current), Ordering::Relaxed);
+        }
+        self.peaks.tracking.store(true, Ordering::Relaxed);
     }
 
     /// The device.
@@ -297,8 +432,13 @@ impl<D: Device> SharedAllocator<D> {
     /// `reset_peak_memory_stats()` on every shard: each peak becomes the
     /// current value.
     pub fn reset_peak_stats(&self) {
-        for shard in self.shards.iter() {
-            lock(shard).reset_peak_stats();
+        let mut shards: Vec<_> = self.shards.iter().map(lock).collect();
+        for shard in shards.iter_mut() {
+            shard.reset_peak_stats();
+        }
+        for k in 0..EXACT_PEAKS {
+            let current = self.peaks.current[k].load(Ordering::Relaxed);
+            self.peaks.peak[k].store(current, Ordering::Relaxed);
         }
     }
 
@@ -335,6 +475,21 @@ impl<D: Device> SharedAllocator<D> {
                 self.device.held_bytes()
             ));
         }
+        if self.peaks.tracking.load(Ordering::Relaxed) {
+            let shards: Vec<_> = self.shards.iter().map(lock).collect();
+            for k in 0..EXACT_PEAKS {
+                let sum: i64 = shards.iter().map(|s| exact_currents(s.stats())[k]).sum();
+                let (current, peak) = (
+                    self.peaks.current[k].load(Ordering::Relaxed),
+                    self.peaks.peak[k].load(Ordering::Relaxed),
+                );
+                if current != sum || peak < current {
+                    return Err(format!(
+                        "combined statistic {k}: current {current} and peak {peak}, but the shards hold {sum}"
+                    ));
+                }
+            }
+        }
         let mapped: usize = self.owners.iter().map(|o| lock(o).len()).sum();
         if mapped as i64 != live {
             return Err(format!(
@@ -348,21 +503,22 @@ impl<D: Device> SharedAllocator<D> {
 impl<D: Device> ThreadSafeAllocator for SharedAllocator<D> {
     fn malloc(&self, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {
         let home = self.shard_of_stream(stream);
-        let first = lock(&self.shards[home]).malloc(size, stream);
+        let first = self.on_shard(home, |a| a.malloc(size, stream));
         let ptr = match first {
             Ok(ptr) => ptr,
             Err(AllocError::OutOfMemory(_)) if self.shards.len() > 1 => {
                 // Other shards may be caching what this one needs.
-                for (i, other) in self.shards.iter().enumerate() {
+                for i in 0..self.shards.len() {
                     if i != home {
-                        lock(other).empty_cache()?;
+                        self.on_shard(i, |a| a.empty_cache())?;
                     }
                 }
-                lock(&self.shards[home]).malloc(size, stream)?
+                self.on_shard(home, |a| a.malloc(size, stream))?
             }
             Err(e) => return Err(e),
         };
         lock(self.owners_of(ptr)).insert(ptr, home as u32);
+        self.note_allocating_shard(home);
         Ok(ptr)
     }
 
@@ -370,17 +526,17 @@ impl<D: Device> ThreadSafeAllocator for SharedAllocator<D> {
         let shard = lock(self.owners_of(ptr))
             .remove(&ptr)
             .ok_or(AllocError::UnknownPointer { ptr })?;
-        lock(&self.shards[shard as usize]).free(ptr)
+        self.on_shard(shard as usize, |a| a.free(ptr))
     }
 
     fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
         let shard = self.owner(ptr)?;
-        lock(&self.shards[shard]).record_stream(ptr, stream)
+        self.on_shard(shard, |a| a.record_stream(ptr, stream))
     }
 
     fn empty_cache(&self) -> Result<(), AllocError> {
-        for shard in self.shards.iter() {
-            lock(shard).empty_cache()?;
+        for i in 0..self.shards.len() {
+            self.on_shard(i, |a| a.empty_cache())?;
         }
         Ok(())
     }
@@ -395,6 +551,86 @@ impl<D: Device> ThreadSafeAllocator for SharedAllocator<D> {
             }
             total.accumulate(s);
         }
+        if self.peaks.tracking.load(Ordering::Relaxed) {
+            for (stat, peak) in exact_stats(&mut total).into_iter().zip(&self.peaks.peak) {
+                // Read after the shards: a peak reached since is at least as high.
+                stat.peak = peak.load(Ordering::Relaxed).max(stat.current);
+            }
+        }
         total
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::allocator::PolicyConfig;
+    use crate::sim::SimDevice;
+
+    const MIB: u64 = 1 << 20;
+
+    fn shared(settings: &str) -> SharedAllocator<SimDevice> {
+        let config = AllocatorConfig {
+            policy: PolicyConfig::from_settings(settings).unwrap(),
+            history_entries: 0,
+        };
+        SharedAllocator::new(SimDevice::new(), config, 8).unwrap()
+    }
+
+    /// Two streams whose allocations go to different shards.
+    fn streams_on_two_shards(alloc: &SharedAllocator<SimDevice>) -> (StreamId, StreamId) {
+        let a = StreamId(1);
+        let b = (2..)
+            .map(StreamId)
+            .find(|&s| alloc.shard_of_stream(s) != alloc.shard_of_stream(a))
+            .unwrap();
+        (a, b)
+    }
+
+    #[test]
+    fn peaks_of_streams_on_two_shards_are_the_devices_not_their_sum() {
+        for settings in ["policy:pytorch", "policy:hbm"] {
+            let alloc = shared(settings);
+            let (a, b) = streams_on_two_shards(&alloc);
+            // One after the other: the device never holds both.
+            let p = alloc.malloc(10 * MIB, a).unwrap();
+            alloc.free(p).unwrap();
+            let q = alloc.malloc(10 * MIB, b).unwrap();
+            alloc.free(q).unwrap();
+            let stats = alloc.stats();
+            assert_eq!(stats.allocated_bytes[0].peak, 10 * MIB as i64, "{settings}");
+            assert_eq!(stats.active_bytes[0].peak, 10 * MIB as i64, "{settings}");
+            assert_eq!(stats.requested_bytes[0].peak, 10 * MIB as i64, "{settings}");
+            // The per-pool peaks stay sums (upper bounds).
+            assert_eq!(stats.allocated_bytes[2].peak, 20 * MIB as i64, "{settings}");
+            // Together: both count.
+            let p = alloc.malloc(10 * MIB, a).unwrap();
+            let q = alloc.malloc(30 * MIB, b).unwrap();
+            assert_eq!(alloc.stats().allocated_bytes[0].peak, 40 * MIB as i64);
+            alloc.check_invariants().unwrap();
+            alloc.free(p).unwrap();
+            alloc.reset_peak_stats();
+            assert_eq!(alloc.stats().allocated_bytes[0].peak, 30 * MIB as i64);
+            alloc.free(q).unwrap();
+            alloc.empty_cache().unwrap();
+            let stats = alloc.stats();
+            assert_eq!(stats.reserved_bytes[0].current, 0, "{settings}");
+            assert!(
+                stats.reserved_bytes[0].peak >= 40 * MIB as i64,
+                "{settings}"
+            );
+            alloc.check_invariants().unwrap();
+        }
+    }
+
+    #[test]
+    fn one_shard_needs_no_tracking() {
+        let alloc = shared("policy:hbm");
+        let p = alloc.malloc(10 * MIB, StreamId(1)).unwrap();
+        alloc.free(p).unwrap();
+        let p = alloc.malloc(4 * MIB, StreamId(1)).unwrap();
+        assert!(!alloc.peaks.tracking.load(Ordering::Relaxed));
+        assert_eq!(alloc.stats().allocated_bytes[0].peak, 10 * MIB as i64);
+        alloc.free(p).unwrap();
     }
 }
