@@ -256,7 +256,7 @@ fn exact_stats(stats: &mut DeviceStats) -> [&mut Stat; EXACT_PEAKS] {
 /// machine), sharded, in millions of operations per second: traces 8.19 /
 /// 8.47 / 8.82 -> 6.20 / 7.61 / 7.91 with 2 / 4 / 8 threads, small-block
 /// churn 5.42 / 5.86 / 6.13 -> 5.81 / 5.58 / 5.13: still above one lock per
-/// device (2.4 to 4.9 there), and far above what a training loop asks. A
+/// device (2 to 5 in the same runs), and far above what a training loop asks. A
 /// peak set without the read before `fetch_max` halved the 2-thread
 /// figures.
 struct CombinedPeaks {
