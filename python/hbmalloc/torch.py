@@ -175,8 +175,8 @@ def _route_memory_functions(torch):
     """Points the ``torch._C`` functions behind ``torch.cuda``'s memory
     functions at hbmalloc (see the module documentation)."""
     c = torch._C
-    torch_empty_cache = c._cuda_emptyCache
-    torch_set_memory_fraction = c._cuda_setMemoryFraction
+    torch_empty_cache = getattr(c, "_cuda_emptyCache", lambda: None)
+    torch_set_memory_fraction = getattr(c, "_cuda_setMemoryFraction", lambda f, d: None)
 
     def empty_cache():
         torch_empty_cache()
@@ -186,14 +186,21 @@ def _route_memory_functions(torch):
         torch_set_memory_fraction(fraction, device)
         hbmalloc.set_memory_fraction(fraction, device)
 
-    c._cuda_memoryStats = lambda device: _nested(hbmalloc.memory_stats(device))
-    c._cuda_resetPeakMemoryStats = hbmalloc.reset_peak_memory_stats
-    c._cuda_resetAccumulatedMemoryStats = hbmalloc.reset_accumulated_memory_stats
-    c._cuda_emptyCache = empty_cache
-    c._cuda_setMemoryFraction = set_memory_fraction
-    c._cuda_memorySnapshot = memory_snapshot
-    c._cuda_record_memory_history = _record_memory_history
-    c._cuda_record_memory_history_legacy = _record_memory_history_legacy
+    routes = {
+        "_cuda_memoryStats": lambda device: _nested(hbmalloc.memory_stats(device)),
+        "_cuda_resetPeakMemoryStats": hbmalloc.reset_peak_memory_stats,
+        "_cuda_resetAccumulatedMemoryStats": hbmalloc.reset_accumulated_memory_stats,
+        "_cuda_emptyCache": empty_cache,
+        "_cuda_setMemoryFraction": set_memory_fraction,
+        "_cuda_memorySnapshot": memory_snapshot,
+        "_cuda_record_memory_history": _record_memory_history,
+        "_cuda_record_memory_history_legacy": _record_memory_history_legacy,
+    }
+    # Only what this torch has: install() has swapped the allocator already,
+    # and a name another torch version lacks must not undo that.
+    for name, function in routes.items():
+        if hasattr(c, name):
+            setattr(c, name, function)
 
 
 def _record_memory_history(enabled, context=None, stacks=None, max_entries=2**63 - 1,
@@ -217,8 +224,10 @@ def _refuse_graph_capture(torch):
     def capture_begin(self, *args, **kwargs):
         raise RuntimeError(_NO_GRAPHS)
 
-    capture_begin.__doc__ = torch.cuda.CUDAGraph.capture_begin.__doc__
-    torch.cuda.CUDAGraph.capture_begin = capture_begin
+    graph = getattr(torch.cuda, "CUDAGraph", None)
+    if graph is not None:
+        capture_begin.__doc__ = graph.capture_begin.__doc__
+        graph.capture_begin = capture_begin
 
 
 def is_installed():
