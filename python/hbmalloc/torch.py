@@ -264,10 +264,11 @@ def install():
     except RuntimeError as e:
         # torch: "Can't swap an already initialized allocator".
         raise RuntimeError(f"{_TOO_LATE} (PyTorch said: {e})") from e
+    # Swapped: installed, whatever follows.
+    _installed = True
     _forward_record_streams(torch)
     _route_memory_functions(torch)
     _refuse_graph_capture(torch)
-    _installed = True
     return plugged
 
 
