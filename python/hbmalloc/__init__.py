@@ -39,6 +39,7 @@ __all__ = [
     "reset_peak_memory_stats",
     "reset_accumulated_memory_stats",
     "set_memory_fraction",
+    "memory_fraction",
     "set_history_entries",
     "record_stream",
     "replay",
@@ -89,6 +90,12 @@ def set_memory_fraction(fraction, device=0):
     allocator of ``device`` holds at most ``fraction`` (0 to 1) of its memory,
     and raises ``MemoryError`` past it."""
     _native.set_memory_fraction(float(fraction), device)
+
+
+def memory_fraction(device=0):
+    """``torch.cuda.get_per_process_memory_fraction(device)``: the share of
+    ``device``'s memory its allocator may hold (1.0 unless set)."""
+    return _native.memory_fraction(device)
 
 
 def set_history_entries(entries, clear=False):

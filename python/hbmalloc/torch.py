@@ -12,7 +12,7 @@ and ``empty_cache()`` and ``set_per_process_memory_fraction()`` do nothing
 (PyTorch forwards them to hooks Python cannot set). ``install()`` routes
 them to hbmalloc instead, at the ``torch._C`` functions ``torch.cuda`` calls:
 statistics and snapshots are hbmalloc's, ``empty_cache()`` empties
-hbmalloc's caches, a memory fraction limits hbmalloc, and
+hbmalloc's caches, a memory fraction limits hbmalloc (and reads back), and
 ``reset_peak_memory_stats()`` / ``reset_accumulated_memory_stats()`` reset
 hbmalloc's, and ``torch.cuda.memory._record_memory_history()`` sets how
 many trace entries hbmalloc keeps (``max_entries``; its stack and context
@@ -192,6 +192,7 @@ def _route_memory_functions(torch):
         "_cuda_resetAccumulatedMemoryStats": hbmalloc.reset_accumulated_memory_stats,
         "_cuda_emptyCache": empty_cache,
         "_cuda_setMemoryFraction": set_memory_fraction,
+        "_cuda_getMemoryFraction": hbmalloc.memory_fraction,
         "_cuda_memorySnapshot": memory_snapshot,
         "_cuda_record_memory_history": _record_memory_history,
         "_cuda_record_memory_history_legacy": _record_memory_history_legacy,

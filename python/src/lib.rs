@@ -139,6 +139,13 @@ fn set_history_entries(entries: usize, clear: bool) -> PyResult<()> {
     hbmalloc_capi::set_history_entries(entries, clear).map_err(to_py)
 }
 
+/// The share of `device`'s memory its allocator may hold.
+#[pyfunction]
+#[pyo3(signature = (device = 0))]
+fn memory_fraction(device: i32) -> PyResult<f64> {
+    hbmalloc_capi::memory_fraction(device).map_err(to_py)
+}
+
 /// Returns the cached free memory of every device that has an allocator
 /// (the C ABI's `hbmalloc_reset`).
 #[pyfunction]
@@ -182,6 +189,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reset_peak_memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_accumulated_memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(set_memory_fraction, m)?)?;
+    m.add_function(wrap_pyfunction!(memory_fraction, m)?)?;
     m.add_function(wrap_pyfunction!(empty_cache_all, m)?)?;
     m.add_function(wrap_pyfunction!(set_history_entries, m)?)?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;

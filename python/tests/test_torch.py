@@ -135,6 +135,7 @@ def test_install_routes_torch_memory_functions_to_hbmalloc(tmp_path):
         torch._C._cuda_setMemoryFraction(0.001, 0)
         assert not lib.hbmalloc_alloc(64 * MIB, 0, None)
         print("over the fraction:", lib.hbmalloc_last_error_code())
+        print("fraction:", torch._C._cuda_getMemoryFraction(0))
         torch._C._cuda_setMemoryFraction(1.0, 0)
 
         torch.cuda.memory._record_memory_history(max_entries=1000)
@@ -156,6 +157,7 @@ def test_install_routes_torch_memory_functions_to_hbmalloc(tmp_path):
     assert "PyTorch CUDA memory summary, device ID 0" in out
     assert "reserved after empty_cache: 0" in out
     assert "over the fraction: 1" in out  # HBMALLOC_OUT_OF_MEMORY
+    assert "fraction: 0.001" in out
     assert "snapshot: 2 True" in out  # the driver double has two devices
     assert "segments: True" in out
     assert "traced: True" in out

@@ -325,6 +325,12 @@ pub fn set_memory_fraction(fraction: f64, device: i32) -> Result<(), ApiError> {
     with_allocator(device, |a| Ok(a.set_memory_fraction(fraction)?))
 }
 
+/// The share of `device`'s memory its allocator may hold
+/// (`torch.cuda.get_per_process_memory_fraction`).
+pub fn memory_fraction(device: i32) -> Result<f64, ApiError> {
+    with_allocator(device, |a| Ok(a.memory_fraction()))
+}
+
 /// `empty_cache` on every device with an allocator (PyTorch's `reset` hook,
 /// called by `torch.cuda.empty_cache()`).
 pub fn reset() -> Result<(), ApiError> {

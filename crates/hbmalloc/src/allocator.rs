@@ -134,6 +134,8 @@ pub struct Allocator<D: Device> {
     device: D,
     engine: Engine,
     settings: String,
+    /// The share of the device's memory this allocator may hold.
+    memory_fraction: f64,
 }
 
 macro_rules! dispatch {
@@ -157,6 +159,10 @@ impl<D: Device> Allocator<D> {
         let total = device.memory_info()?.total_bytes;
         let history = History::with_capacity(config.history_entries);
         let settings = config.policy.to_settings();
+        let memory_fraction = match &config.policy {
+            PolicyConfig::Pytorch(c) => c.per_process_memory_fraction,
+            PolicyConfig::Hbm(c) => c.per_process_memory_fraction,
+        };
         let engine = match config.policy {
             PolicyConfig::Pytorch(c) => Engine::Pytorch(PytorchPolicy::new(c, total, history)),
             PolicyConfig::Hbm(c) => Engine::Hbm(HbmPolicy::new(
@@ -171,6 +177,7 @@ impl<D: Device> Allocator<D> {
             device,
             engine,
             settings,
+            memory_fraction,
         })
     }
 
@@ -216,7 +223,14 @@ impl<D: Device> Allocator<D> {
             )));
         }
         dispatch!(mut self, p => p.set_memory_fraction(fraction));
+        self.memory_fraction = fraction;
         Ok(())
+    }
+
+    /// The share of the device's memory this allocator may hold (1 unless
+    /// configured or set: `get_per_process_memory_fraction()`).
+    pub fn memory_fraction(&self) -> f64 {
+        self.memory_fraction
     }
 
     /// PyTorch-compatible statistics.

@@ -466,6 +466,11 @@ impl<D: Device> SharedAllocator<D> {
         }
     }
 
+    /// The share of the device's memory all shards together may hold.
+    pub fn memory_fraction(&self) -> f64 {
+        lock(&self.shards[0]).memory_fraction()
+    }
+
     /// Checks every shard's invariants, and that the pointer map names
     /// exactly the live allocations.
     pub fn check_invariants(&self) -> Result<(), String> {

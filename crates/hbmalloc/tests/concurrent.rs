@@ -162,7 +162,9 @@ fn a_memory_fraction_limits_all_shards_together() {
     for settings in ["policy:pytorch", "policy:hbm"] {
         let device = SimDevice::with_capacity(1 << 30);
         let alloc = SharedAllocator::new(device, config(settings), 8).unwrap();
+        assert_eq!(alloc.memory_fraction(), 1.0, "{settings}");
         alloc.set_memory_fraction(0.25).unwrap();
+        assert_eq!(alloc.memory_fraction(), 0.25, "{settings}");
         // 256 MiB allowed: 100 MiB on each of several streams fits twice, not thrice.
         let mut held = Vec::new();
         let mut refused = 0;
@@ -215,5 +217,16 @@ fn resetting_statistics_reaches_every_shard() {
         assert_eq!(after.allocation[0].freed, 0, "{settings}");
         assert_eq!(after.allocation[0].current, 1, "{settings}: current stays");
         alloc.free(ptrs[0]).unwrap();
+    }
+}
+
+#[test]
+fn a_configured_memory_fraction_reads_back() {
+    for settings in [
+        "policy:pytorch,per_process_memory_fraction:0.8",
+        "policy:hbm,per_process_memory_fraction:0.8",
+    ] {
+        let alloc = SharedAllocator::new(SimDevice::new(), config(settings), 2).unwrap();
+        assert_eq!(alloc.memory_fraction(), 0.8, "{settings}");
     }
 }
