@@ -227,6 +227,17 @@ fn exact_currents(stats: &DeviceStats) -> [i64; EXACT_PEAKS] {
     exact_values(stats, |s| s.current)
 }
 
+/// The [`EXACT_PEAKS`] currents summed over the shards' `stats`.
+fn summed_currents<'a>(stats: impl IntoIterator<Item = &'a DeviceStats>) -> [i64; EXACT_PEAKS] {
+    let mut sum = [0; EXACT_PEAKS];
+    for stats in stats {
+        for (total, value) in sum.iter_mut().zip(exact_currents(stats)) {
+            *total += value;
+        }
+    }
+    sum
+}
+
 fn exact_stats(stats: &mut DeviceStats) -> [&mut Stat; EXACT_PEAKS] {
     let DeviceStats {
         allocated_bytes,
@@ -252,13 +263,14 @@ fn exact_stats(stats: &mut DeviceStats) -> [&mut Stat; EXACT_PEAKS] {
 /// statistics here, under its shard's lock, and the peak is the highest sum
 /// seen. A few atomic adds per operation, paid only by programs that
 /// allocate on several shards. Measured with `hbmalloc bench-threads`
-/// (medians of 3 runs, the build before against this one, on a 2-core
-/// machine), sharded, in millions of operations per second: traces 8.19 /
-/// 8.47 / 8.82 -> 6.20 / 7.61 / 7.91 with 2 / 4 / 8 threads, small-block
-/// churn 5.42 / 5.86 / 6.13 -> 5.81 / 5.58 / 5.13: still above one lock per
-/// device (2 to 5 in the same runs), and far above what a training loop asks. A
-/// peak set without the read before `fetch_max` halved the 2-thread
-/// figures.
+/// (medians of 3 interleaved runs, the build of e08343f against this one, on a
+/// 2-core machine), sharded, in millions of operations per second: traces
+/// 7.60 / 7.49 / 9.00 -> 8.05 / 7.64 / 7.78 with 2 / 4 / 8 threads,
+/// small-block churn 5.54 / 6.23 / 5.80 -> 6.25 / 5.78 / 5.26: noise at 2
+/// and 4 threads, about 10% at 8, still above one lock per device (2.7 to
+/// 5.7 in the same runs). Without the read before `fetch_max`, the 2-thread
+/// figures halved; without the read before the first-shard
+/// compare-exchange (a write on every malloc), churn lost 10-25%.
 struct CombinedPeaks {
     /// The first shard that allocated (`usize::MAX`: none yet).
     first_shard: AtomicUsize,
@@ -351,15 +363,20 @@ impl<D: Device> SharedAllocator<D> {
         if self.peaks.tracking.load(Ordering::Relaxed) {
             return;
         }
-        let first = match self.peaks.first_shard.compare_exchange(
-            usize::MAX,
-            home,
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-        ) {
-            Ok(_) => home,
-            Err(first) => first,
-        };
+        // A read first: every malloc comes here until a second shard
+        // allocates, and a compare-exchange is a write to a shared line.
+        let mut first = self.peaks.first_shard.load(Ordering::Relaxed);
+        if first == usize::MAX {
+            first = match self.peaks.first_shard.compare_exchange(
+                usize::MAX,
+                home,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => home,
+                Err(first) => first,
+            };
+        }
         if first == home {
             return;
         }
@@ -369,8 +386,10 @@ impl<D: Device> SharedAllocator<D> {
         }
         // Until now shards have allocated one after another: the device's
         // peak is the highest of each shard's own and of the sum now.
-        for k in 0..EXACT_PEAKS {
-            let current: i64 = shards.iter().map(|s| exact_currents(s.stats())[k]).sum();
+        for (k, current) in summed_currents(shards.iter().map(|s| s.stats()))
+            .into_iter()
+            .enumerate()
+        {
             let own_peak = shards
                 .iter()
                 .map(|s| exact_values(s.stats(), |s| s.peak)[k])
@@ -492,8 +511,8 @@ impl<D: Device> SharedAllocator<D> {
         }
         if self.peaks.tracking.load(Ordering::Relaxed) {
             let shards: Vec<_> = self.shards.iter().map(lock).collect();
-            for k in 0..EXACT_PEAKS {
-                let sum: i64 = shards.iter().map(|s| exact_currents(s.stats())[k]).sum();
+            let sums = summed_currents(shards.iter().map(|s| s.stats()));
+            for (k, &sum) in sums.iter().enumerate() {
                 let (current, peak) = (
                     self.peaks.current[k].load(Ordering::Relaxed),
                     self.peaks.peak[k].load(Ordering::Relaxed),
