@@ -40,6 +40,21 @@ and the graph would overwrite them when it replays. After ``install()``,
 to hbmalloc with ``mem_pool()`` instead: PyTorch's own allocator then keeps a
 graph's memory private.
 
+cuDNN's benchmark mode: with ``torch.backends.cudnn.benchmark = True``,
+PyTorch asks the allocator for its largest free block (``cacheInfo``) before
+it times convolution algorithms, and a pluggable allocator raises there
+("does not yet support cacheInfo"; it has no hook for it), so every new
+convolution shape would fail. After ``install()``, benchmark mode stays off:
+setting it warns (``RuntimeWarning``) and leaves it off, and ``install()``
+turns it off (and warns) if it was on. cuDNN's heuristics then choose the
+algorithms, as they do by default. ``mem_pool()`` keeps benchmark mode: there
+PyTorch's own allocator answers.
+
+Sharing CUDA tensors between processes (``torch.multiprocessing``, CUDA IPC)
+raises in PyTorch with a pluggable allocator ("does not yet support
+shareIPcHandle" / "getIpcDevPtr"); policy ``hbm``'s memory is virtual-memory
+(``cuMemMap``) memory, which CUDA's legacy IPC calls do not support either.
+
 Importing this module does not import torch; its functions raise
 ``ImportError`` when torch is missing.
 """
@@ -65,6 +80,15 @@ _NO_GRAPHS = (
     "make_graphed_callables, torch.compile(mode='reduce-overhead')) are refused in this "
     "process; to use them with hbmalloc, do not call install() and route allocations with "
     "hbmalloc.torch.mem_pool() instead."
+)
+
+_NO_CUDNN_BENCHMARK = (
+    "torch.backends.cudnn.benchmark stays off after hbmalloc.torch.install(): cuDNN's "
+    "benchmark mode asks the allocator for its largest free block (cacheInfo), which "
+    "PyTorch's pluggable allocator does not support, so convolutions would raise "
+    "'CUDAPluggableAllocator does not yet support cacheInfo'. cuDNN's heuristics choose "
+    "the convolution algorithms instead. To keep benchmark mode, route allocations with "
+    "hbmalloc.torch.mem_pool() instead of install()."
 )
 
 _allocator = None
@@ -219,6 +243,30 @@ def _record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_
     hbmalloc.set_history_entries(trace_alloc_max_entries if enabled else 0, clear_history)
 
 
+def _keep_cudnn_benchmark_off(torch):
+    """Keeps ``torch.backends.cudnn.benchmark`` off (see the module
+    documentation): through the property and through ``flags()`` /
+    ``set_flags()``, which call ``torch._C._set_cudnn_benchmark``."""
+    c = torch._C
+    torch_set = getattr(c, "_set_cudnn_benchmark", None)
+    if torch_set is None:
+        return
+
+    def set_cudnn_benchmark(enabled):
+        if enabled:
+            warnings.warn(_NO_CUDNN_BENCHMARK, RuntimeWarning, stacklevel=3)
+            enabled = False
+        torch_set(enabled)
+
+    c._set_cudnn_benchmark = set_cudnn_benchmark
+    # The property keeps the setter it was made with.
+    prop = vars(type(torch.backends.cudnn)).get("benchmark")
+    if prop is not None and hasattr(prop, "setter"):
+        prop.setter = set_cudnn_benchmark
+    if c._get_cudnn_benchmark():
+        set_cudnn_benchmark(True)
+
+
 def _refuse_graph_capture(torch):
     """Makes CUDA graph capture raise (see the module documentation)."""
 
@@ -245,7 +293,10 @@ def install():
     ``torch.cuda``'s statistics, snapshots, history, ``empty_cache()`` and
     memory fraction to hbmalloc (see the module documentation: PyTorch passes
     none of them on to a pluggable allocator); CUDA graph capture raises from
-    then on, as PyTorch cannot keep a graph's memory private from hbmalloc.
+    then on, as PyTorch cannot keep a graph's memory private from hbmalloc,
+    and ``torch.backends.cudnn.benchmark`` stays off (with a warning when
+    set), as its algorithm search asks the allocator what a pluggable one
+    cannot answer.
 
     Raises ``RuntimeError`` when called twice, or when PyTorch's CUDA
     allocator is already initialised (too late), and ``ImportError``
@@ -269,6 +320,7 @@ def install():
     _installed = True
     _forward_record_streams(torch)
     _route_memory_functions(torch)
+    _keep_cudnn_benchmark_off(torch)
     _refuse_graph_capture(torch)
     return plugged
 

@@ -184,6 +184,40 @@ def test_install_refuses_cuda_graph_capture():
     assert "hbmalloc.torch.mem_pool()" in out
 
 
+def test_install_keeps_cudnn_benchmark_off():
+    """cuDNN's benchmark mode asks the allocator for cacheInfo, which a
+    pluggable allocator raises on: install() keeps it off, through the
+    property, flags() and a setting made before install()."""
+    out = run_ok(
+        """
+        import warnings, torch, hbmalloc.torch
+        torch.backends.cudnn.benchmark = True
+        print("before:", torch.backends.cudnn.benchmark)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hbmalloc.torch.install()
+            print("at install:", torch.backends.cudnn.benchmark, len(caught))
+            torch.backends.cudnn.benchmark = True
+            print("set:", torch.backends.cudnn.benchmark, len(caught))
+            with torch.backends.cudnn.flags(benchmark=True):
+                print("flags:", torch.backends.cudnn.benchmark, len(caught))
+            torch.backends.cudnn.benchmark = False
+            print("off:", torch.backends.cudnn.benchmark, len(caught))
+        print("message:", caught[0].message)
+        print("where:", caught[1].filename)
+        """
+    )
+    assert "before: True" in out
+    assert "at install: False 1" in out
+    assert "set: False 2" in out
+    assert "flags: False 3" in out
+    assert "off: False 3" in out
+    assert "does not yet support cacheInfo" in out
+    assert "hbmalloc.torch.mem_pool()" in out
+    # The warning points at the line that set the flag (python -c's code).
+    assert "where: <string>" in out
+
+
 def test_install_warns_when_nccl_is_told_to_record_streams():
     result = run_python(
         textwrap.dedent(
