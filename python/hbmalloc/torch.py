@@ -92,6 +92,7 @@ _NO_CUDNN_BENCHMARK = (
 )
 
 _allocator = None
+_pool_allocator = None
 _installed = False
 _NCCL_AVOID_RECORD_STREAMS = "TORCH_NCCL_AVOID_RECORD_STREAMS"
 
@@ -109,15 +110,39 @@ def _torch():
 
 
 def allocator():
-    """The ``torch.cuda.memory.CUDAPluggableAllocator`` over hbmalloc's
-    library (``hbmalloc_alloc`` / ``hbmalloc_free``), created once."""
+    """The ``torch.cuda.memory.CUDAPluggableAllocator`` that ``install()``
+    makes PyTorch's, created once: ``hbmalloc_torch_alloc`` and
+    ``hbmalloc_free`` from hbmalloc's library.
+
+    ``CUDAPluggableAllocator`` hands what its alloc function returns to a
+    tensor without checking it, so a NULL for "out of memory" would become a
+    tensor at address 0, and the first kernel to touch it would fault.
+    ``hbmalloc_torch_alloc`` throws a C++ exception instead, which PyTorch
+    raises as ``RuntimeError`` where the allocation was made: "CUDA out of
+    memory. hbmalloc: tried to allocate ..." and hbmalloc's report (not
+    ``torch.OutOfMemoryError``, which only PyTorch's own C++ can throw; code
+    that catches ``RuntimeError`` or matches "CUDA out of memory." sees it)."""
     global _allocator
     torch = _torch()
     if _allocator is None:
         _allocator = torch.cuda.memory.CUDAPluggableAllocator(
-            hbmalloc.library_path(), "hbmalloc_alloc", "hbmalloc_free"
+            hbmalloc.library_path(), "hbmalloc_torch_alloc", "hbmalloc_free"
         )
     return _allocator
+
+
+def _mem_pool_allocator():
+    """The ``CUDAPluggableAllocator`` behind ``mem_pool()``: ``hbmalloc_alloc``,
+    which returns NULL when it fails. PyTorch's own allocator calls it for a
+    pool and turns NULL into its own out-of-memory handling (free its cache,
+    retry, raise ``torch.OutOfMemoryError``), which an exception would skip."""
+    global _pool_allocator
+    torch = _torch()
+    if _pool_allocator is None:
+        _pool_allocator = torch.cuda.memory.CUDAPluggableAllocator(
+            hbmalloc.library_path(), "hbmalloc_alloc", "hbmalloc_free"
+        )
+    return _pool_allocator
 
 
 def forward_record_stream(tensor, stream):
@@ -329,4 +354,4 @@ def mem_pool(**kwargs):
     """A ``torch.cuda.MemPool`` whose memory comes from hbmalloc; use it with
     ``torch.cuda.use_mem_pool(pool)``. Keyword arguments go to ``MemPool``."""
     torch = _torch()
-    return torch.cuda.MemPool(allocator=allocator().allocator(), **kwargs)
+    return torch.cuda.MemPool(allocator=_mem_pool_allocator().allocator(), **kwargs)

@@ -47,6 +47,7 @@ def test_library_path_exports_the_c_abi():
     lib = ctypes.CDLL(hbmalloc.library_path())
     for name in [
         "hbmalloc_alloc",
+        "hbmalloc_torch_alloc",
         "hbmalloc_free",
         "hbmalloc_record_stream",
         "hbmalloc_empty_cache",

@@ -48,6 +48,35 @@ def test_install_plugs_hbmalloc_in_and_refuses_a_second_time():
     assert "second: hbmalloc.torch.install() was already called" in out
 
 
+def test_install_gives_torch_the_alloc_that_raises_and_mem_pool_the_one_that_returns_null():
+    """PyTorch's CUDAPluggableAllocator hands a NULL from its alloc function
+    to a tensor unchecked: install() loads hbmalloc_torch_alloc, which throws
+    instead (tests/cxx/throw_test.cc checks the throw); a MemPool's allocator
+    turns NULL into PyTorch's own out-of-memory handling, so mem_pool() loads
+    hbmalloc_alloc."""
+    out = run_ok(
+        """
+        import torch, hbmalloc.torch
+        loaded = []
+        real = torch.cuda.memory.CUDAPluggableAllocator
+
+        class Recording(real):
+            def __init__(self, path, alloc_fn_name, free_fn_name):
+                loaded.append((alloc_fn_name, free_fn_name))
+                super().__init__(path, alloc_fn_name, free_fn_name)
+
+        torch.cuda.memory.CUDAPluggableAllocator = Recording
+        hbmalloc.torch.install()
+        hbmalloc.torch._mem_pool_allocator()
+        print("loaded:", loaded)
+        """
+    )
+    assert (
+        "loaded: [('hbmalloc_torch_alloc', 'hbmalloc_free'), ('hbmalloc_alloc', 'hbmalloc_free')]"
+        in out
+    )
+
+
 def test_install_passes_record_stream_on_to_hbmalloc():
     """PyTorch drops Tensor.record_stream at a pluggable allocator; install()
     wraps it so that hbmalloc hears of it, and keeps ProcessGroupNCCL off

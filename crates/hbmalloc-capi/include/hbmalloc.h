@@ -83,6 +83,14 @@ typedef enum hbmalloc_status {
  * (last error says why); size 0 returns NULL without error. */
 void *hbmalloc_alloc(ssize_t size, int device, cudaStream_t stream);
 
+/* hbmalloc_alloc for C++ callers, and what hbmalloc.torch.install() gives
+ * PyTorch: a failure throws std::runtime_error (the last error as its
+ * message, beginning "CUDA out of memory." when memory ran out) instead of
+ * returning NULL, which PyTorch's CUDAPluggableAllocator would hand to a
+ * tensor unchecked. PyTorch raises the exception as a Python RuntimeError.
+ * size 0 returns NULL without throwing. Never call it from C. */
+void *hbmalloc_torch_alloc(ssize_t size, int device, cudaStream_t stream);
+
 /* Frees ptr. NULL is a no-op. size and stream are ignored (hbmalloc knows
  * both); an unknown pointer sets HBMALLOC_UNKNOWN_POINTER. */
 void hbmalloc_free(void *ptr, ssize_t size, int device, cudaStream_t stream);

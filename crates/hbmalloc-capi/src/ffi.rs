@@ -121,6 +121,74 @@ pub extern "C" fn hbmalloc_alloc(size: ssize_t, device: c_int, stream: CudaStrea
     })
 }
 
+extern "C-unwind" {
+    /// Throws `std::runtime_error(message)` (`cxx/throw.cc`); the message is
+    /// copied before the throw.
+    fn hbmalloc_capi_throw(message: *const c_char) -> !;
+}
+
+thread_local! {
+    /// The message `hbmalloc_torch_alloc` throws, kept here so that no value
+    /// with a destructor is alive in the frame the exception unwinds.
+    static THROWN: RefCell<std::ffi::CString> = RefCell::new(std::ffi::CString::default());
+}
+
+/// [`hbmalloc_alloc`] for PyTorch's `CUDAPluggableAllocator` installed as
+/// the process's allocator: a failure throws a C++ `std::runtime_error`
+/// instead of returning NULL, which PyTorch would hand to a tensor
+/// unchecked (the first kernel to touch it would fault at address 0). The
+/// exception unwinds through PyTorch's C++ to its Python bindings, which
+/// raise `RuntimeError` with the message: for lack of memory it begins
+/// `CUDA out of memory.`, as PyTorch's own does, then hbmalloc's report.
+/// `size == 0` returns NULL without throwing. Only C++ callers that catch
+/// exceptions may use it; C callers use [`hbmalloc_alloc`], as does a
+/// `torch.cuda.MemPool`, whose allocator turns NULL into PyTorch's own
+/// out-of-memory handling.
+#[no_mangle]
+pub extern "C-unwind" fn hbmalloc_torch_alloc(
+    size: ssize_t,
+    device: c_int,
+    stream: CudaStream,
+) -> *mut c_void {
+    let ptr = hbmalloc_alloc(size, device, stream);
+    if !ptr.is_null() || size == 0 {
+        return ptr;
+    }
+    let message = thrown_message();
+    // SAFETY: `message` is a NUL-terminated string owned by this thread's
+    // `THROWN`, valid until its next write on this thread; the C++ side
+    // copies it into the exception before it throws. The exception unwinds
+    // this frame ("C-unwind"), which holds nothing to drop.
+    unsafe { hbmalloc_capi_throw(message) }
+}
+
+/// The last error as `hbmalloc_torch_alloc` throws it, in `THROWN`.
+fn thrown_message() -> *const c_char {
+    let text = catch_unwind(|| {
+        let (status, message) = LAST_ERROR
+            .try_with(|last| last.borrow().clone())
+            .unwrap_or((Status::Internal, String::new()));
+        let text = match status {
+            Status::OutOfMemory => format!(
+                "CUDA out of memory. hbmalloc: {}",
+                message.strip_prefix("out of memory: ").unwrap_or(&message)
+            ),
+            _ if message.is_empty() => "hbmalloc: allocation failed".to_string(),
+            _ => message,
+        };
+        // A message never holds a NUL; if one did, it would be cut there.
+        let text = text.split('\0').next().unwrap_or_default().to_string();
+        std::ffi::CString::new(text).unwrap_or_default()
+    })
+    .unwrap_or_default();
+    THROWN
+        .try_with(|slot| {
+            *slot.borrow_mut() = text;
+            slot.borrow().as_ptr()
+        })
+        .unwrap_or(c"hbmalloc: allocation failed".as_ptr())
+}
+
 /// Frees `ptr` (PyTorch's pluggable `free`). NULL is a no-op; a pointer
 /// hbmalloc does not hold on `device` sets `UNKNOWN_POINTER`.
 #[no_mangle]
