@@ -55,6 +55,12 @@ raises in PyTorch with a pluggable allocator ("does not yet support
 shareIPcHandle" / "getIpcDevPtr"); policy ``hbm``'s memory is virtual-memory
 (``cuMemMap``) memory, which CUDA's legacy IPC calls do not support either.
 
+Configuration: with ``HBMALLOC_CONF`` unset, hbmalloc reads
+``PYTORCH_CUDA_ALLOC_CONF`` (else ``PYTORCH_ALLOC_CONF``) and runs PyTorch's
+policy with it, so that a job keeps its tuned settings; ``install()`` warns
+when that happens (a cluster-wide ``expandable_segments:True`` would
+otherwise replace policy ``hbm`` unnoticed). ``HBMALLOC_CONF`` comes first.
+
 Importing this module does not import torch; its functions raise
 ``ImportError`` when torch is missing.
 """
@@ -292,6 +298,29 @@ def _keep_cudnn_benchmark_off(torch):
         set_cudnn_benchmark(True)
 
 
+def _warn_of_pytorch_policy():
+    """Warns when PyTorch's configuration variable picks hbmalloc's policy:
+    with ``HBMALLOC_CONF`` unset, hbmalloc reads ``PYTORCH_CUDA_ALLOC_CONF``
+    (else ``PYTORCH_ALLOC_CONF``) and runs PyTorch's own policy with it, which a
+    cluster-wide ``expandable_segments:True`` would do without anyone asking
+    for it. The same test as the C ABI's configuration: set and not blank."""
+    if os.environ.get("HBMALLOC_CONF", "").strip():
+        return
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        value = os.environ.get(var, "")
+        if value.strip():
+            warnings.warn(
+                f"{var}={value} is set and HBMALLOC_CONF is not: hbmalloc runs PyTorch's "
+                f"policy (policy:pytorch) with {var}'s settings, not its own policy hbm. "
+                "Set HBMALLOC_CONF=policy:hbm to use hbm (HBMALLOC_CONF comes first), or "
+                f"HBMALLOC_CONF=policy:pytorch,{value} to keep PyTorch's policy without "
+                "this warning.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+
+
 def _refuse_graph_capture(torch):
     """Makes CUDA graph capture raise (see the module documentation)."""
 
@@ -335,6 +364,7 @@ def install():
         )
     if torch.cuda.is_initialized():
         raise RuntimeError(_TOO_LATE)
+    _warn_of_pytorch_policy()
     plugged = allocator()
     try:
         torch.cuda.memory.change_current_allocator(plugged)

@@ -265,6 +265,42 @@ def test_install_warns_when_nccl_is_told_to_record_streams():
     assert "ProcessGroupNCCL will call recordStream" in result.stdout
 
 
+@pytest.mark.parametrize(
+    "env, warned",
+    [
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+        ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}, True),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "HBMALLOC_CONF": "policy:hbm"}, False),
+        ({"PYTORCH_CUDA_ALLOC_CONF": " "}, False),
+    ],
+)
+def test_install_warns_when_pytorchs_variable_picks_the_policy(env, warned):
+    """With HBMALLOC_CONF unset, PyTorch's variable selects policy pytorch:
+    install() says so, and says how to get hbm."""
+    base = {"HBMALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": ""}
+    result = run_python(
+        textwrap.dedent(
+            """
+            import warnings, torch, hbmalloc, hbmalloc.torch
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                hbmalloc.torch.install()
+            print("warnings:", [str(w.message) for w in caught if "HBMALLOC_CONF" in str(w.message)])
+            print("settings:", hbmalloc.settings())
+            """
+        ),
+        env={**base, **env},
+    )
+    assert result.returncode == 0, result.stderr
+    if warned:
+        assert "is set and HBMALLOC_CONF is not" in result.stdout
+        assert "HBMALLOC_CONF=policy:hbm" in result.stdout
+        assert "settings: policy:pytorch" in result.stdout
+    else:
+        assert "warnings: []" in result.stdout
+        assert "settings: policy:hbm" in result.stdout
+
+
 def test_install_too_late_after_cuda_was_initialised():
     out = run_ok(
         """
