@@ -127,7 +127,9 @@ def allocator():
     raises as ``RuntimeError`` where the allocation was made: "CUDA out of
     memory. hbmalloc: tried to allocate ..." and hbmalloc's report (not
     ``torch.OutOfMemoryError``, which only PyTorch's own C++ can throw; code
-    that catches ``RuntimeError`` or matches "CUDA out of memory." sees it)."""
+    that catches ``RuntimeError`` or matches "CUDA out of memory." sees it,
+    but PyTorch's internal fallbacks that catch its own error, such as cuDNN
+    retrying with a smaller workspace, do not)."""
     global _allocator
     torch = _torch()
     if _allocator is None:
