@@ -189,6 +189,111 @@ fn four_threads_churn_hbm_policy_sharded() {
     churn("policy:hbm", 8);
 }
 
+/// A seeded program for [`SharedAllocator`]s: streams 1-6 (on several of 8
+/// shards) allocating small and large blocks and freeing them in turn, a
+/// `reset_peak_stats` half way, everything freed and `empty_cache` at the
+/// end. `each_step` sees the allocator after every call.
+fn run_program(
+    alloc: &SharedAllocator<SimDevice>,
+    seed: u64,
+    mut each_step: impl FnMut(&SharedAllocator<SimDevice>),
+) {
+    let mut state = seed;
+    let mut live: Vec<u64> = Vec::new();
+    for step in 0..3_000 {
+        if step == 1_500 {
+            alloc.reset_peak_stats();
+        }
+        if live.is_empty() || next(&mut state) % 5 < 3 {
+            let stream = StreamId(1 + next(&mut state) % 6);
+            let size = if next(&mut state) % 4 == 0 {
+                MIB + next(&mut state) % (24 * MIB)
+            } else {
+                512 + next(&mut state) % (MIB / 2)
+            };
+            live.push(alloc.malloc(size, stream).unwrap());
+        } else {
+            alloc
+                .free(live.swap_remove((next(&mut state) % live.len() as u64) as usize))
+                .unwrap();
+        }
+        each_step(alloc);
+    }
+    for ptr in live.drain(..) {
+        alloc.free(ptr).unwrap();
+        each_step(alloc);
+    }
+    alloc.empty_cache().unwrap();
+    alloc.check_invariants().unwrap();
+}
+
+/// A sharded allocator reports what one engine under one lock reports for
+/// the same program, under PyTorch's policy, whose decisions sharding does
+/// not change (memory never leaves its stream): every current value and
+/// total, and the byte peaks it keeps exact (`CombinedPeaks`: allocated,
+/// reserved, active, requested bytes). The other peaks are sums of the
+/// shards' (upper bounds), and `num_sync_all_streams` counts each shard's
+/// `empty_cache`.
+#[test]
+fn sharded_statistics_are_one_engines() {
+    let exact_peaks = [
+        "allocated_bytes.all.peak",
+        "reserved_bytes.all.peak",
+        "active_bytes.all.peak",
+        "requested_bytes.all.peak",
+    ];
+    for settings in ["policy:pytorch", "policy:pytorch,expandable_segments:True"] {
+        for seed in 1..=4u64 {
+            let stats = |shards| {
+                let alloc =
+                    SharedAllocator::new(SimDevice::new(), config(settings), shards).unwrap();
+                run_program(&alloc, seed, |_| {});
+                let mut stats = alloc.stats().to_pytorch_map();
+                stats.retain(|key, _| {
+                    !key.ends_with(".peak") || exact_peaks.contains(&key.as_str())
+                });
+                stats.remove("num_sync_all_streams");
+                stats
+            };
+            assert_eq!(stats(8), stats(1), "{settings}, seed {seed}");
+        }
+    }
+}
+
+/// Under policy hbm, which stitches idle memory across streams (so one
+/// engine decides differently from eight), no peak of a sharded allocator
+/// is below the highest total seen after any call. (That the byte peaks are
+/// not the sums of the shards' either is `src/concurrent.rs`'s unit tests.)
+#[test]
+fn sharded_hbm_peaks_are_at_least_every_total_seen() {
+    let field = |stats: &std::collections::BTreeMap<String, i64>, suffix: &str| {
+        stats
+            .iter()
+            .filter_map(|(k, v)| Some((k.strip_suffix(suffix)?.to_string(), *v)))
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    for seed in 1..=4u64 {
+        let alloc = SharedAllocator::new(SimDevice::new(), config("policy:hbm"), 8).unwrap();
+        let mut highest_seen = std::collections::BTreeMap::<String, i64>::new();
+        let mut calls = 0;
+        run_program(&alloc, seed, |alloc| {
+            calls += 1;
+            if calls == 1_500 {
+                // The peaks were reset before this call.
+                highest_seen.clear();
+            }
+            for (key, current) in field(&alloc.stats().to_pytorch_map(), ".current") {
+                let seen = highest_seen.entry(key).or_insert(current);
+                *seen = (*seen).max(current);
+            }
+        });
+        for (key, peak) in field(&alloc.stats().to_pytorch_map(), ".peak") {
+            let seen = highest_seen[&key];
+            assert!(peak >= seen, "seed {seed}: {key} peak {peak} < {seen} seen");
+        }
+    }
+}
+
 #[test]
 fn resetting_statistics_reaches_every_shard() {
     for settings in ["policy:pytorch", "policy:hbm"] {
