@@ -271,6 +271,13 @@ fn exact_stats(stats: &mut DeviceStats) -> [&mut Stat; EXACT_PEAKS] {
 /// 5.7 in the same runs). Without the read before `fetch_max`, the 2-thread
 /// figures halved; without the read before the first-shard
 /// compare-exchange (a write on every malloc), churn lost 10-25%.
+///
+/// Why only these four: the same tracking for every statistic (the 29 with
+/// a peak: counts, and each pool) or for the 9 aggregate ones made the
+/// sharded allocator 3.5 and 2 times slower at 2 to 8 threads, below one
+/// lock per device (`hbmalloc bench-threads`, stop 23: traces 6.4-7.5 ->
+/// 1.7-1.9 and 2.8 Mops/s); their atomics span several cache lines that
+/// every shard writes on every call. Those peaks stay sums of the shards'.
 struct CombinedPeaks {
     /// The first shard that allocated (`usize::MAX`: none yet).
     first_shard: AtomicUsize,
