@@ -97,8 +97,7 @@ _NO_CUDNN_BENCHMARK = (
     "hbmalloc.torch.mem_pool() instead of install()."
 )
 
-_allocator = None
-_pool_allocator = None
+_pluggables = {}  # alloc function name -> CUDAPluggableAllocator
 _installed = False
 _NCCL_AVOID_RECORD_STREAMS = "TORCH_NCCL_AVOID_RECORD_STREAMS"
 
@@ -113,6 +112,17 @@ def _torch():
             "the rest of hbmalloc works without it"
         ) from e
     return torch
+
+
+def _pluggable(alloc_fn_name):
+    """The ``CUDAPluggableAllocator`` over hbmalloc's library with
+    ``alloc_fn_name`` and ``hbmalloc_free``, created once per name."""
+    torch = _torch()
+    if alloc_fn_name not in _pluggables:
+        _pluggables[alloc_fn_name] = torch.cuda.memory.CUDAPluggableAllocator(
+            hbmalloc.library_path(), alloc_fn_name, "hbmalloc_free"
+        )
+    return _pluggables[alloc_fn_name]
 
 
 def allocator():
@@ -130,13 +140,7 @@ def allocator():
     that catches ``RuntimeError`` or matches "CUDA out of memory." sees it,
     but PyTorch's internal fallbacks that catch its own error, such as cuDNN
     retrying with a smaller workspace, do not)."""
-    global _allocator
-    torch = _torch()
-    if _allocator is None:
-        _allocator = torch.cuda.memory.CUDAPluggableAllocator(
-            hbmalloc.library_path(), "hbmalloc_torch_alloc", "hbmalloc_free"
-        )
-    return _allocator
+    return _pluggable("hbmalloc_torch_alloc")
 
 
 def _mem_pool_allocator():
@@ -144,13 +148,7 @@ def _mem_pool_allocator():
     which returns NULL when it fails. PyTorch's own allocator calls it for a
     pool and turns NULL into its own out-of-memory handling (free its cache,
     retry, raise ``torch.OutOfMemoryError``), which an exception would skip."""
-    global _pool_allocator
-    torch = _torch()
-    if _pool_allocator is None:
-        _pool_allocator = torch.cuda.memory.CUDAPluggableAllocator(
-            hbmalloc.library_path(), "hbmalloc_alloc", "hbmalloc_free"
-        )
-    return _pool_allocator
+    return _pluggable("hbmalloc_alloc")
 
 
 def forward_record_stream(tensor, stream):

@@ -6,24 +6,35 @@
 
 mod support;
 
-use std::path::Path;
-use std::process::Command;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
 
-#[test]
-fn c_program_compiles_against_the_header_and_runs() {
+/// Compiles `source` (relative to this crate) with `compiler` (from the
+/// environment variable `compiler_var`, else `default`) and `flags` against
+/// the header and the cdylib, runs it with `args` and `env` on the driver
+/// double (no other configuration variable set) in the directory it was
+/// built in, and checks that it reported `", 0 failed"`. Returns that
+/// directory.
+fn compile_and_run(
+    (compiler_var, default): (&str, &str),
+    flags: &[&str],
+    source: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> PathBuf {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     let library = support::build_cdylib("hbmalloc-capi", "hbmalloc_capi");
-    let double = support::double_path();
     let lib_dir = library.parent().unwrap();
     let out_dir = lib_dir.join("hbmalloc-capi-c-test");
     std::fs::create_dir_all(&out_dir).unwrap();
-    let exe = out_dir.join("abi_test");
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
-    let compile = Command::new(&cc)
-        .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic"])
+    let source = manifest.join(source);
+    let exe = out_dir.join(source.file_stem().unwrap());
+    let compiler = std::env::var(compiler_var).unwrap_or_else(|_| default.to_string());
+    let compile = Command::new(&compiler)
+        .args(flags)
         .arg("-I")
         .arg(manifest.join("include"))
-        .arg(manifest.join("tests/c/abi_test.c"))
+        .arg(&source)
         .arg("-L")
         .arg(lib_dir)
         .arg("-lhbmalloc_capi")
@@ -31,31 +42,46 @@ fn c_program_compiles_against_the_header_and_runs() {
         .arg("-o")
         .arg(&exe)
         .output()
-        .unwrap_or_else(|e| panic!("cannot run the C compiler {cc}: {e}"));
+        .unwrap_or_else(|e| panic!("cannot run the compiler {compiler}: {e}"));
     assert!(
         compile.status.success(),
-        "{cc} failed:\n{}",
+        "{compiler} failed:\n{}",
         String::from_utf8_lossy(&compile.stderr)
     );
-    let snapshot = out_dir.join("abi_test.pickle");
     let mut run = Command::new(&exe);
     for var in support::CONFIG_VARS {
         run.env_remove(var);
     }
-    let output = run
-        .arg(&snapshot)
-        .env("HBMALLOC_CUDA_DRIVER", double)
-        .env("HBMALLOC_CONF", "policy:pytorch")
-        .env("HBMALLOC_HISTORY_ENTRIES", "1000")
+    let output: Output = run
+        .current_dir(&out_dir)
+        .args(args)
+        .env("HBMALLOC_CUDA_DRIVER", support::double_path())
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(
         output.status.success() && stdout.contains(", 0 failed"),
-        "abi_test failed:\n{stdout}\n{}",
+        "{} failed:\n{stdout}\n{}",
+        exe.display(),
         String::from_utf8_lossy(&output.stderr)
     );
-    let trace = hbmalloc_trace::load(&snapshot).unwrap();
+    out_dir
+}
+
+#[test]
+fn c_program_compiles_against_the_header_and_runs() {
+    let out_dir = compile_and_run(
+        ("CC", "cc"),
+        &["-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic"],
+        "tests/c/abi_test.c",
+        &["abi_test.pickle"],
+        &[
+            ("HBMALLOC_CONF", "policy:pytorch"),
+            ("HBMALLOC_HISTORY_ENTRIES", "1000"),
+        ],
+    );
+    let trace = hbmalloc_trace::load(&out_dir.join("abi_test.pickle")).unwrap();
     assert!(trace.devices.iter().any(|d| !d.ops.is_empty()));
 }
 
@@ -64,41 +90,11 @@ fn c_program_compiles_against_the_header_and_runs() {
 /// memory (beginning "CUDA out of memory."), a bad size, a bad device.
 #[test]
 fn cxx_program_catches_hbmalloc_torch_alloc_failures() {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let library = support::build_cdylib("hbmalloc-capi", "hbmalloc_capi");
-    let double = support::double_path();
-    let lib_dir = library.parent().unwrap();
-    let out_dir = lib_dir.join("hbmalloc-capi-c-test");
-    std::fs::create_dir_all(&out_dir).unwrap();
-    let exe = out_dir.join("throw_test");
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
-    let compile = Command::new(&cxx)
-        .args(["-std=c++11", "-Wall", "-Wextra", "-Werror"])
-        .arg("-I")
-        .arg(manifest.join("include"))
-        .arg(manifest.join("tests/cxx/throw_test.cc"))
-        .arg("-L")
-        .arg(lib_dir)
-        .arg("-lhbmalloc_capi")
-        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
-        .arg("-o")
-        .arg(&exe)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run the C++ compiler {cxx}: {e}"));
-    assert!(
-        compile.status.success(),
-        "{cxx} failed:\n{}",
-        String::from_utf8_lossy(&compile.stderr)
-    );
-    let mut run = Command::new(&exe);
-    for var in support::CONFIG_VARS {
-        run.env_remove(var);
-    }
-    let output = run.env("HBMALLOC_CUDA_DRIVER", double).output().unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success() && stdout.contains(", 0 failed"),
-        "throw_test failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
+    compile_and_run(
+        ("CXX", "c++"),
+        &["-std=c++11", "-Wall", "-Wextra", "-Werror"],
+        "tests/cxx/throw_test.cc",
+        &[],
+        &[],
     );
 }
