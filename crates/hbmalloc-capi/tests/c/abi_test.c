@@ -9,21 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int failures = 0;
-static int checks = 0;
-
-#define CHECK(cond)                                                          \
-    do {                                                                     \
-        checks++;                                                            \
-        if (!(cond)) {                                                       \
-            char message_[512];                                              \
-            hbmalloc_last_error(message_, sizeof message_);                  \
-            fprintf(stderr, "%s:%d: check failed: %s (last error %d: %s)\n", \
-                    __FILE__, __LINE__, #cond, hbmalloc_last_error_code(),   \
-                    message_);                                               \
-            failures++;                                                      \
-        }                                                                    \
-    } while (0)
+#include "check.h"
 
 int main(int argc, char **argv) {
     cudaStream_t stream = (cudaStream_t)0;

@@ -8,18 +8,7 @@
 #include <stdexcept>
 #include <string>
 
-static int failures = 0;
-static int checks = 0;
-
-#define CHECK(cond)                                                        \
-    do {                                                                   \
-        checks++;                                                          \
-        if (!(cond)) {                                                     \
-            std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__,    \
-                         __LINE__, #cond);                                 \
-            failures++;                                                    \
-        }                                                                  \
-    } while (0)
+#include "../c/check.h"
 
 // The message hbmalloc_torch_alloc threw, or "" when it returned.
 static std::string thrown(ssize_t size, int device, void **out) {
