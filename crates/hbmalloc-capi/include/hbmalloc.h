@@ -23,7 +23,8 @@
  * Errors: every function records its outcome as the calling thread's last
  * error: hbmalloc_last_error_code() gives the status (HBMALLOC_OK after a
  * successful call), hbmalloc_last_error() the message. No function unwinds
- * or aborts on bad input; an internal bug is reported as HBMALLOC_INTERNAL.
+ * or aborts on bad input (but hbmalloc_torch_alloc, for C++ callers, throws
+ * by design); an internal bug is reported as HBMALLOC_INTERNAL.
  *
  * Configuration, read once at first use from the environment:
  *   HBMALLOC_CONF            settings string, e.g. "policy:pytorch,expandable_segments:True"

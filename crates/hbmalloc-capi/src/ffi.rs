@@ -3,7 +3,10 @@
 //! Every function runs its body under [`std::panic::catch_unwind`] (a panic
 //! becomes [`Status::Internal`]), records its outcome as the calling thread's
 //! last error (`Status::Ok` and an empty message on success), and never
-//! unwinds into C. `unsafe` appears only where C pointers are read or written.
+//! unwinds into C. The one exception is by design: `hbmalloc_torch_alloc`
+//! reports a failure to its C++ caller (PyTorch) as a C++ exception, thrown
+//! by `cxx/throw.cc` after hbmalloc's own work is done. `unsafe` appears
+//! only where C pointers are read or written, and at that throw.
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr};
