@@ -303,22 +303,21 @@ def _warn_of_pytorch_policy():
     with ``HBMALLOC_CONF`` unset, hbmalloc reads ``PYTORCH_CUDA_ALLOC_CONF``
     (else ``PYTORCH_ALLOC_CONF``) and runs PyTorch's own policy with it, which a
     cluster-wide ``expandable_segments:True`` would do without anyone asking
-    for it. The same test as the C ABI's configuration: set and not blank."""
-    if os.environ.get("HBMALLOC_CONF", "").strip():
+    for it. The C ABI's own choice (``configuration_source``), read before
+    any allocator exists."""
+    source = _native.configuration_source()
+    if source is None or source[0] == "HBMALLOC_CONF":
         return
-    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        value = os.environ.get(var, "")
-        if value.strip():
-            warnings.warn(
-                f"{var}={value} is set and HBMALLOC_CONF is not: hbmalloc runs PyTorch's "
-                f"policy (policy:pytorch) with {var}'s settings, not its own policy hbm. "
-                "Set HBMALLOC_CONF=policy:hbm to use hbm (HBMALLOC_CONF comes first), or "
-                f"HBMALLOC_CONF=policy:pytorch,{value} to keep PyTorch's policy without "
-                "this warning.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return
+    var, value = source
+    warnings.warn(
+        f"{var}={value} is set and HBMALLOC_CONF is not: hbmalloc runs PyTorch's "
+        f"policy (policy:pytorch) with {var}'s settings, not its own policy hbm. "
+        "Set HBMALLOC_CONF=policy:hbm to use hbm (HBMALLOC_CONF comes first), or "
+        f"HBMALLOC_CONF=policy:pytorch,{value} to keep PyTorch's policy without "
+        "this warning.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _refuse_graph_capture(torch):

@@ -176,6 +176,15 @@ fn settings(device: i32) -> PyResult<String> {
     hbmalloc_capi::settings(device).map_err(to_py)
 }
 
+/// `(variable, value)`: the environment variable hbmalloc's configuration
+/// comes from (`HBMALLOC_CONF`, else `PYTORCH_CUDA_ALLOC_CONF` or
+/// `PYTORCH_ALLOC_CONF`: policy pytorch), or `None` (policy hbm's defaults).
+/// Creates no allocator.
+#[pyfunction]
+fn configuration_source() -> Option<(&'static str, String)> {
+    hbmalloc_capi::configuration_source()
+}
+
 /// The native module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -185,6 +194,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(replay_json, m)?)?;
     m.add_function(wrap_pyfunction!(settings, m)?)?;
+    m.add_function(wrap_pyfunction!(configuration_source, m)?)?;
     m.add_function(wrap_pyfunction!(record_stream, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak_memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_accumulated_memory_stats, m)?)?;

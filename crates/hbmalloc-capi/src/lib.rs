@@ -160,6 +160,22 @@ fn shards_from_env() -> Result<usize, ApiError> {
     }
 }
 
+/// A configuration variable's value, when it is set and not blank.
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// The variable the policy's configuration comes from, and its value:
+/// [`CONF_ENV`], else the first of [`PYTORCH_CONF_ENVS`] (policy `pytorch`),
+/// else `None` (the engine's default policy). Creates nothing, so callers
+/// (the Python package) can say which policy will run before any allocator
+/// exists.
+pub fn configuration_source() -> Option<(&'static str, String)> {
+    std::iter::once(CONF_ENV)
+        .chain(PYTORCH_CONF_ENVS)
+        .find_map(|var| env(var).map(|value| (var, value)))
+}
+
 /// Reads the configuration from the environment (see the crate docs).
 pub fn config_from_env() -> Result<AllocatorConfig, ApiError> {
     let config_error = |var: &str, e: &dyn fmt::Display| {
@@ -168,16 +184,17 @@ pub fn config_from_env() -> Result<AllocatorConfig, ApiError> {
             format!("hbmalloc: invalid configuration in {var}: {e}"),
         )
     };
-    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
     let mut config = AllocatorConfig::default();
-    if let Some(settings) = env(CONF_ENV) {
-        config.policy =
-            PolicyConfig::from_settings(&settings).map_err(|e| config_error(CONF_ENV, &e))?;
-    } else if let Some((var, conf)) = PYTORCH_CONF_ENVS
-        .iter()
-        .find_map(|var| env(var).map(|v| (*var, v)))
-    {
-        config.policy = PolicyConfig::parse("pytorch", &conf).map_err(|e| config_error(var, &e))?;
+    match configuration_source() {
+        Some((CONF_ENV, settings)) => {
+            config.policy =
+                PolicyConfig::from_settings(&settings).map_err(|e| config_error(CONF_ENV, &e))?;
+        }
+        Some((var, conf)) => {
+            config.policy =
+                PolicyConfig::parse("pytorch", &conf).map_err(|e| config_error(var, &e))?;
+        }
+        None => {}
     }
     if let Some(entries) = env(HISTORY_ENV) {
         config.history_entries = entries.trim().parse().map_err(|_| {
