@@ -295,7 +295,7 @@ def _keep_cudnn_benchmark_off(torch):
     if prop is not None and hasattr(prop, "setter"):
         prop.setter = set_cudnn_benchmark
     if c._get_cudnn_benchmark():
-        set_cudnn_benchmark(True)
+        set_cudnn_benchmark(True)  # warns, and turns it off
 
 
 def _warn_of_pytorch_policy():

@@ -2,6 +2,7 @@
 //! frees from other threads find their shard, and one shard's cache never
 //! causes another shard's out-of-memory error.
 
+use std::collections::BTreeMap;
 use std::sync::mpsc;
 use std::sync::Arc;
 
@@ -189,10 +190,14 @@ fn four_threads_churn_hbm_policy_sharded() {
     churn("policy:hbm", 8);
 }
 
+/// The call of [`run_program`] before which it resets the peaks.
+const RESET_PEAKS_BEFORE_CALL: usize = 1_500;
+
 /// A seeded program for [`SharedAllocator`]s: streams 1-6 (on several of 8
 /// shards) allocating small and large blocks and freeing them in turn, a
-/// `reset_peak_stats` half way, everything freed and `empty_cache` at the
-/// end. `each_step` sees the allocator after every call.
+/// `reset_peak_stats` before call [`RESET_PEAKS_BEFORE_CALL`], everything
+/// freed and `empty_cache` at the end. `each_step` sees the allocator after
+/// every call.
 fn run_program(
     alloc: &SharedAllocator<SimDevice>,
     seed: u64,
@@ -200,8 +205,8 @@ fn run_program(
 ) {
     let mut state = seed;
     let mut live: Vec<u64> = Vec::new();
-    for step in 0..3_000 {
-        if step == 1_500 {
+    for step in 0..2 * RESET_PEAKS_BEFORE_CALL {
+        if step == RESET_PEAKS_BEFORE_CALL {
             alloc.reset_peak_stats();
         }
         if live.is_empty() || next(&mut state) % 5 < 3 {
@@ -266,20 +271,21 @@ fn sharded_statistics_are_one_engines() {
 /// not the sums of the shards' either is `src/concurrent.rs`'s unit tests.)
 #[test]
 fn sharded_hbm_peaks_are_at_least_every_total_seen() {
-    let field = |stats: &std::collections::BTreeMap<String, i64>, suffix: &str| {
+    let field = |stats: &BTreeMap<String, i64>, suffix: &str| {
         stats
             .iter()
             .filter_map(|(k, v)| Some((k.strip_suffix(suffix)?.to_string(), *v)))
-            .collect::<std::collections::BTreeMap<_, _>>()
+            .collect::<BTreeMap<_, _>>()
     };
     for seed in 1..=4u64 {
         let alloc = SharedAllocator::new(SimDevice::new(), config("policy:hbm"), 8).unwrap();
-        let mut highest_seen = std::collections::BTreeMap::<String, i64>::new();
+        let mut highest_seen = BTreeMap::<String, i64>::new();
         let mut calls = 0;
         run_program(&alloc, seed, |alloc| {
             calls += 1;
-            if calls == 1_500 {
-                // The peaks were reset before this call.
+            if calls == RESET_PEAKS_BEFORE_CALL {
+                // The last call before the reset: its totals are where the
+                // reset peaks start.
                 highest_seen.clear();
             }
             for (key, current) in field(&alloc.stats().to_pytorch_map(), ".current") {
