@@ -44,6 +44,7 @@
 #define HBMALLOC_H
 
 #include <stddef.h>    /* size_t */
+#include <stdint.h>    /* int64_t */
 #include <sys/types.h> /* ssize_t */
 
 #ifdef __cplusplus
@@ -107,6 +108,17 @@ int hbmalloc_empty_cache(int device);
  * Returns a status. */
 int hbmalloc_set_memory_fraction(double fraction, int device);
 
+/* The share of device's memory its allocator may hold, into *fraction
+ * (torch.cuda.get_per_process_memory_fraction). Returns a status. */
+int hbmalloc_memory_fraction(int device, double *fraction);
+
+/* PyTorch's cacheInfo (which cuDNN's benchmark mode asks for to bound the
+ * workspaces it tries): the largest request device's allocator could serve
+ * now without freeing anything, into *largest_block: its largest cached
+ * free block, or the device's free memory within the memory fraction if
+ * that is more. Returns a status. */
+int hbmalloc_cache_info(int device, size_t *largest_block);
+
 /* torch.cuda.reset_peak_memory_stats(device): every peak statistic becomes
  * its current value. Returns a status. */
 int hbmalloc_reset_peak_stats(int device);
@@ -126,6 +138,14 @@ int hbmalloc_set_history_entries(ssize_t entries, int clear);
  * snprintf: at most len - 1 bytes and a NUL. Returns the JSON's length
  * (call with buf NULL, len 0 to size the buffer), or -1 on error. */
 ssize_t hbmalloc_stats_json(int device, char *buf, size_t len);
+
+/* values[i] = torch.cuda.memory_stats(device)[keys[i]] for each of count
+ * keys ("allocated_bytes.all.current", ...): what a C++ allocator fills
+ * PyTorch's DeviceStats from. Nothing is written unless every key is known
+ * (an unknown one is HBMALLOC_INVALID_ARGUMENT, naming it). Returns a
+ * status. */
+int hbmalloc_stats_values(int device, const char *const *keys, size_t count,
+                          int64_t *values);
 
 /* Writes torch.cuda.memory_summary(device, abbreviated) text into buf, as
  * hbmalloc_stats_json. Returns the text's length, or -1 on error. */

@@ -241,6 +241,101 @@ pub extern "C" fn hbmalloc_reset_accumulated_stats(device: c_int) -> c_int {
     status_of(|| crate::reset_accumulated_stats(device))
 }
 
+/// Writes `value` through `out`, a caller's out-parameter named `name`.
+///
+/// # Safety
+/// `out` is null (an invalid argument) or valid for a write of a `T`.
+unsafe fn write_out<T>(out: *mut T, value: T, name: &str) -> Result<(), ApiError> {
+    if out.is_null() {
+        return Err(ApiError::new(
+            Status::InvalidArgument,
+            format!("hbmalloc: {name} is NULL"),
+        ));
+    }
+    // SAFETY: non-null, and the caller guarantees it is valid for a write.
+    unsafe { out.write(value) };
+    Ok(())
+}
+
+/// The share of `device`'s memory its allocator may hold, into `*fraction`
+/// (`torch.cuda.get_per_process_memory_fraction`).
+///
+/// # Safety
+/// `fraction` is null or valid for a write of a `double`.
+#[no_mangle]
+pub unsafe extern "C" fn hbmalloc_memory_fraction(device: c_int, fraction: *mut f64) -> c_int {
+    status_of(|| {
+        let value = crate::memory_fraction(device)?;
+        // SAFETY: forwarded from this function's contract.
+        unsafe { write_out(fraction, value, "fraction") }
+    })
+}
+
+/// PyTorch's `cacheInfo`: the largest request `device`'s allocator could
+/// serve now without freeing anything, into `*largest_block`.
+///
+/// # Safety
+/// `largest_block` is null or valid for a write of a `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn hbmalloc_cache_info(device: c_int, largest_block: *mut usize) -> c_int {
+    status_of(|| {
+        let bytes = crate::largest_free_block(device)?;
+        let bytes = usize::try_from(bytes).unwrap_or(usize::MAX);
+        // SAFETY: forwarded from this function's contract.
+        unsafe { write_out(largest_block, bytes, "largest_block") }
+    })
+}
+
+/// `values[i]` = `memory_stats()[keys[i]]` of `device` for each of `count`
+/// keys; nothing is written unless every key is known.
+///
+/// # Safety
+/// When `count > 0`, `keys` is valid for reads of `count` pointers, each
+/// null or a NUL-terminated string, and `values` for writes of `count`
+/// `int64_t`s.
+#[no_mangle]
+pub unsafe extern "C" fn hbmalloc_stats_values(
+    device: c_int,
+    keys: *const *const c_char,
+    count: usize,
+    values: *mut i64,
+) -> c_int {
+    status_of(|| {
+        if count == 0 {
+            return Ok(());
+        }
+        if keys.is_null() || values.is_null() || count > isize::MAX as usize / 8 {
+            return Err(ApiError::new(
+                Status::InvalidArgument,
+                format!("hbmalloc: stats keys or values are NULL, or count {count} is absurd"),
+            ));
+        }
+        // SAFETY: non-null, and the caller guarantees `count` readable
+        // pointers; `count * 8` fits in isize (checked above).
+        let keys = unsafe { std::slice::from_raw_parts(keys, count) };
+        let mut names = Vec::with_capacity(count);
+        for (i, &key) in keys.iter().enumerate() {
+            let invalid = |what: &str| {
+                ApiError::new(
+                    Status::InvalidArgument,
+                    format!("hbmalloc: stats key {i} is {what}"),
+                )
+            };
+            if key.is_null() {
+                return Err(invalid("NULL"));
+            }
+            // SAFETY: non-null, and the caller guarantees NUL termination.
+            let key = unsafe { CStr::from_ptr(key) };
+            names.push(key.to_str().map_err(|_| invalid("not UTF-8"))?);
+        }
+        let found = crate::stats_values(device, &names)?;
+        // SAFETY: the caller guarantees `count` writable values; `found`
+        // has one per key and is a distinct Rust allocation.
+        unsafe { std::ptr::copy_nonoverlapping(found.as_ptr(), values, count) };
+        Ok(())
+    })
+}
+
 /// Every allocator (and those created later) keeps its last `entries`
 /// history entries from now on (0 stops recording); a non-zero `clear`
 /// drops those kept. `entries` below 0 is an invalid argument.

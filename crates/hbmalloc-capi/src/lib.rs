@@ -369,6 +369,30 @@ pub fn stats_map(device: i32) -> Result<std::collections::BTreeMap<String, i64>,
     with_allocator(device, |a| Ok(a.stats().to_pytorch_map()))
 }
 
+/// The values of `keys` among `device`'s [`stats_map`], in their order:
+/// what a C++ allocator fills PyTorch's `DeviceStats` from. A key
+/// `memory_stats()` does not have is an error naming it.
+pub fn stats_values(device: i32, keys: &[&str]) -> Result<Vec<i64>, ApiError> {
+    let stats = stats_map(device)?;
+    keys.iter()
+        .map(|key| {
+            stats.get(*key).copied().ok_or_else(|| {
+                ApiError::new(
+                    Status::InvalidArgument,
+                    format!("hbmalloc: memory_stats() has no key {key:?}"),
+                )
+            })
+        })
+        .collect()
+}
+
+/// The largest request `device`'s allocator could serve now without
+/// freeing anything: PyTorch's `cacheInfo`, which cuDNN's benchmark mode
+/// asks for (see [`SharedAllocator::largest_free_block_bytes`]).
+pub fn largest_free_block(device: i32) -> Result<u64, ApiError> {
+    with_allocator(device, |a| Ok(a.largest_free_block_bytes()?))
+}
+
 /// `torch.cuda.reset_peak_memory_stats(device)`: every peak statistic of
 /// `device` becomes its current value.
 pub fn reset_peak_stats(device: i32) -> Result<(), ApiError> {

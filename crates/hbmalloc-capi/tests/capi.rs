@@ -14,10 +14,10 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use hbmalloc::StreamId;
 use hbmalloc_capi::{
-    check_invariants, hbmalloc_alloc, hbmalloc_empty_cache, hbmalloc_free, hbmalloc_init,
-    hbmalloc_last_error, hbmalloc_last_error_code, hbmalloc_record_stream, hbmalloc_reset,
-    hbmalloc_set_memory_fraction, hbmalloc_snapshot, hbmalloc_stats_json, hbmalloc_summary,
-    settings, stats_map, Status,
+    check_invariants, hbmalloc_alloc, hbmalloc_cache_info, hbmalloc_empty_cache, hbmalloc_free,
+    hbmalloc_init, hbmalloc_last_error, hbmalloc_last_error_code, hbmalloc_memory_fraction,
+    hbmalloc_record_stream, hbmalloc_reset, hbmalloc_set_memory_fraction, hbmalloc_snapshot,
+    hbmalloc_stats_json, hbmalloc_stats_values, hbmalloc_summary, settings, stats_map, Status,
 };
 use hbmalloc_cuda::byte_check::{byte_program, Buffers, DeviceBytes};
 
@@ -309,6 +309,110 @@ fn stats_json_and_summary_text() {
     assert_eq!(refused, -1);
     assert_error(Status::InvalidArgument, &["NULL"]);
     free(p, 0);
+}
+
+#[test]
+fn stats_values_fill_in_the_order_asked_and_refuse_unknown_keys() {
+    let _serial = setup();
+    let p = alloc(3 * MIB, 0);
+    let names = [
+        "requested_bytes.all.current",
+        "num_ooms",
+        "allocation.all.current",
+    ];
+    let keys: Vec<CString> = names.iter().map(|k| CString::new(*k).unwrap()).collect();
+    let pointers: Vec<*const c_char> = keys.iter().map(|k| k.as_ptr()).collect();
+    let mut values = [-7i64; 3];
+    // SAFETY: three key pointers, three values.
+    let status = unsafe { hbmalloc_stats_values(0, pointers.as_ptr(), 3, values.as_mut_ptr()) };
+    assert_eq!(status, 0, "{}", last_error());
+    let expected: Vec<i64> = names.iter().map(|k| stat(0, k)).collect();
+    assert_eq!(values.to_vec(), expected);
+    assert_eq!(values[0], 3 * MIB as i64);
+
+    // An unknown key writes nothing and is named.
+    let unknown = CString::new("allocated_bytes.all.nonsense").unwrap();
+    let with_unknown = [pointers[0], unknown.as_ptr()];
+    let mut untouched = [-7i64; 2];
+    // SAFETY: two key pointers, two values.
+    let status =
+        unsafe { hbmalloc_stats_values(0, with_unknown.as_ptr(), 2, untouched.as_mut_ptr()) };
+    assert_eq!(status, Status::InvalidArgument as i32);
+    assert_error(Status::InvalidArgument, &["allocated_bytes.all.nonsense"]);
+    assert_eq!(untouched, [-7, -7]);
+    // NULL keys, a NULL key, NULL values: refused, never read.
+    let with_null = [pointers[0], std::ptr::null()];
+    // SAFETY: the function checks for null before reading or writing.
+    unsafe {
+        assert_eq!(
+            hbmalloc_stats_values(0, std::ptr::null(), 1, untouched.as_mut_ptr()),
+            Status::InvalidArgument as i32
+        );
+        assert_eq!(
+            hbmalloc_stats_values(0, with_null.as_ptr(), 2, untouched.as_mut_ptr()),
+            Status::InvalidArgument as i32
+        );
+        assert_error(Status::InvalidArgument, &["key 1 is NULL"]);
+        assert_eq!(
+            hbmalloc_stats_values(0, pointers.as_ptr(), 1, std::ptr::null_mut()),
+            Status::InvalidArgument as i32
+        );
+        assert_eq!(
+            hbmalloc_stats_values(0, std::ptr::null(), 0, std::ptr::null_mut()),
+            0
+        );
+    }
+    assert_eq!(untouched, [-7, -7]);
+    free(p, 0);
+}
+
+#[test]
+fn cache_info_and_memory_fraction_read_back() {
+    let _serial = setup();
+    assert_eq!(hbmalloc_empty_cache(0), 0);
+    let mut fraction = -1.0f64;
+    // SAFETY: `fraction` is a valid out-parameter.
+    assert_eq!(unsafe { hbmalloc_memory_fraction(0, &mut fraction) }, 0);
+    assert_eq!(fraction, 1.0);
+    // The driver double's device: its free memory, nothing cached.
+    let mut largest = 0usize;
+    // SAFETY: `largest` is a valid out-parameter.
+    assert_eq!(unsafe { hbmalloc_cache_info(0, &mut largest) }, 0);
+    assert!(largest > 64 * MIB as usize, "{largest}");
+
+    // A 40 MiB block cached, under a fraction the cache already exceeds, so
+    // the device may add nothing: the cached block is the answer.
+    let p = alloc(40 * MIB, 0);
+    free(p, 0);
+    assert_eq!(
+        hbmalloc_set_memory_fraction(0.001, 0),
+        0,
+        "{}",
+        last_error()
+    );
+    // SAFETY: valid out-parameters.
+    unsafe {
+        assert_eq!(hbmalloc_memory_fraction(0, &mut fraction), 0);
+        assert_eq!(fraction, 0.001);
+        assert_eq!(hbmalloc_cache_info(0, &mut largest), 0);
+    }
+    assert_eq!(largest, 40 * MIB as usize);
+    // NULL out-parameters are refused.
+    // SAFETY: the functions check for null before writing.
+    unsafe {
+        assert_eq!(
+            hbmalloc_cache_info(0, std::ptr::null_mut()),
+            Status::InvalidArgument as i32
+        );
+        assert_error(Status::InvalidArgument, &["largest_block is NULL"]);
+        assert_eq!(
+            hbmalloc_memory_fraction(0, std::ptr::null_mut()),
+            Status::InvalidArgument as i32
+        );
+    }
+    assert_eq!(hbmalloc_set_memory_fraction(1.0, 0), 0);
+    assert_eq!(hbmalloc_empty_cache(0), 0);
+    assert_consistent();
 }
 
 #[test]

@@ -268,6 +268,14 @@ impl<D: Device> Allocator<D> {
         }
     }
 
+    /// The largest block of free memory in the cache: a request up to this
+    /// size is served with no driver call (PyTorch's `cacheInfo`). Policy
+    /// `hbm` may serve more from its cache, by stitching idle granules of
+    /// several free blocks together; this is the most one block holds.
+    pub fn largest_free_block_bytes(&self) -> u64 {
+        crate::snapshot::largest_free_block(&dispatch!(self, p => p.snapshot()))
+    }
+
     /// The policy and configuration as one string (`policy:pytorch,expandable_segments:True`).
     pub fn settings(&self) -> String {
         self.settings.clone()

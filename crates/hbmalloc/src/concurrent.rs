@@ -492,6 +492,30 @@ impl<D: Device> SharedAllocator<D> {
         }
     }
 
+    /// The largest request this allocator could serve now without freeing
+    /// anything (PyTorch's `cacheInfo`, which cuDNN's benchmark mode asks
+    /// for to bound the workspaces it tries): the largest free block any
+    /// shard caches ([`Allocator::largest_free_block_bytes`]), or the memory
+    /// the driver could still hand out within the memory fraction, if that
+    /// is more. Like PyTorch's answer, the second is an upper bound (free
+    /// device memory need not come in one piece on a driver without virtual
+    /// memory).
+    pub fn largest_free_block_bytes(&self) -> Result<u64, AllocError> {
+        let cached = self
+            .shards
+            .iter()
+            .map(|shard| lock(shard).largest_free_block_bytes())
+            .max()
+            .unwrap_or(0);
+        let device_free = self.device.memory_info()?.free_bytes;
+        let within_limit = self
+            .device
+            .limit_bytes
+            .load(Ordering::SeqCst)
+            .saturating_sub(self.device.held_bytes());
+        Ok(cached.max(device_free.min(within_limit)))
+    }
+
     /// The share of the device's memory all shards together may hold.
     pub fn memory_fraction(&self) -> f64 {
         lock(&self.shards[0]).memory_fraction()

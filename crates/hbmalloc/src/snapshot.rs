@@ -78,6 +78,18 @@ impl SegmentSnapshot {
     }
 }
 
+/// The size of the largest inactive (cached, free) block among `segments`;
+/// 0 when there is none.
+pub fn largest_free_block(segments: &[SegmentSnapshot]) -> u64 {
+    segments
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .filter(|b| b.state == BlockState::Inactive)
+        .map(|b| b.size)
+        .max()
+        .unwrap_or(0)
+}
+
 /// The whole picture.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Snapshot {

@@ -341,3 +341,45 @@ fn a_configured_memory_fraction_reads_back() {
         assert_eq!(alloc.memory_fraction(), 0.8, "{settings}");
     }
 }
+
+#[test]
+fn the_largest_free_block_is_the_cache_or_the_device_within_the_fraction() {
+    for settings in ["policy:pytorch", "policy:hbm"] {
+        let device = SimDevice::with_capacity(1 << 30);
+        let alloc = SharedAllocator::new(device, config(settings), 4).unwrap();
+        // Nothing cached: what the device has free.
+        assert_eq!(
+            alloc.largest_free_block_bytes().unwrap(),
+            1 << 30,
+            "{settings}"
+        );
+        let big = alloc.malloc(600 * MIB, StreamId(1)).unwrap();
+        let small = alloc.malloc(100 * MIB, StreamId(2)).unwrap();
+        let device_free = (1 << 30) - alloc.device().used_bytes();
+        assert!(device_free < 600 * MIB, "{settings}: {device_free}");
+        alloc.free(big).unwrap();
+        // The cached block is larger than what the device has left.
+        let largest = alloc.largest_free_block_bytes().unwrap();
+        assert!(
+            (600 * MIB..700 * MIB).contains(&largest),
+            "{settings}: {largest}"
+        );
+        // Over the fraction's limit: the cache still serves its block.
+        alloc.set_memory_fraction(0.5).unwrap();
+        assert_eq!(
+            alloc.largest_free_block_bytes().unwrap(),
+            largest,
+            "{settings}"
+        );
+        // Cache emptied: the fraction bounds what the device could add.
+        alloc.empty_cache().unwrap();
+        let within_limit = 512 * MIB - alloc.device().used_bytes();
+        assert_eq!(
+            alloc.largest_free_block_bytes().unwrap(),
+            within_limit,
+            "{settings}"
+        );
+        alloc.free(small).unwrap();
+        alloc.check_invariants().unwrap();
+    }
+}

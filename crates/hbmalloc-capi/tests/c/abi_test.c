@@ -51,6 +51,14 @@ int main(int argc, char **argv) {
     CHECK(json[0] == '{' && json[json_length - 1] == '}');
     CHECK(strstr(json, "\"allocation.all.current\": 1") != NULL);
     free(json);
+    const char *keys[] = {"allocation.all.current", "allocated_bytes.all.current"};
+    int64_t values[2] = {-1, -1};
+    CHECK(hbmalloc_stats_values(0, keys, 2, values) == HBMALLOC_OK);
+    CHECK(values[0] == 1 && values[1] >= 4096);
+    double fraction = 0.0;
+    CHECK(hbmalloc_memory_fraction(0, &fraction) == HBMALLOC_OK && fraction == 0.5);
+    size_t largest_block = 0;
+    CHECK(hbmalloc_cache_info(0, &largest_block) == HBMALLOC_OK && largest_block > 0);
     char summary[8192];
     CHECK(hbmalloc_summary(0, 1, summary, sizeof summary) > 0);
     CHECK(strstr(summary, "PyTorch CUDA memory summary, device ID 0") != NULL);
