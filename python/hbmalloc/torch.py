@@ -61,12 +61,35 @@ policy with it, so that a job keeps its tuned settings; ``install()`` warns
 when that happens (a cluster-wide ``expandable_segments:True`` would
 otherwise replace policy ``hbm`` unnoticed). ``HBMALLOC_CONF`` comes first.
 
+Compiled: ``install(compiled=True)`` closes the gaps above from C++. It
+compiles ``torch_allocator.cc`` (shipped in this package) against the
+installed torch, once per torch version and compiler (kept in
+``HBMALLOC_CACHE_DIR``, else ``~/.cache/hbmalloc``; it needs a C++ compiler,
+``CXX`` or ``c++``, and CUDA's runtime headers, from ``CUDA_HOME`` or the
+pip packages a CUDA build of torch brings), and installs that subclass of
+PyTorch's ``CUDAPluggableAllocator``, which answers ``recordStream``,
+``cacheInfo``, the statistics and their resets, ``empty_cache`` and memory
+fractions itself, and raises ``torch.OutOfMemoryError``. So
+``Tensor.record_stream`` is not wrapped (PyTorch's C++ callers, NCCL's
+included, reach hbmalloc), ``TORCH_NCCL_AVOID_RECORD_STREAMS`` is left
+alone, ``torch.cuda``'s statistics are PyTorch's own calls, cuDNN's benchmark
+mode works, and PyTorch's fallbacks that catch its out-of-memory error
+catch hbmalloc's. Snapshots and history are still routed (PyTorch builds
+its snapshot from its own allocator's internals), and graph capture is
+still refused. It is opt-in until it has run on a GPU
+(``scripts/gpu-check`` runs it).
+
 Importing this module does not import torch; its functions raise
 ``ImportError`` when torch is missing.
 """
 
+import ctypes
+import hashlib
+import importlib.util
 import os
+import pathlib
 import pickle
+import subprocess
 import warnings
 
 import hbmalloc
@@ -151,6 +174,105 @@ def _mem_pool_allocator():
     return _pluggable("hbmalloc_alloc")
 
 
+def _cache_dir():
+    """Where compiled allocators are kept: ``HBMALLOC_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/hbmalloc``, else ``~/.cache/hbmalloc``."""
+    configured = os.environ.get("HBMALLOC_CACHE_DIR")
+    if configured:
+        return pathlib.Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "hbmalloc"
+
+
+def _cuda_include_dirs():
+    """Directories with CUDA's runtime headers, which PyTorch's CUDA headers
+    include: ``cuda_runtime_api.h`` and the ``crt/`` headers it includes.
+    The CUDA toolkit's (``CUDA_HOME``, as ``torch.utils.cpp_extension``
+    finds it) come first, then those pip installs with a CUDA build of torch
+    (the ``nvidia`` packages have the runtime's, ``triton`` the ``crt/``
+    ones)."""
+    from torch.utils import cpp_extension
+
+    candidates = []
+    if cpp_extension.CUDA_HOME:
+        candidates.append(pathlib.Path(cpp_extension.CUDA_HOME) / "include")
+    for package in ("nvidia", "triton"):
+        spec = importlib.util.find_spec(package)
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            root = pathlib.Path(root)
+            candidates += sorted(root.glob("*/include")) + sorted(root.glob("backends/nvidia/include"))
+    runtime = next((d for d in candidates if (d / "cuda_runtime_api.h").is_file()), None)
+    crt = next((d for d in candidates if (d / "crt" / "host_defines.h").is_file()), None)
+    if runtime is None or crt is None:
+        raise RuntimeError(
+            "hbmalloc.torch: the compiled allocator needs CUDA's runtime headers "
+            "(cuda_runtime_api.h and crt/host_defines.h), and found "
+            f"{'none' if runtime is None else 'no crt/'} in CUDA_HOME "
+            f"({cpp_extension.CUDA_HOME}) or the nvidia and triton packages. Install "
+            "the CUDA toolkit (and set CUDA_HOME), or use install() without compiled=True."
+        )
+    return [runtime] if runtime == crt else [runtime, crt]
+
+
+def _compile(source):
+    """Compiles ``source`` (a C++ file that may include this package's
+    ``torch_allocator.cc`` and ``hbmalloc.h``) into a shared library against
+    the installed torch, once per source, torch and compiler: returns its
+    path in the cache (``_cache_dir()``). ``CXX`` names the compiler (default
+    ``c++``). Raises ``RuntimeError`` with the compiler's output on failure."""
+    torch = _torch()
+    from torch.utils import cpp_extension
+
+    here = pathlib.Path(__file__).resolve().parent
+    torch_lib = pathlib.Path(torch.__file__).resolve().parent / "lib"
+    compiler = os.environ.get("CXX", "c++")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = ["-std=c++20", "-O2", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    includes = [f"-I{here}"]
+    for directory in [*cpp_extension.include_paths(), *_cuda_include_dirs()]:
+        includes += ["-isystem", str(directory)]
+    libraries = [f"-L{torch_lib}", "-ltorch_cuda", "-lc10_cuda", "-lc10", f"-Wl,-rpath,{torch_lib}"]
+    key = hashlib.sha256()
+    for part in (source, here / "torch_allocator.cc", here / "hbmalloc.h"):
+        key.update(pathlib.Path(part).read_bytes())
+    key.update(repr((torch.__version__, compiler, flags, includes, libraries)).encode())
+    output = _cache_dir() / f"{pathlib.Path(source).stem}-{key.hexdigest()[:16]}.so"
+    if output.exists():
+        return output
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(f"{output.name}.{os.getpid()}.tmp")
+    command = [compiler, *flags, *includes, str(source), *libraries, "-o", str(partial)]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True)
+    except OSError as e:
+        raise RuntimeError(f"hbmalloc.torch: cannot run the C++ compiler {compiler!r}: {e}") from e
+    if result.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(
+            f"hbmalloc.torch: compiling {source} against torch {torch.__version__} failed "
+            f"(exit {result.returncode}):\n{result.stderr[-4000:]}\ncommand: {' '.join(command)}"
+        )
+    os.replace(partial, output)  # Atomic: a concurrent build writes the same file.
+    return output
+
+
+def _compiled_install(torch):
+    """Builds the compiled allocator and makes it PyTorch's; returns torch's
+    handle to it."""
+    library = ctypes.CDLL(str(_compile(pathlib.Path(__file__).with_name("torch_allocator.cc"))))
+    entry = library.hbmalloc_torch_compiled_install
+    entry.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    entry.restype = ctypes.c_int
+    error = ctypes.create_string_buffer(4096)
+    status = entry(os.fsencode(hbmalloc.library_path()), error, len(error))
+    message = error.value.decode(errors="replace")
+    if status == 2:
+        raise RuntimeError(f"{_TOO_LATE} (PyTorch said: {message})")
+    if status != 0:
+        raise RuntimeError(f"hbmalloc.torch.install(compiled=True): {message}")
+    return torch.cuda.memory._get_current_allocator()
+
+
 def forward_record_stream(tensor, stream):
     """Tells hbmalloc that ``tensor``'s memory is also used on ``stream`` (a
     ``torch.cuda.Stream``), as ``tensor.record_stream(stream)`` tells
@@ -226,9 +348,10 @@ def memory_snapshot(pool_and_traces=None):
     return merged
 
 
-def _route_memory_functions(torch):
+def _route_memory_functions(torch, compiled):
     """Points the ``torch._C`` functions behind ``torch.cuda``'s memory
-    functions at hbmalloc (see the module documentation)."""
+    functions at hbmalloc (see the module documentation); with the
+    ``compiled`` allocator, only snapshots and history."""
     c = torch._C
     torch_empty_cache = getattr(c, "_cuda_emptyCache", lambda: None)
     torch_set_memory_fraction = getattr(c, "_cuda_setMemoryFraction", lambda f, d: None)
@@ -242,16 +365,20 @@ def _route_memory_functions(torch):
         hbmalloc.set_memory_fraction(fraction, device)
 
     routes = {
-        "_cuda_memoryStats": lambda device: _nested(hbmalloc.memory_stats(device)),
-        "_cuda_resetPeakMemoryStats": hbmalloc.reset_peak_memory_stats,
-        "_cuda_resetAccumulatedMemoryStats": hbmalloc.reset_accumulated_memory_stats,
-        "_cuda_emptyCache": empty_cache,
-        "_cuda_setMemoryFraction": set_memory_fraction,
-        "_cuda_getMemoryFraction": hbmalloc.memory_fraction,
         "_cuda_memorySnapshot": memory_snapshot,
         "_cuda_record_memory_history": _record_memory_history,
         "_cuda_record_memory_history_legacy": _record_memory_history_legacy,
     }
+    if not compiled:
+        # The compiled allocator answers these itself, from C++.
+        routes.update({
+            "_cuda_memoryStats": lambda device: _nested(hbmalloc.memory_stats(device)),
+            "_cuda_resetPeakMemoryStats": hbmalloc.reset_peak_memory_stats,
+            "_cuda_resetAccumulatedMemoryStats": hbmalloc.reset_accumulated_memory_stats,
+            "_cuda_emptyCache": empty_cache,
+            "_cuda_setMemoryFraction": set_memory_fraction,
+            "_cuda_getMemoryFraction": hbmalloc.memory_fraction,
+        })
     # Only what this torch has: install() has swapped the allocator already,
     # and a name another torch version lacks must not undo that.
     for name, function in routes.items():
@@ -337,9 +464,9 @@ def is_installed():
     return _installed
 
 
-def install():
+def install(compiled=False):
     """Makes hbmalloc PyTorch's CUDA allocator for this process and returns
-    the ``CUDAPluggableAllocator``.
+    PyTorch's handle to it (the ``CUDAPluggableAllocator``).
 
     Also wraps ``torch.Tensor.record_stream`` and sets
     ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` unless it is set, and routes
@@ -351,9 +478,17 @@ def install():
     set), as its algorithm search asks the allocator what a pluggable one
     cannot answer.
 
+    ``compiled=True`` builds the allocator in C++ against the installed
+    torch instead (once; cached, see the module documentation), which
+    answers PyTorch itself: streams (NCCL's too), statistics, cuDNN's
+    benchmark mode and ``torch.OutOfMemoryError`` work as with PyTorch's
+    own allocator, so none of the wrapping above is done but the routing of
+    snapshots and history, and the refusal of graph capture. It needs a C++
+    compiler and CUDA's runtime headers.
+
     Raises ``RuntimeError`` when called twice, or when PyTorch's CUDA
-    allocator is already initialised (too late), and ``ImportError``
-    without torch."""
+    allocator is already initialised (too late), or when the compiled
+    allocator cannot be built, and ``ImportError`` without torch."""
     global _installed
     torch = _torch()
     if _installed:
@@ -364,17 +499,21 @@ def install():
     if torch.cuda.is_initialized():
         raise RuntimeError(_TOO_LATE)
     _warn_of_pytorch_policy()
-    plugged = allocator()
-    try:
-        torch.cuda.memory.change_current_allocator(plugged)
-    except RuntimeError as e:
-        # torch: "Can't swap an already initialized allocator".
-        raise RuntimeError(f"{_TOO_LATE} (PyTorch said: {e})") from e
+    if compiled:
+        plugged = _compiled_install(torch)
+    else:
+        plugged = allocator()
+        try:
+            torch.cuda.memory.change_current_allocator(plugged)
+        except RuntimeError as e:
+            # torch: "Can't swap an already initialized allocator".
+            raise RuntimeError(f"{_TOO_LATE} (PyTorch said: {e})") from e
     # Swapped: installed, whatever follows.
     _installed = True
-    _forward_record_streams(torch)
-    _route_memory_functions(torch)
-    _keep_cudnn_benchmark_off(torch)
+    if not compiled:
+        _forward_record_streams(torch)
+        _keep_cudnn_benchmark_off(torch)
+    _route_memory_functions(torch, compiled)
     _refuse_graph_capture(torch)
     return plugged
 

@@ -1,7 +1,9 @@
 """hbmalloc with PyTorch, on a machine without a GPU: install() builds and
 installs a CUDAPluggableAllocator from library_path(), refuses to run twice
-or too late, and torch's own memory_viz reads hbmalloc's snapshots (the C
-ABI's, and those `hbmalloc replay --snapshot-at-peak` writes).
+or too late, install(compiled=True) builds the C++ allocator against this
+torch and PyTorch's own C++ calls reach hbmalloc through it, and torch's
+own memory_viz reads hbmalloc's snapshots (the C ABI's, and those `hbmalloc
+replay --snapshot-at-peak` writes).
 
 Skipped when torch is not importable (scripts/test-python installs it with
 HBMALLOC_TEST_TORCH=1). Each install() case runs in a fresh interpreter:
@@ -359,6 +361,170 @@ def test_mem_pool_is_backed_by_hbmalloc():
     if out.startswith("no-gpu:"):
         pytest.skip(f"MemPool needs a GPU with this torch: {out.strip()}")
     assert "pool: True" in out
+
+
+needs_cuda_torch = pytest.mark.skipif(
+    torch.version.cuda is None,
+    reason="the compiled allocator builds against a CUDA build of torch (its CUDA headers)",
+)
+
+
+@pytest.fixture(scope="session")
+def compiled_cache(tmp_path_factory):
+    """The environment of a process that builds the compiled allocator: one
+    cache for the session, so each C++ file is compiled once."""
+    return {"HBMALLOC_CACHE_DIR": str(tmp_path_factory.mktemp("compiled"))}
+
+
+def run_compiled(code, env):
+    result = run_python(textwrap.dedent(code), env=env)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result.stdout
+
+
+@needs_cuda_torch
+@needs_driver
+def test_compiled_allocator_answers_pytorchs_calls_from_cpp(compiled_cache):
+    """tests/torch_allocator_check.cc calls the compiled allocator through
+    PyTorch's allocator interface, on the driver double: statistics,
+    cacheInfo, a recorded stream holding memory after its free, errors of
+    PyTorch's own types, graph pools refused, fraction and resets."""
+    check = pathlib.Path(__file__).with_name("torch_allocator_check.cc")
+    out = run_compiled(
+        f"""
+        import ctypes, hbmalloc, hbmalloc.torch
+        library = ctypes.CDLL(str(hbmalloc.torch._compile({str(check)!r})))
+        check = library.hbmalloc_torch_compiled_check
+        check.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+        report = ctypes.create_string_buffer(1 << 16)
+        check(hbmalloc.library_path().encode(), report, len(report))
+        print(report.value.decode())
+        """,
+        compiled_cache,
+    )
+    assert "exception" not in out, out
+    for line in [
+        "name: hbmalloc",
+        "malloc: 1",
+        f"allocated: {3 * MIB}",
+        f"requested large pool: {3 * MIB}",
+        "cacheInfo: 1",
+        "cacheInfo keeps a larger guess: 1",
+        "recordStream: ok",
+        # Freed, but still active: the recorded stream's work is not done.
+        "after free: allocated 0, active 1",
+        "too large: OutOfMemoryError: CUDA out of memory. hbmalloc: tried to allocate 1.00 PiB",
+        "bad device: Error: hbmalloc: device 7 is out of range",
+        "graph pool: refused: hbmalloc does not keep CUDA graph pools",
+        "fraction: 0.5",
+        "allocations counted after reset: 0",
+        "peak is current after reset: 1",
+    ]:
+        assert line in out, f"{line!r} not in:\n{out}"
+
+
+@needs_cuda_torch
+@needs_driver
+def test_install_compiled_lets_torch_ask_hbmalloc_itself(compiled_cache):
+    """install(compiled=True): torch.cuda's statistics, resets, empty_cache
+    and memory fraction reach hbmalloc through PyTorch's own C++ (nothing
+    routed), cuDNN's benchmark mode and Tensor.record_stream are left as
+    they are, snapshots are routed and graph capture refused as without it."""
+    out = run_compiled(
+        """
+        import ctypes, os
+        import torch, hbmalloc, hbmalloc.torch
+        MIB = 1 << 20
+        os.environ.pop("TORCH_NCCL_AVOID_RECORD_STREAMS", None)
+        native_stats = torch._C._cuda_memoryStats
+        record_stream = torch.Tensor.record_stream
+        installed = hbmalloc.torch.install(compiled=True)
+        print("handle:", type(installed).__name__, torch._C._cuda_getAllocatorBackend())
+        assert torch._C._cuda_memoryStats is native_stats, "statistics are not routed"
+        assert torch.Tensor.record_stream is record_stream, "record_stream is not wrapped"
+        print("nccl:", os.environ.get("TORCH_NCCL_AVOID_RECORD_STREAMS"))
+
+        torch.cuda.memory.is_initialized = lambda: True  # as once a GPU allocated
+        lib = ctypes.CDLL(hbmalloc.library_path())
+        lib.hbmalloc_alloc.restype = ctypes.c_void_p
+        lib.hbmalloc_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.hbmalloc_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        p = lib.hbmalloc_alloc(3 * MIB, 0, None)
+        assert p
+        stats = torch.cuda.memory_stats(0)
+        ours = hbmalloc.memory_stats(0)
+        print("same statistics:", all(stats[k] == v for k, v in ours.items()), len(ours))
+        print("allocated:", torch.cuda.memory_allocated(0))
+        lib.hbmalloc_free(p, 3 * MIB, 0, None)
+        torch.cuda.reset_peak_memory_stats(0)
+        assert torch.cuda.max_memory_allocated(0) == torch.cuda.memory_allocated(0) == 0
+        torch.cuda.reset_accumulated_memory_stats(0)
+        assert torch.cuda.memory_stats(0)["allocation.all.allocated"] == 0
+        torch.cuda.empty_cache()
+        print("reserved after empty_cache:", torch.cuda.memory_reserved(0))
+        torch._C._cuda_setMemoryFraction(0.001, 0)
+        print("fraction:", torch._C._cuda_getMemoryFraction(0), hbmalloc.memory_fraction(0))
+        torch._C._cuda_setMemoryFraction(1.0, 0)
+
+        torch.backends.cudnn.benchmark = True
+        print("benchmark:", torch.backends.cudnn.benchmark)
+        torch.cuda.memory._record_memory_history(max_entries=1000)
+        q = lib.hbmalloc_alloc(5 * MIB, 0, None)
+        traced = [e["size"] for e in torch.cuda.memory._snapshot()["device_traces"][0]
+                  if e["action"] == "alloc"]
+        print("traced:", traced[-1] == 5 * MIB)
+        try:
+            torch.cuda.CUDAGraph.capture_begin(object())
+        except RuntimeError as e:
+            print("graphs:", e)
+        """,
+        compiled_cache,
+    )
+    assert "handle: _CUDAAllocator hbmalloc" in out
+    assert "nccl: None" in out
+    assert "same statistics: True" in out
+    assert f"allocated: {3 * MIB}" in out
+    assert "reserved after empty_cache: 0" in out
+    assert "fraction: 0.001 0.001" in out
+    assert "benchmark: True" in out
+    assert "traced: True" in out
+    assert "graphs: hbmalloc.torch.install() made hbmalloc PyTorch's CUDA allocator" in out
+
+
+@needs_cuda_torch
+def test_install_compiled_too_late_and_build_errors(compiled_cache):
+    """PyTorch's own refusal reaches the caller as "too late" (its allocator
+    initialised: here, the pluggable one install() made); a compiler that
+    fails is named with its output."""
+    out = run_compiled(
+        """
+        import torch, hbmalloc.torch
+        hbmalloc.torch.install()
+        try:
+            hbmalloc.torch._compiled_install(torch)
+        except RuntimeError as e:
+            print("late:", e)
+        """,
+        compiled_cache,
+    )
+    assert "came too late" in out
+    assert "Can't swap an already initialized allocator" in out
+    broken = run_python(
+        textwrap.dedent(
+            """
+            import hbmalloc.torch
+            try:
+                hbmalloc.torch.install(compiled=True)
+            except RuntimeError as e:
+                print("build:", e)
+            assert not hbmalloc.torch.is_installed()
+            """
+        ),
+        env={"HBMALLOC_CACHE_DIR": compiled_cache["HBMALLOC_CACHE_DIR"] + "/none", "CXX": "false"},
+    )
+    assert broken.returncode == 0, broken.stderr
+    assert "build: hbmalloc.torch: compiling" in broken.stdout
+    assert "failed (exit 1)" in broken.stdout
 
 
 def memory_viz(tmp_path):

@@ -16,9 +16,12 @@
  * hbmalloc_set_memory_fraction; set_record_stream_fn's hook has no device
  * argument, so wrap hbmalloc_record_stream with the tensor's device.
  * CUDAPluggableAllocator has no hook at all for cacheInfo (which cuDNN's
- * benchmark mode calls: hbmalloc.torch.install() keeps that mode off) or for
- * CUDA IPC (torch.multiprocessing's sharing of CUDA tensors raises); policy
- * hbm's memory is cuMemMap memory, which CUDA's legacy IPC calls refuse.
+ * benchmark mode calls: hbmalloc.torch.install() keeps that mode off) or the
+ * statistics: a C++ subclass overrides them with hbmalloc_cache_info and
+ * hbmalloc_stats_values, as the Python package's torch_allocator.cc does
+ * (hbmalloc.torch.install(compiled=True)). There is none for CUDA IPC
+ * (torch.multiprocessing's sharing of CUDA tensors raises); policy hbm's
+ * memory is cuMemMap memory, which CUDA's legacy IPC calls refuse.
  *
  * Errors: every function records its outcome as the calling thread's last
  * error: hbmalloc_last_error_code() gives the status (HBMALLOC_OK after a

@@ -1,0 +1,1 @@
+../../crates/hbmalloc-capi/include/hbmalloc.h

@@ -1,0 +1,302 @@
+// hbmalloc as PyTorch's CUDA allocator, built in C++ against the installed
+// torch: hbmalloc.torch.install(compiled=True) compiles this file once
+// (hbmalloc/torch.py, _compiled_library), loads it with ctypes and calls
+// hbmalloc_torch_compiled_install.
+//
+// Why C++: PyTorch's CUDAPluggableAllocator, built from Python, passes only
+// alloc and free on. Subclassed here, it answers what it cannot from Python:
+// cacheInfo (so cuDNN's benchmark mode works), recordStream (so streams,
+// NCCL's included, reach hbmalloc from C++), the statistics behind
+// torch.cuda.memory_stats(), and out-of-memory errors of PyTorch's own type
+// (torch.OutOfMemoryError, which PyTorch's fallbacks catch). Everything else
+// is CUDAPluggableAllocator's: its pointer bookkeeping, its deleter, and
+// whatever a newer torch adds to the interface.
+//
+// hbmalloc itself is reached through its C ABI (hbmalloc.h), resolved with
+// dlopen/dlsym in the library Python already loaded (hbmalloc.library_path(),
+// as CUDAPluggableAllocator does), so PyTorch and Python share one
+// allocator per device.
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include "hbmalloc.h"
+
+namespace hbmalloc_torch {
+
+// The C ABI functions this allocator calls, typed by hbmalloc.h.
+struct Abi {
+  decltype(&hbmalloc_torch_alloc) torch_alloc;
+  decltype(&hbmalloc_free) free;
+  decltype(&hbmalloc_record_stream) record_stream;
+  decltype(&hbmalloc_init) init;
+  decltype(&hbmalloc_reset) reset;
+  decltype(&hbmalloc_set_memory_fraction) set_memory_fraction;
+  decltype(&hbmalloc_memory_fraction) memory_fraction;
+  decltype(&hbmalloc_cache_info) cache_info;
+  decltype(&hbmalloc_stats_values) stats_values;
+  decltype(&hbmalloc_reset_peak_stats) reset_peak_stats;
+  decltype(&hbmalloc_reset_accumulated_stats) reset_accumulated_stats;
+  decltype(&hbmalloc_last_error) last_error;
+  decltype(&hbmalloc_last_error_code) last_error_code;
+};
+
+template <typename F>
+void resolve(void* library, const char* name, F* slot) {
+  void* symbol = dlsym(library, name);
+  if (symbol == nullptr) {
+    throw std::runtime_error(
+        std::string("hbmalloc: the library has no ") + name +
+        " (an hbmalloc older than this file?)");
+  }
+  *slot = reinterpret_cast<F>(symbol);
+}
+
+// hbmalloc's C ABI in the library at `path` (already loaded by Python).
+Abi load_abi(const char* path) {
+  void* library = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (library == nullptr) {
+    const char* why = dlerror();
+    throw std::runtime_error(
+        std::string("hbmalloc: cannot load ") + path + ": " +
+        (why != nullptr ? why : "unknown error"));
+  }
+  Abi abi{};
+  resolve(library, "hbmalloc_torch_alloc", &abi.torch_alloc);
+  resolve(library, "hbmalloc_free", &abi.free);
+  resolve(library, "hbmalloc_record_stream", &abi.record_stream);
+  resolve(library, "hbmalloc_init", &abi.init);
+  resolve(library, "hbmalloc_reset", &abi.reset);
+  resolve(library, "hbmalloc_set_memory_fraction", &abi.set_memory_fraction);
+  resolve(library, "hbmalloc_memory_fraction", &abi.memory_fraction);
+  resolve(library, "hbmalloc_cache_info", &abi.cache_info);
+  resolve(library, "hbmalloc_stats_values", &abi.stats_values);
+  resolve(library, "hbmalloc_reset_peak_stats", &abi.reset_peak_stats);
+  resolve(
+      library, "hbmalloc_reset_accumulated_stats", &abi.reset_accumulated_stats);
+  resolve(library, "hbmalloc_last_error", &abi.last_error);
+  resolve(library, "hbmalloc_last_error_code", &abi.last_error_code);
+  return abi;  // The handle stays open: the process keeps the library.
+}
+
+// Raises hbmalloc's last error as PyTorch's error (RuntimeError in Python)
+// unless `status` is HBMALLOC_OK.
+void check(const Abi& abi, int status) {
+  if (status == HBMALLOC_OK) {
+    return;
+  }
+  std::string message(abi.last_error(nullptr, 0), '\0');
+  abi.last_error(message.data(), message.size() + 1);
+  TORCH_CHECK(false, message);
+}
+
+// memory_stats() keys in DeviceStats' order: each StatArray's pools
+// (StatType: aggregate, small pool, large pool) and each Stat's fields.
+constexpr std::array<const char*, 9> kStatArrays = {
+    "allocation",     "segment",        "active",
+    "inactive_split", "allocated_bytes", "reserved_bytes",
+    "active_bytes",   "inactive_split_bytes", "requested_bytes"};
+constexpr std::array<const char*, 3> kPools = {"all", "small_pool", "large_pool"};
+constexpr std::array<const char*, 4> kFields = {"current", "peak", "allocated", "freed"};
+constexpr std::array<const char*, 2> kSingleStats = {"oversize_allocations", "oversize_segments"};
+constexpr std::array<const char*, 6> kCounters = {
+    "num_alloc_retries",    "num_ooms",        "num_sync_all_streams",
+    "num_device_alloc",     "num_device_free", "max_split_size"};
+
+std::vector<std::string> stat_keys() {
+  std::vector<std::string> keys;
+  for (const char* array : kStatArrays) {
+    for (const char* pool : kPools) {
+      for (const char* field : kFields) {
+        keys.push_back(std::string(array) + "." + pool + "." + field);
+      }
+    }
+  }
+  for (const char* stat : kSingleStats) {
+    for (const char* field : kFields) {
+      keys.push_back(std::string(stat) + "." + field);
+    }
+  }
+  for (const char* counter : kCounters) {
+    keys.emplace_back(counter);
+  }
+  return keys;
+}
+
+void fill(c10::CachingDeviceAllocator::Stat& stat, const int64_t*& value) {
+  stat.current = *value++;
+  stat.peak = *value++;
+  stat.allocated = *value++;
+  stat.freed = *value++;
+}
+
+using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
+
+class HbmallocAllocator final : public Pluggable {
+ public:
+  explicit HbmallocAllocator(const Abi& abi)
+      : Pluggable(
+            [abi](size_t size, int device, cudaStream_t stream) {
+              return allocate(abi, size, device, stream);
+            },
+            [abi](void* ptr, size_t size, int device, cudaStream_t stream) {
+              abi.free(ptr, static_cast<ssize_t>(size), device, stream);
+            }),
+        abi_(abi) {
+    set_init_fn([abi](int device_count) { check(abi, abi.init(device_count)); });
+    // torch.cuda.empty_cache(): every device's cache.
+    set_reset_fn([abi] { check(abi, abi.reset()); });
+    set_memory_fraction_fn([abi](double fraction, int device) {
+      check(abi, abi.set_memory_fraction(fraction, device));
+    });
+  }
+
+  // hbmalloc_torch_alloc throws std::runtime_error; PyTorch's fallbacks
+  // (cuDNN's smaller workspace, the benchmark's next algorithm) catch only
+  // its own OutOfMemoryError, so lack of memory becomes that.
+  static void* allocate(const Abi& abi, size_t size, int device, cudaStream_t stream) {
+    try {
+      return abi.torch_alloc(static_cast<ssize_t>(size), device, stream);
+    } catch (const std::runtime_error& e) {
+      if (abi.last_error_code() == HBMALLOC_OUT_OF_MEMORY) {
+        TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
+      }
+      TORCH_CHECK(false, e.what());
+    }
+  }
+
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+    record_stream(ptr, stream.stream());
+  }
+
+  // recordStream, with the stream as CUDA's handle.
+  void record_stream(const c10::DataPtr& ptr, cudaStream_t stream) {
+    // Memory this allocator did not hand out is not its to track (as in
+    // PyTorch's own allocator).
+    if (ptr.get() == nullptr || ptr.get_deleter() != raw_deleter()) {
+      return;
+    }
+    check(abi_, abi_.record_stream(ptr.get(), ptr.device().index(), stream));
+  }
+
+  void cacheInfo(c10::DeviceIndex device, size_t* largest_block) override {
+    size_t largest = 0;
+    check(abi_, abi_.cache_info(device, &largest));
+    *largest_block = std::max(*largest_block, largest);
+  }
+
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    double fraction = 1.0;
+    check(abi_, abi_.memory_fraction(device, &fraction));
+    return fraction;
+  }
+
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    static const std::vector<std::string> keys = stat_keys();
+    static const std::vector<const char*> key_pointers = [] {
+      std::vector<const char*> pointers;
+      for (const std::string& key : keys) {
+        pointers.push_back(key.c_str());
+      }
+      return pointers;
+    }();
+    std::vector<int64_t> values(keys.size());
+    check(abi_, abi_.stats_values(device, key_pointers.data(), keys.size(), values.data()));
+
+    c10::CachingDeviceAllocator::DeviceStats stats;
+    const int64_t* value = values.data();
+    for (auto* array :
+         {&stats.allocation, &stats.segment, &stats.active, &stats.inactive_split,
+          &stats.allocated_bytes, &stats.reserved_bytes, &stats.active_bytes,
+          &stats.inactive_split_bytes, &stats.requested_bytes}) {
+      for (auto& stat : *array) {
+        fill(stat, value);
+      }
+    }
+    fill(stats.oversize_allocations, value);
+    fill(stats.oversize_segments, value);
+    stats.num_alloc_retries = *value++;
+    stats.num_ooms = *value++;
+    stats.num_sync_all_streams = *value++;
+    stats.num_device_alloc = *value++;
+    stats.num_device_free = *value++;
+    stats.max_split_size = *value++;
+    return stats;
+  }
+
+  void resetPeakStats(c10::DeviceIndex device) override {
+    check(abi_, abi_.reset_peak_stats(device));
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    check(abi_, abi_.reset_accumulated_stats(device));
+  }
+
+  // CUDA graph capture asks for a private pool, which hbmalloc does not keep:
+  // refused before the capture begins, whoever starts it.
+  void beginAllocateToPool(
+      c10::DeviceIndex /*device*/,
+      c10::cuda::MempoolId_t /*mempool_id*/,
+      std::function<bool(cudaStream_t)> /*filter*/) override {
+    TORCH_CHECK(
+        false,
+        "hbmalloc does not keep CUDA graph pools: capture a graph with PyTorch's "
+        "allocator and route other allocations with hbmalloc.torch.mem_pool()");
+  }
+
+  std::string name() override {
+    return "hbmalloc";
+  }
+
+ private:
+  Abi abi_;
+};
+
+// Copies `text` into `buf` (at most `len - 1` bytes and a NUL).
+void write_text(const std::string& text, char* buf, size_t len) {
+  if (buf == nullptr || len == 0) {
+    return;
+  }
+  size_t n = std::min(text.size(), len - 1);
+  std::memcpy(buf, text.data(), n);
+  buf[n] = '\0';
+}
+
+}  // namespace hbmalloc_torch
+
+// Makes an HbmallocAllocator over the library at `library_path` PyTorch's
+// CUDA allocator. Returns 0; 1 when the allocator could not be made (a
+// symbol missing, ...), or 2 when PyTorch refused the swap (its allocator
+// is already initialised), with the reason in `error`. Never throws.
+extern "C" int hbmalloc_torch_compiled_install(
+    const char* library_path, char* error, size_t error_len) {
+  std::shared_ptr<hbmalloc_torch::HbmallocAllocator> allocator;
+  try {
+    allocator = std::make_shared<hbmalloc_torch::HbmallocAllocator>(
+        hbmalloc_torch::load_abi(library_path));
+  } catch (const std::exception& e) {
+    hbmalloc_torch::write_text(e.what(), error, error_len);
+    return 1;
+  }
+  try {
+    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
+  } catch (const c10::Error& e) {
+    hbmalloc_torch::write_text(e.what_without_backtrace(), error, error_len);
+    return 2;
+  } catch (const std::exception& e) {
+    hbmalloc_torch::write_text(e.what(), error, error_len);
+    return 2;
+  }
+  return 0;
+}

@@ -1,0 +1,111 @@
+// Drives hbmalloc's compiled PyTorch allocator (hbmalloc/torch_allocator.cc)
+// through PyTorch's allocator interface, as PyTorch's C++ calls it, on a
+// machine without a GPU: nothing here asks CUDA's runtime for a device or a
+// stream. test_torch.py builds it with hbmalloc.torch._compile, runs it on
+// the driver double and checks the report, a line per step.
+
+#include <cstdint>
+#include <sstream>
+
+#include "torch_allocator.cc"
+
+namespace {
+
+// The first line of a PyTorch error's message.
+std::string first_line(const c10::Error& e) {
+  const std::string& message = e.msg();
+  return message.substr(0, message.find('\n'));
+}
+
+}  // namespace
+
+extern "C" int hbmalloc_torch_compiled_check(
+    const char* library_path, char* report, size_t report_len) {
+  std::ostringstream out;
+  try {
+    hbmalloc_torch::HbmallocAllocator allocator(hbmalloc_torch::load_abi(library_path));
+    // What PyTorch holds: calls go through the virtual interface.
+    c10::cuda::CUDACachingAllocator::CUDAAllocator& torch_view = allocator;
+    out << "name: " << torch_view.name() << "\n";
+
+    // CUDAPluggableAllocator::malloc is what raw_alloc and allocate call
+    // once they know the device and stream.
+    void* p = allocator.malloc(3 << 20, 0, nullptr);
+    out << "malloc: " << (p != nullptr) << "\n";
+    auto stats = torch_view.getDeviceStats(0);
+    out << "allocated: " << stats.allocated_bytes[0].current << "\n";
+    out << "requested large pool: " << stats.requested_bytes[2].current << "\n";
+
+    size_t largest = 0;
+    torch_view.cacheInfo(0, &largest);
+    out << "cacheInfo: " << (largest > 0) << "\n";
+    size_t guess = SIZE_MAX;
+    torch_view.cacheInfo(0, &guess);
+    out << "cacheInfo keeps a larger guess: " << (guess == SIZE_MAX) << "\n";
+
+    // A stream recorded on this allocator's memory reaches hbmalloc: after
+    // the free, the block stays active until that stream's work is done.
+    c10::DataPtr ours(p, p, allocator.raw_deleter(), c10::Device(c10::DeviceType::CUDA, 0));
+    try {
+      // recordStream less its first step, CUDAStream::stream(), which asks
+      // CUDA's runtime for the stream's handle (no GPU here).
+      auto side_stream = reinterpret_cast<cudaStream_t>(0x7700);
+      allocator.record_stream(ours, side_stream);
+      // Memory another allocator handed out is ignored, as PyTorch's does.
+      int foreign_byte = 0;
+      c10::DataPtr foreign(&foreign_byte, c10::Device(c10::DeviceType::CUDA, 0));
+      allocator.record_stream(foreign, side_stream);
+      out << "recordStream: ok\n";
+    } catch (const c10::Error& e) {
+      out << "recordStream: Error: " << first_line(e) << "\n";
+    }
+    // Freed here, not by the deleter, which calls the installed allocator
+    // (none is installed in this test).
+    ours.release_context();
+    torch_view.raw_delete(p);
+    stats = torch_view.getDeviceStats(0);
+    out << "after free: allocated " << stats.allocated_bytes[0].current << ", active "
+        << (stats.active_bytes[0].current >= (3 << 20)) << "\n";
+
+    try {
+      allocator.malloc(size_t{1} << 50, 0, nullptr);
+      out << "too large: no error\n";
+    } catch (const c10::OutOfMemoryError& e) {
+      out << "too large: OutOfMemoryError: " << first_line(e) << "\n";
+    } catch (const c10::Error& e) {
+      out << "too large: Error: " << first_line(e) << "\n";
+    }
+    try {
+      allocator.malloc(64, 7, nullptr);
+      out << "bad device: no error\n";
+    } catch (const c10::OutOfMemoryError& e) {
+      out << "bad device: OutOfMemoryError: " << first_line(e) << "\n";
+    } catch (const c10::Error& e) {
+      out << "bad device: Error: " << first_line(e) << "\n";
+    }
+
+    try {
+      torch_view.beginAllocateToPool(0, {1, 0}, [](cudaStream_t) { return true; });
+      out << "graph pool: allowed\n";
+    } catch (const c10::Error& e) {
+      out << "graph pool: refused: " << first_line(e) << "\n";
+    }
+
+    torch_view.setMemoryFraction(0.5, 0);
+    out << "fraction: " << torch_view.getMemoryFraction(0) << "\n";
+    torch_view.setMemoryFraction(1.0, 0);
+    torch_view.resetAccumulatedStats(0);
+    out << "allocations counted after reset: "
+        << torch_view.getDeviceStats(0).allocation[0].allocated << "\n";
+    torch_view.resetPeakStats(0);
+    stats = torch_view.getDeviceStats(0);
+    out << "peak is current after reset: "
+        << (stats.reserved_bytes[0].peak == stats.reserved_bytes[0].current) << "\n";
+  } catch (const c10::Error& e) {
+    out << "exception: " << first_line(e) << "\n";
+  } catch (const std::exception& e) {
+    out << "exception: " << e.what() << "\n";
+  }
+  hbmalloc_torch::write_text(out.str(), report, report_len);
+  return 0;
+}
