@@ -67,22 +67,20 @@ extern "C" int hbmalloc_torch_compiled_check(
     out << "after free: allocated " << stats.allocated_bytes[0].current << ", active "
         << (stats.active_bytes[0].current >= (3 << 20)) << "\n";
 
-    try {
-      allocator.malloc(size_t{1} << 50, 0, nullptr);
-      out << "too large: no error\n";
-    } catch (const c10::OutOfMemoryError& e) {
-      out << "too large: OutOfMemoryError: " << first_line(e) << "\n";
-    } catch (const c10::Error& e) {
-      out << "too large: Error: " << first_line(e) << "\n";
-    }
-    try {
-      allocator.malloc(64, 7, nullptr);
-      out << "bad device: no error\n";
-    } catch (const c10::OutOfMemoryError& e) {
-      out << "bad device: OutOfMemoryError: " << first_line(e) << "\n";
-    } catch (const c10::Error& e) {
-      out << "bad device: Error: " << first_line(e) << "\n";
-    }
+    // A failed malloc: which of PyTorch's errors, and its first line.
+    auto failing_malloc = [&](const char* label, size_t size, int device) {
+      out << label << ": ";
+      try {
+        allocator.malloc(size, device, nullptr);
+        out << "no error\n";
+      } catch (const c10::OutOfMemoryError& e) {
+        out << "OutOfMemoryError: " << first_line(e) << "\n";
+      } catch (const c10::Error& e) {
+        out << "Error: " << first_line(e) << "\n";
+      }
+    };
+    failing_malloc("too large", size_t{1} << 50, 0);
+    failing_malloc("bad device", 64, 7);
 
     try {
       torch_view.beginAllocateToPool(0, {1, 0}, [](cudaStream_t) { return true; });
