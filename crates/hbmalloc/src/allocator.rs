@@ -268,10 +268,10 @@ impl<D: Device> Allocator<D> {
         }
     }
 
-    /// The largest block of free memory in the cache: a request up to this
-    /// size is served with no driver call (PyTorch's `cacheInfo`). Policy
-    /// `hbm` may serve more from its cache, by stitching idle granules of
-    /// several free blocks together; this is the most one block holds.
+    /// The size of the largest free block in the cache: memory held, in one
+    /// piece, that no allocation uses (PyTorch's `cacheInfo`). Policy `hbm`
+    /// can serve a larger request without new memory, by stitching idle
+    /// granules of several free blocks together.
     pub fn largest_free_block_bytes(&self) -> u64 {
         crate::snapshot::largest_free_block(&dispatch!(self, p => p.snapshot()))
     }
