@@ -69,7 +69,8 @@ installed torch, once per torch version and compiler (kept in
 pip packages a CUDA build of torch brings), and installs that subclass of
 PyTorch's ``CUDAPluggableAllocator``, which answers ``recordStream``,
 ``cacheInfo``, the statistics and their resets, ``empty_cache`` and memory
-fractions itself, and raises ``torch.OutOfMemoryError``. So
+fractions itself, and raises ``torch.OutOfMemoryError`` (after telling the
+observers ``torch._C._cuda_attach_out_of_memory_observer`` attached). So
 ``Tensor.record_stream`` is not wrapped (PyTorch's C++ callers, NCCL's
 included, reach hbmalloc), ``TORCH_NCCL_AVOID_RECORD_STREAMS`` is left
 alone, ``torch.cuda``'s statistics are PyTorch's own calls, cuDNN's benchmark

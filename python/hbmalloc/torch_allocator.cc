@@ -23,6 +23,7 @@
 #include <array>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -44,6 +45,7 @@ struct Abi {
   decltype(&hbmalloc_reset) reset;
   decltype(&hbmalloc_set_memory_fraction) set_memory_fraction;
   decltype(&hbmalloc_memory_fraction) memory_fraction;
+  decltype(&hbmalloc_mem_get_info) mem_get_info;
   decltype(&hbmalloc_cache_info) cache_info;
   decltype(&hbmalloc_stats_values) stats_values;
   decltype(&hbmalloc_reset_peak_stats) reset_peak_stats;
@@ -80,6 +82,7 @@ Abi load_abi(const char* path) {
   resolve(library, "hbmalloc_reset", &abi.reset);
   resolve(library, "hbmalloc_set_memory_fraction", &abi.set_memory_fraction);
   resolve(library, "hbmalloc_memory_fraction", &abi.memory_fraction);
+  resolve(library, "hbmalloc_mem_get_info", &abi.mem_get_info);
   resolve(library, "hbmalloc_cache_info", &abi.cache_info);
   resolve(library, "hbmalloc_stats_values", &abi.stats_values);
   resolve(library, "hbmalloc_reset_peak_stats", &abi.reset_peak_stats);
@@ -147,8 +150,9 @@ class HbmallocAllocator final : public Pluggable {
  public:
   explicit HbmallocAllocator(const Abi& abi)
       : Pluggable(
-            [abi](size_t size, int device, cudaStream_t stream) {
-              return allocate(abi, size, device, stream);
+            // Called only once this object is made, from PyTorch.
+            [this](size_t size, int device, cudaStream_t stream) {
+              return allocate(size, device, stream);
             },
             [abi](void* ptr, size_t size, int device, cudaStream_t stream) {
               abi.free(ptr, static_cast<ssize_t>(size), device, stream);
@@ -164,16 +168,27 @@ class HbmallocAllocator final : public Pluggable {
 
   // hbmalloc_torch_alloc throws std::runtime_error; PyTorch's fallbacks
   // (cuDNN's smaller workspace, the benchmark's next algorithm) catch only
-  // its own OutOfMemoryError, so lack of memory becomes that.
-  static void* allocate(const Abi& abi, size_t size, int device, cudaStream_t stream) {
+  // its own OutOfMemoryError, so lack of memory becomes that, after the
+  // out-of-memory observers have been told (as PyTorch's allocator does).
+  void* allocate(size_t size, int device, cudaStream_t stream) {
     try {
-      return abi.torch_alloc(static_cast<ssize_t>(size), device, stream);
+      return abi_.torch_alloc(static_cast<ssize_t>(size), device, stream);
     } catch (const std::runtime_error& e) {
-      if (abi.last_error_code() == HBMALLOC_OUT_OF_MEMORY) {
-        TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
+      if (abi_.last_error_code() != HBMALLOC_OUT_OF_MEMORY) {
+        TORCH_CHECK(false, e.what());
       }
-      TORCH_CHECK(false, e.what());
+      std::string report = e.what();  // Before any other hbmalloc call.
+      tell_oom_observers(device, size);
+      TORCH_CHECK_WITH(OutOfMemoryError, false, report);
     }
+  }
+
+  // torch._C._cuda_attach_out_of_memory_observer: PyTorch's recipe for
+  // dumping a snapshot where memory ran out.
+  void attachOutOfMemoryObserver(
+      c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> lock(observers_mutex_);
+    oom_observers_.push_back(std::move(observer));
   }
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
@@ -260,7 +275,28 @@ class HbmallocAllocator final : public Pluggable {
   }
 
  private:
+  // Each observer gets the device, the request, and the device's total and
+  // free memory (0 and 0 if the driver cannot say).
+  void tell_oom_observers(int device, size_t size) {
+    std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> observers;
+    {
+      std::lock_guard<std::mutex> lock(observers_mutex_);
+      observers = oom_observers_;
+    }
+    size_t free_bytes = 0;
+    size_t total_bytes = 0;
+    if (!observers.empty() &&
+        abi_.mem_get_info(device, &free_bytes, &total_bytes) != HBMALLOC_OK) {
+      free_bytes = total_bytes = 0;
+    }
+    for (const auto& observer : observers) {
+      observer(device, size, total_bytes, free_bytes);
+    }
+  }
+
   Abi abi_;
+  std::mutex observers_mutex_;
+  std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> oom_observers_;
 };
 
 // Copies `text` into `buf` (at most `len - 1` bytes and a NUL).

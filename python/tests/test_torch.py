@@ -388,7 +388,8 @@ def test_compiled_allocator_answers_pytorchs_calls_from_cpp(compiled_cache):
     """tests/torch_allocator_check.cc calls the compiled allocator through
     PyTorch's allocator interface, on the driver double: statistics,
     cacheInfo, a recorded stream holding memory after its free, errors of
-    PyTorch's own types, graph pools refused, fraction and resets."""
+    PyTorch's own types (out-of-memory observers told first), graph pools
+    refused, fraction and resets."""
     check = pathlib.Path(__file__).with_name("torch_allocator_check.cc")
     out = run_compiled(
         f"""
@@ -415,6 +416,7 @@ def test_compiled_allocator_answers_pytorchs_calls_from_cpp(compiled_cache):
         "after free: allocated 0, active 1",
         "too large: OutOfMemoryError: CUDA out of memory. hbmalloc: tried to allocate 1.00 PiB",
         "bad device: Error: hbmalloc: device 7 is out of range",
+        f"observed: device 0, {1 << 50} bytes, total 1, free 1; \n",
         "graph pool: refused: hbmalloc does not keep CUDA graph pools",
         "fraction: 0.5",
         "allocations counted after reset: 0",

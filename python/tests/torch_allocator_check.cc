@@ -79,8 +79,16 @@ extern "C" int hbmalloc_torch_compiled_check(
         out << "Error: " << first_line(e) << "\n";
       }
     };
+    // Out-of-memory observers hear of lack of memory, and only of that.
+    std::ostringstream observed;
+    torch_view.attachOutOfMemoryObserver(
+        [&](int64_t device, size_t size, size_t total, size_t free) {
+          observed << "device " << device << ", " << size << " bytes, total " << (total > 0)
+                   << ", free " << (free <= total) << "; ";
+        });
     failing_malloc("too large", size_t{1} << 50, 0);
     failing_malloc("bad device", 64, 7);
+    out << "observed: " << observed.str() << "\n";
 
     try {
       torch_view.beginAllocateToPool(0, {1, 0}, [](cudaStream_t) { return true; });

@@ -142,6 +142,11 @@ int hbmalloc_set_history_entries(ssize_t entries, int clear);
  * (call with buf NULL, len 0 to size the buffer), or -1 on error. */
 ssize_t hbmalloc_stats_json(int device, char *buf, size_t len);
 
+/* The driver's free and total memory of device, in bytes, into *free_bytes
+ * and *total_bytes (cudaMemGetInfo; what PyTorch's out-of-memory observers
+ * are told). Returns a status. */
+int hbmalloc_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes);
+
 /* values[i] = torch.cuda.memory_stats(device)[keys[i]] for each of count
  * keys ("allocated_bytes.all.current", ...): what a C++ allocator fills
  * PyTorch's DeviceStats from. Nothing is written unless every key is known

@@ -286,6 +286,34 @@ pub unsafe extern "C" fn hbmalloc_cache_info(device: c_int, largest_block: *mut 
     })
 }
 
+/// The driver's free and total memory of `device` into `*free_bytes` and
+/// `*total_bytes` (`cudaMemGetInfo`).
+///
+/// # Safety
+/// Each pointer is null or valid for a write of a `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn hbmalloc_mem_get_info(
+    device: c_int,
+    free_bytes: *mut usize,
+    total_bytes: *mut usize,
+) -> c_int {
+    status_of(|| {
+        if free_bytes.is_null() || total_bytes.is_null() {
+            return Err(ApiError::new(
+                Status::InvalidArgument,
+                "hbmalloc: free_bytes or total_bytes is NULL",
+            ));
+        }
+        let (free, total) = crate::mem_get_info(device)?;
+        let size = |bytes: u64| usize::try_from(bytes).unwrap_or(usize::MAX);
+        // SAFETY: both non-null, and the caller guarantees them valid for writes.
+        unsafe {
+            write_out(free_bytes, size(free), "free_bytes")?;
+            write_out(total_bytes, size(total), "total_bytes")
+        }
+    })
+}
+
 /// `values[i]` = `memory_stats()[keys[i]]` of `device` for each of `count`
 /// keys; nothing is written unless every key is known.
 ///

@@ -34,7 +34,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use hbmalloc::{
-    AllocError, AllocatorConfig, DeviceError, DeviceErrorKind, DevicePtr, PolicyConfig,
+    AllocError, AllocatorConfig, Device, DeviceError, DeviceErrorKind, DevicePtr, PolicyConfig,
     SharedAllocator, StreamId, ThreadSafeAllocator,
 };
 use hbmalloc_cuda::{CudaDevice, CudaDriver};
@@ -346,6 +346,15 @@ pub fn set_memory_fraction(fraction: f64, device: i32) -> Result<(), ApiError> {
 /// (`torch.cuda.get_per_process_memory_fraction`).
 pub fn memory_fraction(device: i32) -> Result<f64, ApiError> {
     with_allocator(device, |a| Ok(a.memory_fraction()))
+}
+
+/// The driver's free and total memory of `device`, in bytes
+/// (`cudaMemGetInfo`).
+pub fn mem_get_info(device: i32) -> Result<(u64, u64), ApiError> {
+    with_allocator(device, |a| {
+        let info = a.device().memory_info().map_err(device_error)?;
+        Ok((info.free_bytes, info.total_bytes))
+    })
 }
 
 /// `empty_cache` on every device with an allocator (PyTorch's `reset` hook,

@@ -15,9 +15,10 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use hbmalloc::StreamId;
 use hbmalloc_capi::{
     check_invariants, hbmalloc_alloc, hbmalloc_cache_info, hbmalloc_empty_cache, hbmalloc_free,
-    hbmalloc_init, hbmalloc_last_error, hbmalloc_last_error_code, hbmalloc_memory_fraction,
-    hbmalloc_record_stream, hbmalloc_reset, hbmalloc_set_memory_fraction, hbmalloc_snapshot,
-    hbmalloc_stats_json, hbmalloc_stats_values, hbmalloc_summary, settings, stats_map, Status,
+    hbmalloc_init, hbmalloc_last_error, hbmalloc_last_error_code, hbmalloc_mem_get_info,
+    hbmalloc_memory_fraction, hbmalloc_record_stream, hbmalloc_reset, hbmalloc_set_memory_fraction,
+    hbmalloc_snapshot, hbmalloc_stats_json, hbmalloc_stats_values, hbmalloc_summary, settings,
+    stats_map, Status,
 };
 use hbmalloc_cuda::byte_check::{byte_program, Buffers, DeviceBytes};
 
@@ -367,7 +368,7 @@ fn stats_values_fill_in_the_order_asked_and_refuse_unknown_keys() {
 }
 
 #[test]
-fn cache_info_and_memory_fraction_read_back() {
+fn cache_info_memory_fraction_and_mem_get_info_read_back() {
     let _serial = setup();
     assert_eq!(hbmalloc_empty_cache(0), 0);
     let mut fraction = -1.0f64;
@@ -397,9 +398,24 @@ fn cache_info_and_memory_fraction_read_back() {
         assert_eq!(hbmalloc_cache_info(0, &mut largest), 0);
     }
     assert_eq!(largest, 40 * MIB as usize);
+    // The driver's view: 40 MiB fewer free than in total, at least.
+    let (mut free_bytes, mut total_bytes) = (0usize, 0usize);
+    // SAFETY: valid out-parameters.
+    assert_eq!(
+        unsafe { hbmalloc_mem_get_info(0, &mut free_bytes, &mut total_bytes) },
+        0
+    );
+    assert!(
+        free_bytes + 40 * MIB as usize <= total_bytes,
+        "{free_bytes} of {total_bytes}"
+    );
     // NULL out-parameters are refused.
     // SAFETY: the functions check for null before writing.
     unsafe {
+        assert_eq!(
+            hbmalloc_mem_get_info(0, &mut free_bytes, std::ptr::null_mut()),
+            Status::InvalidArgument as i32
+        );
         assert_eq!(
             hbmalloc_cache_info(0, std::ptr::null_mut()),
             Status::InvalidArgument as i32

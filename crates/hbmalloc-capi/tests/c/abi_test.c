@@ -59,6 +59,9 @@ int main(int argc, char **argv) {
     CHECK(hbmalloc_memory_fraction(0, &fraction) == HBMALLOC_OK && fraction == 0.5);
     size_t largest_block = 0;
     CHECK(hbmalloc_cache_info(0, &largest_block) == HBMALLOC_OK && largest_block > 0);
+    size_t free_bytes = 0, total_bytes = 0;
+    CHECK(hbmalloc_mem_get_info(0, &free_bytes, &total_bytes) == HBMALLOC_OK);
+    CHECK(free_bytes > 0 && free_bytes < total_bytes);
     char summary[8192];
     CHECK(hbmalloc_summary(0, 1, summary, sizeof summary) > 0);
     CHECK(strstr(summary, "PyTorch CUDA memory summary, device ID 0") != NULL);
