@@ -401,10 +401,8 @@ fn cache_info_memory_fraction_and_mem_get_info_read_back() {
     // The driver's view: 40 MiB fewer free than in total, at least.
     let (mut free_bytes, mut total_bytes) = (0usize, 0usize);
     // SAFETY: valid out-parameters.
-    assert_eq!(
-        unsafe { hbmalloc_mem_get_info(0, &mut free_bytes, &mut total_bytes) },
-        0
-    );
+    let status = unsafe { hbmalloc_mem_get_info(0, &mut free_bytes, &mut total_bytes) };
+    assert_eq!(status, 0);
     assert!(
         free_bytes + 40 * MIB as usize <= total_bytes,
         "{free_bytes} of {total_bytes}"
