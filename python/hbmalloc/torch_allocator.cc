@@ -26,6 +26,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -104,44 +105,59 @@ void check(const Abi& abi, int status) {
   TORCH_CHECK(false, message);
 }
 
-// memory_stats() keys in DeviceStats' order: each StatArray's pools
-// (StatType: aggregate, small pool, large pool) and each Stat's fields.
-constexpr std::array<const char*, 9> kStatArrays = {
-    "allocation",     "segment",        "active",
-    "inactive_split", "allocated_bytes", "reserved_bytes",
-    "active_bytes",   "inactive_split_bytes", "requested_bytes"};
-constexpr std::array<const char*, 3> kPools = {"all", "small_pool", "large_pool"};
-constexpr std::array<const char*, 4> kFields = {"current", "peak", "allocated", "freed"};
-constexpr std::array<const char*, 2> kSingleStats = {"oversize_allocations", "oversize_segments"};
-constexpr std::array<const char*, 6> kCounters = {
-    "num_alloc_retries",    "num_ooms",        "num_sync_all_streams",
-    "num_device_alloc",     "num_device_free", "max_split_size"};
+using c10::CachingDeviceAllocator::DeviceStats;
+using c10::CachingDeviceAllocator::Stat;
+using c10::CachingDeviceAllocator::StatArray;
 
-std::vector<std::string> stat_keys() {
-  std::vector<std::string> keys;
-  for (const char* array : kStatArrays) {
-    for (const char* pool : kPools) {
-      for (const char* field : kFields) {
-        keys.push_back(std::string(array) + "." + pool + "." + field);
+// Each DeviceStats field and its memory_stats() key: a StatArray has one
+// Stat per pool (StatType: aggregate, small pool, large pool), a Stat four
+// fields.
+constexpr std::pair<const char*, StatArray DeviceStats::*> kStatArrays[] = {
+    {"allocation", &DeviceStats::allocation},
+    {"segment", &DeviceStats::segment},
+    {"active", &DeviceStats::active},
+    {"inactive_split", &DeviceStats::inactive_split},
+    {"allocated_bytes", &DeviceStats::allocated_bytes},
+    {"reserved_bytes", &DeviceStats::reserved_bytes},
+    {"active_bytes", &DeviceStats::active_bytes},
+    {"inactive_split_bytes", &DeviceStats::inactive_split_bytes},
+    {"requested_bytes", &DeviceStats::requested_bytes}};
+constexpr const char* kPools[] = {"all", "small_pool", "large_pool"};
+constexpr std::pair<const char*, Stat DeviceStats::*> kStats[] = {
+    {"oversize_allocations", &DeviceStats::oversize_allocations},
+    {"oversize_segments", &DeviceStats::oversize_segments}};
+constexpr std::pair<const char*, int64_t Stat::*> kFields[] = {
+    {"current", &Stat::current},
+    {"peak", &Stat::peak},
+    {"allocated", &Stat::allocated},
+    {"freed", &Stat::freed}};
+constexpr std::pair<const char*, int64_t DeviceStats::*> kCounters[] = {
+    {"num_alloc_retries", &DeviceStats::num_alloc_retries},
+    {"num_ooms", &DeviceStats::num_ooms},
+    {"num_sync_all_streams", &DeviceStats::num_sync_all_streams},
+    {"num_device_alloc", &DeviceStats::num_device_alloc},
+    {"num_device_free", &DeviceStats::num_device_free},
+    {"max_split_size", &DeviceStats::max_split_size}};
+
+// Visits every int64_t of `stats` with its memory_stats() key, always in
+// the same order.
+template <typename Visit>
+void for_each_stat(DeviceStats& stats, Visit visit) {
+  for (const auto& [name, array] : kStatArrays) {
+    for (size_t pool = 0; pool < std::size(kPools); ++pool) {
+      for (const auto& [field, member] : kFields) {
+        visit(std::string(name) + "." + kPools[pool] + "." + field, (stats.*array)[pool].*member);
       }
     }
   }
-  for (const char* stat : kSingleStats) {
-    for (const char* field : kFields) {
-      keys.push_back(std::string(stat) + "." + field);
+  for (const auto& [name, stat] : kStats) {
+    for (const auto& [field, member] : kFields) {
+      visit(std::string(name) + "." + field, (stats.*stat).*member);
     }
   }
-  for (const char* counter : kCounters) {
-    keys.emplace_back(counter);
+  for (const auto& [name, counter] : kCounters) {
+    visit(std::string(name), stats.*counter);
   }
-  return keys;
-}
-
-void fill(c10::CachingDeviceAllocator::Stat& stat, const int64_t*& value) {
-  stat.current = *value++;
-  stat.peak = *value++;
-  stat.allocated = *value++;
-  stat.freed = *value++;
 }
 
 using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
@@ -177,9 +193,8 @@ class HbmallocAllocator final : public Pluggable {
       if (abi_.last_error_code() != HBMALLOC_OUT_OF_MEMORY) {
         TORCH_CHECK(false, e.what());
       }
-      std::string report = e.what();  // Before any other hbmalloc call.
       tell_oom_observers(device, size);
-      TORCH_CHECK_WITH(OutOfMemoryError, false, report);
+      TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
     }
   }
 
@@ -217,8 +232,13 @@ class HbmallocAllocator final : public Pluggable {
     return fraction;
   }
 
-  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
-    static const std::vector<std::string> keys = stat_keys();
+  DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    static const std::vector<std::string> keys = [] {
+      std::vector<std::string> names;
+      DeviceStats unused;
+      for_each_stat(unused, [&](std::string key, int64_t&) { names.push_back(std::move(key)); });
+      return names;
+    }();
     static const std::vector<const char*> key_pointers = [] {
       std::vector<const char*> pointers;
       for (const std::string& key : keys) {
@@ -228,25 +248,9 @@ class HbmallocAllocator final : public Pluggable {
     }();
     std::vector<int64_t> values(keys.size());
     check(abi_, abi_.stats_values(device, key_pointers.data(), keys.size(), values.data()));
-
-    c10::CachingDeviceAllocator::DeviceStats stats;
-    const int64_t* value = values.data();
-    for (auto* array :
-         {&stats.allocation, &stats.segment, &stats.active, &stats.inactive_split,
-          &stats.allocated_bytes, &stats.reserved_bytes, &stats.active_bytes,
-          &stats.inactive_split_bytes, &stats.requested_bytes}) {
-      for (auto& stat : *array) {
-        fill(stat, value);
-      }
-    }
-    fill(stats.oversize_allocations, value);
-    fill(stats.oversize_segments, value);
-    stats.num_alloc_retries = *value++;
-    stats.num_ooms = *value++;
-    stats.num_sync_all_streams = *value++;
-    stats.num_device_alloc = *value++;
-    stats.num_device_free = *value++;
-    stats.max_split_size = *value++;
+    DeviceStats stats;
+    size_t next = 0;
+    for_each_stat(stats, [&](const std::string&, int64_t& slot) { slot = values[next++]; });
     return stats;
   }
 
