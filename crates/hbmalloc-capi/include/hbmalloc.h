@@ -38,6 +38,12 @@
  * A bad value is reported by every call (HBMALLOC_CONFIG_ERROR, naming the
  * variable and the key).
  *
+ * Devices: a device's allocator (and its CUDA context) is created by its
+ * first allocation, memory fraction or cache query. Reading its statistics,
+ * summary, settings, fraction or snapshot before that creates nothing and
+ * answers what a new allocator would (zeros, no segments), as PyTorch's
+ * allocator does for a device a process does not use.
+ *
  * Threads: every function may be called from any thread. Each device has
  * one allocator, created at its first use and sharded by stream
  * (HBMALLOC_SHARDS, default 8): threads working on different streams do not

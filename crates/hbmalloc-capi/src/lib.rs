@@ -34,8 +34,8 @@ use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use hbmalloc::{
-    AllocError, AllocatorConfig, Device, DeviceError, DeviceErrorKind, DevicePtr, PolicyConfig,
-    SharedAllocator, StreamId, ThreadSafeAllocator,
+    AllocError, AllocatorConfig, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceStats,
+    PolicyConfig, SharedAllocator, StreamId, ThreadSafeAllocator,
 };
 use hbmalloc_cuda::{CudaDevice, CudaDriver};
 
@@ -345,7 +345,8 @@ pub fn set_memory_fraction(fraction: f64, device: i32) -> Result<(), ApiError> {
 /// The share of `device`'s memory its allocator may hold
 /// (`torch.cuda.get_per_process_memory_fraction`).
 pub fn memory_fraction(device: i32) -> Result<f64, ApiError> {
-    with_allocator(device, |a| Ok(a.memory_fraction()))
+    let configured = runtime()?.config.policy.memory_fraction();
+    Ok(with_existing_allocator(device, |a| Ok(a.memory_fraction()))?.unwrap_or(configured))
 }
 
 /// The driver's free and total memory of `device`, in bytes
@@ -368,14 +369,27 @@ pub fn reset() -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The statistics of `device`'s allocator, or those a new one would report
+/// when the device has not allocated yet. Reading them never creates an
+/// allocator: its CUDA context would take memory on that GPU (a process
+/// that logs every device's statistics would hold a context on each, as
+/// PyTorch's own allocator does not).
+fn stats_of(device: i32) -> Result<DeviceStats, ApiError> {
+    let runtime = runtime()?;
+    Ok(match runtime.slot(device)?.get() {
+        Some(allocator) => allocator.stats(),
+        None => runtime.config.policy.initial_stats(),
+    })
+}
+
 /// `torch.cuda.memory_stats()` of `device` as one JSON object.
 pub fn stats_json(device: i32) -> Result<String, ApiError> {
-    with_allocator(device, |a| Ok(hbmalloc_export::stats_to_json(&a.stats())))
+    Ok(hbmalloc_export::stats_to_json(&stats_of(device)?))
 }
 
 /// PyTorch's `memory_stats()` dictionary for `device`.
 pub fn stats_map(device: i32) -> Result<std::collections::BTreeMap<String, i64>, ApiError> {
-    with_allocator(device, |a| Ok(a.stats().to_pytorch_map()))
+    Ok(stats_of(device)?.to_pytorch_map())
 }
 
 /// The values of `keys` among `device`'s [`stats_map`], in their order:
@@ -405,19 +419,21 @@ pub fn largest_free_block(device: i32) -> Result<u64, ApiError> {
 /// `torch.cuda.reset_peak_memory_stats(device)`: every peak statistic of
 /// `device` becomes its current value.
 pub fn reset_peak_stats(device: i32) -> Result<(), ApiError> {
-    with_allocator(device, |a| {
+    with_existing_allocator(device, |a| {
         a.reset_peak_stats();
         Ok(())
     })
+    .map(|_| ())
 }
 
 /// `torch.cuda.reset_accumulated_memory_stats(device)`: the running totals
 /// and event counts of `device` start again from zero.
 pub fn reset_accumulated_stats(device: i32) -> Result<(), ApiError> {
-    with_allocator(device, |a| {
+    with_existing_allocator(device, |a| {
         a.reset_accumulated_stats();
         Ok(())
     })
+    .map(|_| ())
 }
 
 /// `torch.cuda.memory._record_memory_history`: every allocator, and those
@@ -435,18 +451,30 @@ pub fn set_history_entries(entries: usize, clear: bool) -> Result<(), ApiError> 
 
 /// `torch.cuda.memory_summary()` text for `device`.
 pub fn summary(device: i32, abbreviated: bool) -> Result<String, ApiError> {
-    with_allocator(device, |a| {
-        Ok(hbmalloc::memory_summary(
-            &a.stats(),
-            i64::from(device),
-            abbreviated,
-        ))
-    })
+    Ok(hbmalloc::memory_summary(
+        &stats_of(device)?,
+        i64::from(device),
+        abbreviated,
+    ))
 }
 
-/// The snapshot of `device` as a PyTorch memory-snapshot pickle.
+/// The snapshot of `device` as a PyTorch memory-snapshot pickle: no
+/// segments for a device that has not allocated (no allocator is created
+/// for it).
 pub fn snapshot_pickle(device: i32) -> Result<Vec<u8>, ApiError> {
-    with_allocator(device, |a| Ok(pickle_snapshot(a, device)))
+    match existing_snapshot_pickle(device)? {
+        Some(bytes) => Ok(bytes),
+        None => {
+            let empty = hbmalloc::Snapshot {
+                settings: runtime()?.config.policy.to_settings(),
+                ..Default::default()
+            };
+            Ok(hbmalloc_export::snapshot_to_pickle(
+                &empty,
+                i64::from(device),
+            ))
+        }
+    }
 }
 
 /// [`snapshot_pickle`], or `None` when `device` has not allocated yet (no
@@ -482,5 +510,6 @@ pub fn check_invariants(device: i32) -> Result<(), ApiError> {
 
 /// The settings string of `device`'s allocator (`policy:pytorch,...`).
 pub fn settings(device: i32) -> Result<String, ApiError> {
-    with_allocator(device, |a| Ok(a.settings()))
+    let configured = runtime()?.config.policy.to_settings();
+    Ok(with_existing_allocator(device, |a| Ok(a.settings()))?.unwrap_or(configured))
 }

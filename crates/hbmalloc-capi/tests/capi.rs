@@ -12,7 +12,7 @@ use std::ffi::{c_char, c_void, CString};
 use std::process::Command;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-use hbmalloc::StreamId;
+use hbmalloc::{StreamId, ThreadSafeAllocator};
 use hbmalloc_capi::{
     check_invariants, hbmalloc_alloc, hbmalloc_cache_info, hbmalloc_empty_cache, hbmalloc_free,
     hbmalloc_init, hbmalloc_last_error, hbmalloc_last_error_code, hbmalloc_mem_get_info,
@@ -554,6 +554,31 @@ fn child_entry() {
             assert_error(Status::NoDriver, &["CUDA_ERROR_NO_DEVICE"]);
         }
         "hbm_bytes" => hbm_keeps_every_buffer_its_own_bytes(),
+        "unused_device" => {
+            // Reading device 1, which never allocated, creates no allocator
+            // there (whose CUDA context would take memory on that GPU).
+            let read = stats_map(1).unwrap();
+            assert_eq!(read["max_split_size"], 64 << 20);
+            assert!(read.iter().all(|(k, &v)| k == "max_split_size" || v == 0));
+            assert!(hbmalloc_capi::summary(1, false)
+                .unwrap()
+                .contains("device ID 1"));
+            hbmalloc_capi::reset_peak_stats(1).unwrap();
+            hbmalloc_capi::reset_accumulated_stats(1).unwrap();
+            assert_eq!(hbmalloc_capi::memory_fraction(1).unwrap(), 0.5);
+            assert_eq!(
+                settings(1).unwrap(),
+                "policy:pytorch,max_split_size_mb:64,per_process_memory_fraction:0.5"
+            );
+            let pickle = hbmalloc_capi::snapshot_pickle(1).unwrap();
+            assert!(pickle.len() > 10);
+            let created = hbmalloc_capi::with_existing_allocator(1, |_| Ok(())).unwrap();
+            assert!(created.is_none(), "reading created an allocator");
+            // What was read is what a new allocator reports.
+            let fresh = hbmalloc_capi::with_allocator(1, |a| Ok(a.stats().to_pytorch_map()));
+            assert_eq!(fresh.unwrap(), read);
+            assert_eq!(hbmalloc_capi::memory_fraction(1).unwrap(), 0.5);
+        }
         other => panic!("unknown child case {other}"),
     }
 }
@@ -703,6 +728,13 @@ fn config_cases_in_child_processes() {
         &[("HBMALLOC_CUDA_DRIVER", "/nonexistent/libcuda.so")],
     );
     child_case("no_device", &[("HBM_DOUBLE_NO_DEVICE", "1")]);
+    child_case(
+        "unused_device",
+        &[(
+            "HBMALLOC_CONF",
+            "policy:pytorch,max_split_size_mb:64,per_process_memory_fraction:0.5",
+        )],
+    );
 }
 
 /// Many threads on many streams through the C ABI, freeing each other's

@@ -26,6 +26,25 @@ pub enum PolicyConfig {
 }
 
 impl PolicyConfig {
+    /// The statistics of an allocator of this configuration that has not
+    /// allocated (all zeros but `max_split_size`): what to report for a
+    /// device without creating an allocator, and its CUDA context, there.
+    pub fn initial_stats(&self) -> DeviceStats {
+        match self {
+            PolicyConfig::Pytorch(c) => c.initial_stats(),
+            PolicyConfig::Hbm(c) => c.initial_stats(),
+        }
+    }
+
+    /// The configured share of the device's memory an allocator may hold
+    /// (`per_process_memory_fraction`, 1 unless set).
+    pub fn memory_fraction(&self) -> f64 {
+        match self {
+            PolicyConfig::Pytorch(c) => c.per_process_memory_fraction,
+            PolicyConfig::Hbm(c) => c.per_process_memory_fraction,
+        }
+    }
+
     /// Parses a policy name (`pytorch` or `hbm`) and its configuration string.
     pub fn parse(policy: &str, conf: &str) -> Result<Self, ConfigError> {
         match policy {
@@ -159,10 +178,7 @@ impl<D: Device> Allocator<D> {
         let total = device.memory_info()?.total_bytes;
         let history = History::with_capacity(config.history_entries);
         let settings = config.policy.to_settings();
-        let memory_fraction = match &config.policy {
-            PolicyConfig::Pytorch(c) => c.per_process_memory_fraction,
-            PolicyConfig::Hbm(c) => c.per_process_memory_fraction,
-        };
+        let memory_fraction = config.policy.memory_fraction();
         let engine = match config.policy {
             PolicyConfig::Pytorch(c) => Engine::Pytorch(PytorchPolicy::new(c, total, history)),
             PolicyConfig::Hbm(c) => Engine::Hbm(HbmPolicy::new(

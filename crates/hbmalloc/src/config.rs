@@ -483,6 +483,19 @@ pub const KNOWN_KEYS: &[&str] = &[
 ];
 
 impl PytorchConfig {
+    /// The statistics of an allocator that has not allocated: zeros, and
+    /// `max_split_size` as configured (-1: unlimited).
+    pub fn initial_stats(&self) -> crate::stats::DeviceStats {
+        crate::stats::DeviceStats {
+            max_split_size: if self.max_split_size == u64::MAX {
+                -1
+            } else {
+                self.max_split_size as i64
+            },
+            ..Default::default()
+        }
+    }
+
     /// Parses a `PYTORCH_CUDA_ALLOC_CONF` string. The empty string gives the defaults.
     ///
     /// Keys apply in order, so a repeated key keeps its last value, except that

@@ -427,6 +427,15 @@ impl Default for HbmConfig {
 }
 
 impl HbmConfig {
+    /// The statistics of an allocator that has not allocated: zeros (no
+    /// `max_split_size`: -1).
+    pub fn initial_stats(&self) -> DeviceStats {
+        DeviceStats {
+            max_split_size: -1,
+            ..Default::default()
+        }
+    }
+
     /// Every key this policy accepts.
     pub const KEYS: [&'static str; 4] = [
         "max_waste_percent",
@@ -919,11 +928,10 @@ impl HbmPolicy {
             recent_frees: vec![None; RECENT_FREE_SLOTS],
             limit_bytes: None,
             device_total,
-            stats: DeviceStats::default(),
+            stats: config.initial_stats(),
             history,
             config,
         };
-        policy.stats.max_split_size = -1;
         let small_sizes = policy.granule.unwrap_or(SEGMENT_ROUND) / MIN_BLOCK_SIZE;
         policy.lifetimes = vec![SizeLifetimes::default(); small_sizes as usize];
         if policy.config.per_process_memory_fraction < 1.0 {

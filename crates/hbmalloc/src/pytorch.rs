@@ -173,16 +173,11 @@ impl PytorchPolicy {
             total_allocated_memory: 0,
             allowed_memory_maximum: None,
             device_total,
-            stats: DeviceStats::default(),
+            stats: config.initial_stats(),
             history,
             config,
             stray_pages: Vec::new(),
             stray_events: Vec::new(),
-        };
-        policy.stats.max_split_size = if policy.config.max_split_size == u64::MAX {
-            -1
-        } else {
-            policy.config.max_split_size as i64
         };
         if policy.config.per_process_memory_fraction < 1.0 {
             policy.set_memory_fraction(policy.config.per_process_memory_fraction);
