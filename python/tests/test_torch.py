@@ -26,8 +26,8 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (HBMALLOC_
 MIB = 1 << 20
 
 
-def run_ok(code):
-    result = run_python(textwrap.dedent(code))
+def run_ok(code, env=None):
+    result = run_python(textwrap.dedent(code), env=env)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     return result.stdout
 
@@ -376,12 +376,6 @@ def compiled_cache(tmp_path_factory):
     return {"HBMALLOC_CACHE_DIR": str(tmp_path_factory.mktemp("compiled"))}
 
 
-def run_compiled(code, env):
-    result = run_python(textwrap.dedent(code), env=env)
-    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    return result.stdout
-
-
 @needs_cuda_torch
 @needs_driver
 def test_compiled_allocator_answers_pytorchs_calls_from_cpp(compiled_cache):
@@ -391,7 +385,7 @@ def test_compiled_allocator_answers_pytorchs_calls_from_cpp(compiled_cache):
     PyTorch's own types (out-of-memory observers told first), graph pools
     refused, fraction and resets."""
     check = pathlib.Path(__file__).with_name("torch_allocator_check.cc")
-    out = run_compiled(
+    out = run_ok(
         f"""
         import ctypes, hbmalloc, hbmalloc.torch
         library = ctypes.CDLL(str(hbmalloc.torch._compile({str(check)!r})))
@@ -432,7 +426,7 @@ def test_install_compiled_lets_torch_ask_hbmalloc_itself(compiled_cache):
     and memory fraction reach hbmalloc through PyTorch's own C++ (nothing
     routed), cuDNN's benchmark mode and Tensor.record_stream are left as
     they are, snapshots are routed and graph capture refused as without it."""
-    out = run_compiled(
+    out = run_ok(
         """
         import ctypes, os
         import torch, hbmalloc, hbmalloc.torch
@@ -498,7 +492,7 @@ def test_install_compiled_too_late_and_build_errors(compiled_cache):
     """PyTorch's own refusal reaches the caller as "too late" (its allocator
     initialised: here, the pluggable one install() made); a compiler that
     fails is named with its output."""
-    out = run_compiled(
+    out = run_ok(
         """
         import torch, hbmalloc.torch
         hbmalloc.torch.install()
