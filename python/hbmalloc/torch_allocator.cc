@@ -262,16 +262,18 @@ class HbmallocAllocator final : public Pluggable {
     check(abi_, abi_.reset_accumulated_stats(device));
   }
 
-  // CUDA graph capture asks for a private pool, which hbmalloc does not keep:
-  // refused before the capture begins, whoever starts it.
+  // CUDA graph capture and torch.cuda.use_mem_pool ask for a private pool,
+  // which hbmalloc does not keep: refused before they begin, whoever asks.
   void beginAllocateToPool(
       c10::DeviceIndex /*device*/,
       c10::cuda::MempoolId_t /*mempool_id*/,
       std::function<bool(cudaStream_t)> /*filter*/) override {
     TORCH_CHECK(
         false,
-        "hbmalloc does not keep CUDA graph pools: capture a graph with PyTorch's "
-        "allocator and route other allocations with hbmalloc.torch.mem_pool()");
+        "hbmalloc keeps no private memory pools (CUDA graph capture, "
+        "torch.cuda.use_mem_pool) while it is PyTorch's allocator: leave PyTorch's "
+        "allocator in place for them, and route allocations to hbmalloc with "
+        "hbmalloc.torch.mem_pool() instead of install()");
   }
 
   std::string name() override {

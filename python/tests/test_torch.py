@@ -411,7 +411,7 @@ def test_compiled_allocator_answers_pytorchs_calls_from_cpp(compiled_cache):
         "too large: OutOfMemoryError: CUDA out of memory. hbmalloc: tried to allocate 1.00 PiB",
         "bad device: Error: hbmalloc: device 7 is out of range",
         f"observed: device 0, {1 << 50} bytes, total 1, free 1; \n",
-        "graph pool: refused: hbmalloc does not keep CUDA graph pools",
+        "graph pool: refused: hbmalloc keeps no private memory pools (CUDA graph capture",
         "fraction: 0.5",
         "allocations counted after reset: 0",
         "peak is current after reset: 1",
