@@ -251,10 +251,18 @@ def _compile(source):
         partial.unlink(missing_ok=True)
         raise RuntimeError(
             f"hbmalloc.torch: compiling {source} against torch {torch.__version__} failed "
-            f"(exit {result.returncode}):\n{result.stderr[-4000:]}\ncommand: {' '.join(command)}"
+            f"(exit {result.returncode}):\n{_first_lines(result.stderr)}\ncommand: {' '.join(command)}"
         )
     os.replace(partial, output)  # Atomic: a concurrent build writes the same file.
     return output
+
+
+def _first_lines(text, limit=4000):
+    """The start of a compiler's output (its first error says the most),
+    cut at a line within `limit` characters."""
+    if len(text) <= limit:
+        return text
+    return text[: text.rfind("\n", 0, limit) + 1] + "[...]"
 
 
 def _compiled_install(torch):

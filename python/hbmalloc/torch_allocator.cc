@@ -29,6 +29,12 @@
 #include <utility>
 #include <vector>
 
+// Built and tested against torch 2.15. An older torch keeps DeviceStats
+// elsewhere: say so, instead of a page of errors.
+#if !__has_include(<c10/core/CachingDeviceAllocator.h>)
+#error "hbmalloc's compiled allocator needs a newer torch (one with c10/core/CachingDeviceAllocator.h; tested with 2.15): use hbmalloc.torch.install() without compiled=True"
+#endif
+
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
