@@ -362,6 +362,25 @@ def _route_memory_functions(torch, compiled):
     functions at hbmalloc (see the module documentation); with the
     ``compiled`` allocator, only snapshots and history."""
     c = torch._C
+    routes = {
+        "_cuda_memorySnapshot": memory_snapshot,
+        "_cuda_record_memory_history": _record_memory_history,
+        "_cuda_record_memory_history_legacy": _record_memory_history_legacy,
+    }
+    if not compiled:
+        # The compiled allocator answers these itself, from C++.
+        routes.update(_statistics_routes(c))
+    # Only what this torch has: install() has swapped the allocator already,
+    # and a name another torch version lacks must not undo that.
+    for name, function in routes.items():
+        if hasattr(c, name):
+            setattr(c, name, function)
+
+
+def _statistics_routes(c):
+    """The ``torch._C`` functions a pluggable allocator leaves raising or
+    doing nothing, as hbmalloc's (``c`` is ``torch._C``, read before any is
+    replaced)."""
     torch_empty_cache = getattr(c, "_cuda_emptyCache", lambda: None)
     torch_set_memory_fraction = getattr(c, "_cuda_setMemoryFraction", lambda f, d: None)
 
@@ -373,26 +392,14 @@ def _route_memory_functions(torch, compiled):
         torch_set_memory_fraction(fraction, device)
         hbmalloc.set_memory_fraction(fraction, device)
 
-    routes = {
-        "_cuda_memorySnapshot": memory_snapshot,
-        "_cuda_record_memory_history": _record_memory_history,
-        "_cuda_record_memory_history_legacy": _record_memory_history_legacy,
+    return {
+        "_cuda_memoryStats": lambda device: _nested(hbmalloc.memory_stats(device)),
+        "_cuda_resetPeakMemoryStats": hbmalloc.reset_peak_memory_stats,
+        "_cuda_resetAccumulatedMemoryStats": hbmalloc.reset_accumulated_memory_stats,
+        "_cuda_emptyCache": empty_cache,
+        "_cuda_setMemoryFraction": set_memory_fraction,
+        "_cuda_getMemoryFraction": hbmalloc.memory_fraction,
     }
-    if not compiled:
-        # The compiled allocator answers these itself, from C++.
-        routes.update({
-            "_cuda_memoryStats": lambda device: _nested(hbmalloc.memory_stats(device)),
-            "_cuda_resetPeakMemoryStats": hbmalloc.reset_peak_memory_stats,
-            "_cuda_resetAccumulatedMemoryStats": hbmalloc.reset_accumulated_memory_stats,
-            "_cuda_emptyCache": empty_cache,
-            "_cuda_setMemoryFraction": set_memory_fraction,
-            "_cuda_getMemoryFraction": hbmalloc.memory_fraction,
-        })
-    # Only what this torch has: install() has swapped the allocator already,
-    # and a name another torch version lacks must not undo that.
-    for name, function in routes.items():
-        if hasattr(c, name):
-            setattr(c, name, function)
 
 
 def _record_memory_history(enabled, context=None, stacks=None, max_entries=2**63 - 1,

@@ -176,6 +176,9 @@ class HbmallocAllocator final : public Pluggable {
             [this](size_t size, int device, cudaStream_t stream) {
               return allocate(size, device, stream);
             },
+            // PyTorch checked the pointer against its own records first; a
+            // deleter must not throw, so hbmalloc's last error keeps any
+            // failure.
             [abi](void* ptr, size_t size, int device, cudaStream_t stream) {
               abi.free(ptr, static_cast<ssize_t>(size), device, stream);
             }),
