@@ -9,7 +9,9 @@
 //! Determinism: addresses come from a bump pointer, events from a counter,
 //! and nothing depends on wall-clock time or hashing order.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use crate::FastMap;
 use std::sync::{Mutex, MutexGuard};
 
 use crate::device::{
@@ -152,13 +154,13 @@ struct SimState {
     address_plan: std::collections::VecDeque<(u64, DevicePtr)>,
     segments: BTreeMap<DevicePtr, u64>,
     reserved_ranges: BTreeMap<DevicePtr, u64>,
-    physical: HashMap<u64, PhysicalMemory>,
+    physical: FastMap<u64, PhysicalMemory>,
     next_handle: u64,
     mappings: BTreeMap<DevicePtr, Mapping>,
     used_bytes: u64,
     peak_used_bytes: u64,
     streams: BTreeMap<StreamId, StreamState>,
-    events: HashMap<u64, PendingEvent>,
+    events: FastMap<u64, PendingEvent>,
     next_event: u64,
     calls: [u64; CallKind::ALL.len()],
     simulated_ns: u64,
@@ -304,13 +306,13 @@ impl SimDevice {
                 address_plan: std::collections::VecDeque::new(),
                 segments: BTreeMap::new(),
                 reserved_ranges: BTreeMap::new(),
-                physical: HashMap::new(),
+                physical: FastMap::default(),
                 next_handle: 1,
                 mappings: BTreeMap::new(),
                 used_bytes: 0,
                 peak_used_bytes: 0,
                 streams: BTreeMap::new(),
-                events: HashMap::new(),
+                events: FastMap::default(),
                 next_event: 1,
                 calls: [0; CallKind::ALL.len()],
                 simulated_ns: 0,
@@ -930,13 +932,14 @@ impl Device for SimDevice {
                 format!("{va:#x}+{size} is not inside a reserved range"),
             ));
         }
-        let overlaps_before = state
+        // Mappings never overlap, so the last one starting before the new
+        // range ends is the one that would reach into it.
+        let overlaps = state
             .mappings
-            .range(..va)
+            .range(..va + size)
             .next_back()
             .is_some_and(|(&start, m)| start + m.size > va);
-        let overlaps_after = state.mappings.range(va..va + size).next().is_some();
-        if overlaps_before || overlaps_after {
+        if overlaps {
             return Err(invalid(
                 CallKind::Map,
                 format!("{va:#x}+{size} overlaps an existing mapping"),
@@ -1090,6 +1093,25 @@ mod tests {
         dev.physical_release(h).unwrap();
         dev.address_free(base, 8 * MIB).unwrap();
         assert_eq!(dev.used_bytes(), 0);
+        dev.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_map_over_any_part_of_another_is_refused_and_neighbours_are_not() {
+        let dev = SimDevice::with_capacity(32 * MIB);
+        let base = dev.address_reserve(32 * MIB).unwrap();
+        let h = dev.physical_create(16 * MIB).unwrap();
+        // [8, 12) MiB is taken.
+        dev.map(base + 8 * MIB, 4 * MIB, h, 0).unwrap();
+        for (start, size) in [(6, 4), (10, 4), (8, 4), (4, 16), (10, 2), (8, 2)] {
+            let err = dev
+                .map(base + start * MIB, size * MIB, h, 0)
+                .expect_err(&format!("[{start}, {}) MiB overlaps", start + size));
+            assert!(err.to_string().contains("overlaps"), "{err}");
+        }
+        // Ranges that end where it begins, or begin where it ends, fit.
+        dev.map(base + 4 * MIB, 4 * MIB, h, 4 * MIB).unwrap();
+        dev.map(base + 12 * MIB, 4 * MIB, h, 8 * MIB).unwrap();
         dev.check_invariants().unwrap();
     }
 
