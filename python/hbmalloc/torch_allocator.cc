@@ -7,8 +7,9 @@
 // alloc and free on. Subclassed here, it answers what it cannot from Python:
 // cacheInfo (so cuDNN's benchmark mode works), recordStream (so streams,
 // NCCL's included, reach hbmalloc from C++), the statistics behind
-// torch.cuda.memory_stats(), and out-of-memory errors of PyTorch's own type
-// (torch.OutOfMemoryError, which PyTorch's fallbacks catch). Everything else
+// torch.cuda.memory_stats(), out-of-memory errors of PyTorch's own type
+// (torch.OutOfMemoryError, which PyTorch's fallbacks catch), and memory
+// events for torch.profiler(profile_memory=True). Everything else
 // is CUDAPluggableAllocator's: its pointer bookkeeping, its deleter, and
 // whatever a newer torch adds to the interface.
 //
@@ -29,10 +30,16 @@
 #include <utility>
 #include <vector>
 
-// Built and tested against torch 2.15. An older torch keeps DeviceStats
-// elsewhere: say so, instead of a page of errors.
-#if !__has_include(<c10/core/CachingDeviceAllocator.h>)
-#error "hbmalloc's compiled allocator needs a newer torch (one with c10/core/CachingDeviceAllocator.h; tested with 2.15): use hbmalloc.torch.install() without compiled=True"
+// Built and tested with torch 2.6, 2.8, 2.10 and 2.15. An older torch lacks
+// part of the interface overridden here (2.5's CUDAAllocator has no
+// getMemoryFraction; before that, DeviceStats lived elsewhere): say so,
+// instead of a page of errors.
+#if __has_include(<torch/version.h>)
+#include <torch/version.h>
+#endif
+#if !defined(TORCH_VERSION_MAJOR) || TORCH_VERSION_MAJOR < 2 || \
+    (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 6)
+#error "hbmalloc's compiled allocator needs torch 2.6 or newer (tested with 2.6, 2.8, 2.10 and 2.15): use hbmalloc.torch.install() without compiled=True"
 #endif
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -115,6 +122,34 @@ using c10::CachingDeviceAllocator::DeviceStats;
 using c10::CachingDeviceAllocator::Stat;
 using c10::CachingDeviceAllocator::StatArray;
 
+// The device's allocated and reserved bytes now, as memory_stats() has
+// them ("allocated_bytes.all.current", "reserved_bytes.all.current"); 0 and
+// 0 if hbmalloc cannot say (its last error keeps why).
+std::pair<size_t, size_t> current_bytes(const Abi& abi, int device) {
+  static const char* const keys[] = {
+      "allocated_bytes.all.current", "reserved_bytes.all.current"};
+  int64_t values[2] = {0, 0};
+  if (abi.stats_values(device, keys, 2, values) != HBMALLOC_OK) {
+    return {0, 0};
+  }
+  return {static_cast<size_t>(values[0]), static_cast<size_t>(values[1])};
+}
+
+// Tells PyTorch's profiler (torch.profiler with profile_memory=True) of an
+// allocation (`bytes` > 0) or a free (`bytes` < 0), with the device's totals
+// after it, as PyTorch's own allocator does; CUDAPluggableAllocator tells it
+// nothing. The size is the request's (PyTorch passes the same one to free).
+// While no profiler records memory this is one thread-local lookup.
+void report_to_profiler(const Abi& abi, void* ptr, int64_t bytes, int device) {
+  if (!c10::memoryProfilingEnabled()) {
+    return;
+  }
+  const auto [allocated, reserved] = current_bytes(abi, device);
+  c10::reportMemoryUsageToProfiler(
+      ptr, bytes, allocated, reserved,
+      c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+}
+
 // Each DeviceStats field and its memory_stats() key: a StatArray has one
 // Stat per pool (StatType: aggregate, small pool, large pool), a Stat four
 // fields.
@@ -145,6 +180,16 @@ constexpr std::pair<const char*, int64_t DeviceStats::*> kCounters[] = {
     {"num_device_free", &DeviceStats::num_device_free},
     {"max_split_size", &DeviceStats::max_split_size}};
 
+// The counters only a newer torch's DeviceStats has (num_oom_rejections:
+// 2.15 has it, 2.10 not), where it has them. A template, so that a missing
+// field is a false requirement, not an error.
+template <typename Stats, typename Visit>
+void visit_newer_counters(Stats& stats, Visit& visit) {
+  if constexpr (requires { stats.num_oom_rejections; }) {
+    visit(std::string("num_oom_rejections"), stats.num_oom_rejections);
+  }
+}
+
 // Visits every int64_t of `stats` with its memory_stats() key, always in
 // the same order.
 template <typename Visit>
@@ -164,6 +209,7 @@ void for_each_stat(DeviceStats& stats, Visit visit) {
   for (const auto& [name, counter] : kCounters) {
     visit(std::string(name), stats.*counter);
   }
+  visit_newer_counters(stats, visit);
 }
 
 using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
@@ -178,9 +224,13 @@ class HbmallocAllocator final : public Pluggable {
             },
             // PyTorch checked the pointer against its own records first; a
             // deleter must not throw, so hbmalloc's last error keeps any
-            // failure.
+            // failure, and a profiler that fails is not heard.
             [abi](void* ptr, size_t size, int device, cudaStream_t stream) {
               abi.free(ptr, static_cast<ssize_t>(size), device, stream);
+              try {
+                report_to_profiler(abi, ptr, -static_cast<int64_t>(size), device);
+              } catch (...) {
+              }
             }),
         abi_(abi) {
     set_init_fn([abi](int device_count) { check(abi, abi.init(device_count)); });
@@ -196,15 +246,28 @@ class HbmallocAllocator final : public Pluggable {
   // its own OutOfMemoryError, so lack of memory becomes that, after the
   // out-of-memory observers have been told (as PyTorch's allocator does).
   void* allocate(size_t size, int device, cudaStream_t stream) {
+    void* ptr = nullptr;
     try {
-      return abi_.torch_alloc(static_cast<ssize_t>(size), device, stream);
+      ptr = abi_.torch_alloc(static_cast<ssize_t>(size), device, stream);
     } catch (const std::runtime_error& e) {
       if (abi_.last_error_code() != HBMALLOC_OUT_OF_MEMORY) {
         TORCH_CHECK(false, e.what());
       }
       tell_oom_observers(device, size);
+      if (c10::memoryProfilingEnabled()) {
+        const auto [allocated, reserved] = current_bytes(abi_, device);
+        c10::reportOutOfMemoryToProfiler(
+            static_cast<int64_t>(size), allocated, reserved,
+            c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+      }
       TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
     }
+    // The memory is the caller's now: a profiler that fails must not lose it.
+    try {
+      report_to_profiler(abi_, ptr, static_cast<int64_t>(size), device);
+    } catch (...) {
+    }
+    return ptr;
   }
 
   // torch._C._cuda_attach_out_of_memory_observer: PyTorch's recipe for

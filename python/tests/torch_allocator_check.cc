@@ -17,6 +17,28 @@ std::string first_line(const c10::Error& e) {
   return message.substr(0, message.find('\n'));
 }
 
+// What torch.profiler(profile_memory=True) installs, as far as an allocator
+// sees it: records what it is told, a line each.
+struct ProfilerRecorder final : c10::MemoryReportingInfoBase {
+  std::ostringstream told;
+
+  void reportMemoryUsage(
+      void* ptr, int64_t bytes, size_t allocated, size_t reserved,
+      c10::Device device) override {
+    told << "usage " << (ptr != nullptr) << " " << bytes << " allocated " << allocated
+         << " reserved " << (reserved >= allocated) << " " << device << "; ";
+  }
+
+  void reportOutOfMemory(
+      int64_t bytes, size_t allocated, size_t reserved, c10::Device device) override {
+    told << "out of memory " << bytes << " " << device << "; ";
+  }
+
+  bool memoryProfilingEnabled() const override {
+    return true;
+  }
+};
+
 }  // namespace
 
 extern "C" int hbmalloc_torch_compiled_check(
@@ -96,6 +118,19 @@ extern "C" int hbmalloc_torch_compiled_check(
     } catch (const c10::Error& e) {
       out << "graph pool: refused: " << first_line(e) << "\n";
     }
+
+    // With a profiler recording memory: an allocation, its free and an
+    // out-of-memory error reach it, with the device's totals after each.
+    {
+      auto recorder = std::make_shared<ProfilerRecorder>();
+      c10::DebugInfoGuard profiling(c10::DebugInfoKind::PROFILER_STATE, recorder);
+      void* q = allocator.malloc(1 << 20, 0, nullptr);
+      torch_view.raw_delete(q);
+      failing_malloc("too large while profiling", size_t{1} << 50, 0);
+      out << "profiler: " << recorder->told.str() << "\n";
+    }
+    void* unprofiled = allocator.malloc(1 << 20, 0, nullptr);
+    torch_view.raw_delete(unprofiled);
 
     torch_view.setMemoryFraction(0.5, 0);
     out << "fraction: " << torch_view.getMemoryFraction(0) << "\n";
