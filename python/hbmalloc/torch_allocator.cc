@@ -135,6 +135,11 @@ std::pair<size_t, size_t> current_bytes(const Abi& abi, int device) {
   return {static_cast<size_t>(values[0]), static_cast<size_t>(values[1])};
 }
 
+// Device `device` as PyTorch names it.
+c10::Device cuda_device(int device) {
+  return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+}
+
 // Tells PyTorch's profiler (torch.profiler with profile_memory=True) of an
 // allocation (`bytes` > 0) or a free (`bytes` < 0), with the device's totals
 // after it, as PyTorch's own allocator does; CUDAPluggableAllocator tells it
@@ -145,9 +150,7 @@ void report_to_profiler(const Abi& abi, void* ptr, int64_t bytes, int device) {
     return;
   }
   const auto [allocated, reserved] = current_bytes(abi, device);
-  c10::reportMemoryUsageToProfiler(
-      ptr, bytes, allocated, reserved,
-      c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+  c10::reportMemoryUsageToProfiler(ptr, bytes, allocated, reserved, cuda_device(device));
 }
 
 // Each DeviceStats field and its memory_stats() key: a StatArray has one
@@ -257,8 +260,7 @@ class HbmallocAllocator final : public Pluggable {
       if (c10::memoryProfilingEnabled()) {
         const auto [allocated, reserved] = current_bytes(abi_, device);
         c10::reportOutOfMemoryToProfiler(
-            static_cast<int64_t>(size), allocated, reserved,
-            c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+            static_cast<int64_t>(size), allocated, reserved, cuda_device(device));
       }
       TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
     }

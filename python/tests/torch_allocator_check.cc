@@ -129,8 +129,6 @@ extern "C" int hbmalloc_torch_compiled_check(
       failing_malloc("too large while profiling", size_t{1} << 50, 0);
       out << "profiler: " << recorder->told.str() << "\n";
     }
-    void* unprofiled = allocator.malloc(1 << 20, 0, nullptr);
-    torch_view.raw_delete(unprofiled);
 
     torch_view.setMemoryFraction(0.5, 0);
     out << "fraction: " << torch_view.getMemoryFraction(0) << "\n";

@@ -4,8 +4,8 @@
 //! figure is the engine's own work per malloc or free in the replay loop,
 //! plus the simulated driver's bookkeeping of each call it makes (about 1,000
 //! instructions for a map, 700 for an unmap, on select_n_ec5be11): a policy
-//! that makes more calls pays more of it. Each configuration is replayed `repeat` times,
-//! interleaved, and the median is reported.
+//! that makes more calls pays more of it. Each configuration is replayed
+//! `repeat` times, interleaved, and the median is reported.
 
 use std::sync::Mutex;
 

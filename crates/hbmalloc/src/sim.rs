@@ -10,14 +10,13 @@
 //! and nothing depends on wall-clock time or hashing order.
 
 use std::collections::BTreeMap;
-
-use crate::FastMap;
 use std::sync::{Mutex, MutexGuard};
 
 use crate::device::{
     CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
     PhysicalHandle, StreamId,
 };
+use crate::FastMap;
 
 const MIB: u64 = 1 << 20;
 
