@@ -496,10 +496,11 @@ def test_install_compiled_lets_torch_ask_hbmalloc_itself(compiled_cache):
 
 
 @needs_cuda_torch
-def test_install_compiled_too_late_and_build_errors(compiled_cache):
+def test_install_compiled_too_late_and_build_errors(compiled_cache, tmp_path):
     """PyTorch's own refusal reaches the caller as "too late" (its allocator
     initialised: here, the pluggable one install() made); a compiler that
-    fails is named with its output."""
+    fails is named with its output, and a torch older than the allocator
+    needs gets one error that says so."""
     out = run_ok(
         """
         import torch, hbmalloc.torch
@@ -529,6 +530,31 @@ def test_install_compiled_too_late_and_build_errors(compiled_cache):
     assert broken.returncode == 0, broken.stderr
     assert "build: hbmalloc.torch: compiling" in broken.stdout
     assert "failed (exit 1)" in broken.stdout
+
+    # torch 2.5, as far as the preprocessor can tell: a compiler that finds
+    # this torch/version.h before the installed torch's.
+    old_torch = tmp_path / "torch-2.5"
+    (old_torch / "torch").mkdir(parents=True)
+    (old_torch / "torch" / "version.h").write_text(
+        "#define TORCH_VERSION_MAJOR 2\n#define TORCH_VERSION_MINOR 5\n"
+    )
+    compiler = tmp_path / "c++-with-torch-2.5"
+    compiler.write_text(f'#!/bin/sh\nexec c++ -I{old_torch} "$@"\n')
+    compiler.chmod(0o755)
+    too_old = run_python(
+        textwrap.dedent(
+            """
+            import hbmalloc.torch
+            try:
+                hbmalloc.torch.install(compiled=True)
+            except RuntimeError as e:
+                print("build:", e)
+            """
+        ),
+        env={"HBMALLOC_CACHE_DIR": str(tmp_path / "cache"), "CXX": str(compiler)},
+    )
+    assert too_old.returncode == 0, too_old.stderr
+    assert "needs torch 2.6 or newer" in too_old.stdout, too_old.stdout
 
 
 def memory_viz(tmp_path):
