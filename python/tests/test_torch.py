@@ -514,22 +514,29 @@ def test_install_compiled_too_late_and_build_errors(compiled_cache, tmp_path):
     )
     assert "came too late" in out
     assert "Can't swap an already initialized allocator" in out
-    broken = run_python(
-        textwrap.dedent(
-            """
-            import hbmalloc.torch
-            try:
-                hbmalloc.torch.install(compiled=True)
-            except RuntimeError as e:
-                print("build:", e)
-            assert not hbmalloc.torch.is_installed()
-            """
-        ),
-        env={"HBMALLOC_CACHE_DIR": compiled_cache["HBMALLOC_CACHE_DIR"] + "/none", "CXX": "false"},
-    )
-    assert broken.returncode == 0, broken.stderr
-    assert "build: hbmalloc.torch: compiling" in broken.stdout
-    assert "failed (exit 1)" in broken.stdout
+
+    def failed_build(compiler, cache_dir):
+        """install(compiled=True) in a fresh interpreter with CXX=`compiler`,
+        which must fail the build: its RuntimeError, printed."""
+        result = run_python(
+            textwrap.dedent(
+                """
+                import hbmalloc.torch
+                try:
+                    hbmalloc.torch.install(compiled=True)
+                except RuntimeError as e:
+                    print("build:", e)
+                assert not hbmalloc.torch.is_installed()
+                """
+            ),
+            env={"HBMALLOC_CACHE_DIR": str(cache_dir), "CXX": str(compiler)},
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    broken = failed_build("false", compiled_cache["HBMALLOC_CACHE_DIR"] + "/none")
+    assert "build: hbmalloc.torch: compiling" in broken
+    assert "failed (exit 1)" in broken
 
     # torch 2.5, as far as the preprocessor can tell: a compiler that finds
     # this torch/version.h before the installed torch's.
@@ -541,20 +548,8 @@ def test_install_compiled_too_late_and_build_errors(compiled_cache, tmp_path):
     compiler = tmp_path / "c++-with-torch-2.5"
     compiler.write_text(f'#!/bin/sh\nexec c++ -I{old_torch} "$@"\n')
     compiler.chmod(0o755)
-    too_old = run_python(
-        textwrap.dedent(
-            """
-            import hbmalloc.torch
-            try:
-                hbmalloc.torch.install(compiled=True)
-            except RuntimeError as e:
-                print("build:", e)
-            """
-        ),
-        env={"HBMALLOC_CACHE_DIR": str(tmp_path / "cache"), "CXX": str(compiler)},
-    )
-    assert too_old.returncode == 0, too_old.stderr
-    assert "needs torch 2.6 or newer" in too_old.stdout, too_old.stdout
+    too_old = failed_build(compiler, tmp_path / "cache")
+    assert "needs torch 2.6 or newer" in too_old, too_old
 
 
 def memory_viz(tmp_path):
