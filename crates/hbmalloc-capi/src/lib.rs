@@ -396,10 +396,10 @@ pub fn stats_map(device: i32) -> Result<std::collections::BTreeMap<String, i64>,
 /// what a C++ allocator fills PyTorch's `DeviceStats` from. A key
 /// `memory_stats()` does not have is an error naming it.
 pub fn stats_values(device: i32, keys: &[&str]) -> Result<Vec<i64>, ApiError> {
-    let stats = stats_map(device)?;
+    let stats = stats_of(device)?;
     keys.iter()
         .map(|key| {
-            stats.get(*key).copied().ok_or_else(|| {
+            stats.pytorch_value(key).ok_or_else(|| {
                 ApiError::new(
                     Status::InvalidArgument,
                     format!("hbmalloc: memory_stats() has no key {key:?}"),

@@ -228,15 +228,60 @@ impl DeviceStats {
                 }
             }
         }
-        for (name, stat) in [
-            ("oversize_allocations", &self.oversize_allocations),
-            ("oversize_segments", &self.oversize_segments),
-        ] {
+        for (name, stat) in self.oversize_stats() {
             for (field, value) in stat_fields(stat) {
                 map.insert(format!("{name}.{field}"), value);
             }
         }
-        for (name, value) in [
+        for (name, value) in self.counters() {
+            map.insert(name.to_owned(), value);
+        }
+        map
+    }
+
+    /// One value of [`DeviceStats::to_pytorch_map`] by its key, without building the map
+    /// (that takes tens of microseconds, and a C++ allocator reads two keys on every
+    /// allocation a profiler records); `None` for a key the map does not have.
+    pub fn pytorch_value(&self, key: &str) -> Option<i64> {
+        let field_of = |stat: &Stat, field: &str| {
+            stat_fields(stat)
+                .into_iter()
+                .find_map(|(name, value)| (name == field).then_some(value))
+        };
+        match key.split('.').collect::<Vec<_>>()[..] {
+            [name, pool, field] => {
+                let (_, array) = self.stat_arrays().into_iter().find(|(n, _)| *n == name)?;
+                let pool = StatType::ALL
+                    .into_iter()
+                    .find(|p| p.pytorch_name() == pool)?;
+                field_of(&array[pool as usize], field)
+            }
+            [name, field] => {
+                let (_, stat) = self
+                    .oversize_stats()
+                    .into_iter()
+                    .find(|(n, _)| *n == name)?;
+                field_of(stat, field)
+            }
+            [name] => self
+                .counters()
+                .into_iter()
+                .find_map(|(n, value)| (n == name).then_some(value)),
+            _ => None,
+        }
+    }
+
+    /// The statistics without pools, named as in `memory_stats()`.
+    fn oversize_stats(&self) -> [(&'static str, &Stat); 2] {
+        [
+            ("oversize_allocations", &self.oversize_allocations),
+            ("oversize_segments", &self.oversize_segments),
+        ]
+    }
+
+    /// The scalar counters, named as in `memory_stats()`.
+    fn counters(&self) -> [(&'static str, i64); 7] {
+        [
             ("num_alloc_retries", self.num_alloc_retries),
             ("num_ooms", self.num_ooms),
             ("num_sync_all_streams", self.num_sync_all_streams),
@@ -244,10 +289,7 @@ impl DeviceStats {
             ("num_device_free", self.num_device_free),
             ("num_oom_rejections", self.num_oom_rejections),
             ("max_split_size", self.max_split_size),
-        ] {
-            map.insert(name.to_owned(), value);
-        }
-        map
+        ]
     }
 
     /// `reset_peak_memory_stats()` (PyTorch's `resetPeakStats`): every statistic's peak,
@@ -393,6 +435,28 @@ mod tests {
         assert_eq!(map["num_oom_rejections"], 7006);
         assert_eq!(map["max_split_size"], -1);
         assert_eq!(map["num_device_free"], 7005);
+    }
+
+    #[test]
+    fn one_value_by_key_is_the_maps_and_other_keys_are_none() {
+        let stats = numbered_stats();
+        for (key, value) in stats.to_pytorch_map() {
+            assert_eq!(stats.pytorch_value(&key), Some(value), "{key}");
+        }
+        for key in [
+            "",
+            "allocation",
+            "allocation.all",
+            "allocation.all.current.x",
+            "allocation.gpu.current",
+            "allocation.all.maximum",
+            "oversize_segments",
+            "oversize_segments.all.current",
+            "num_ooms.current",
+            "num_frees",
+        ] {
+            assert_eq!(stats.pytorch_value(key), None, "{key:?}");
+        }
     }
 
     #[test]
