@@ -87,7 +87,10 @@ typedef enum hbmalloc_status {
     /* The configuration in the environment is invalid. */
     HBMALLOC_CONFIG_ERROR = 7,
     /* A bug in hbmalloc (caught panic). Please report it. */
-    HBMALLOC_INTERNAL = 8
+    HBMALLOC_INTERNAL = 8,
+    /* Not allowed now: empty_cache during a CUDA graph capture, or the end
+     * of a capture when none is underway. */
+    HBMALLOC_INVALID_STATE = 9
 } hbmalloc_status;
 
 /* Allocates size bytes on device for use on stream. Returns NULL on failure
@@ -101,6 +104,45 @@ void *hbmalloc_alloc(ssize_t size, int device, cudaStream_t stream);
  * tensor unchecked. PyTorch raises the exception as a Python RuntimeError.
  * size 0 returns NULL without throwing. Never call it from C. */
 void *hbmalloc_torch_alloc(ssize_t size, int device, cudaStream_t stream);
+
+/* Private memory pools: a torch.cuda.MemPool, or the pool a CUDA graph
+ * capture allocates from. A pool is named by PyTorch's MempoolId_t, a pair
+ * of unsigned 64-bit numbers (pool_first, pool_second). Its memory is
+ * PyTorch-style plain segments, reused only by allocations into the same
+ * pool, and given back once every holder has released it and its last
+ * allocation is freed. Each returns a status unless noted. */
+
+/* Makes the pool, or counts one more holder (PyTorch's createOrIncrefPool). */
+int hbmalloc_create_or_incref_pool(int device, unsigned long long pool_first,
+                                   unsigned long long pool_second);
+
+/* One holder fewer (PyTorch's releasePool). */
+int hbmalloc_release_pool(int device, unsigned long long pool_first,
+                          unsigned long long pool_second);
+
+/* How many hold the pool, into *count (0: no such pool). */
+int hbmalloc_pool_use_count(int device, unsigned long long pool_first,
+                            unsigned long long pool_second, int *count);
+
+/* hbmalloc_alloc from the pool; an unknown or released pool is
+ * HBMALLOC_INVALID_ARGUMENT. Returns the pointer, or NULL (last error). */
+void *hbmalloc_pool_alloc(ssize_t size, int device, cudaStream_t stream,
+                          unsigned long long pool_first,
+                          unsigned long long pool_second);
+
+/* hbmalloc_pool_alloc that throws as hbmalloc_torch_alloc does (C++ only). */
+void *hbmalloc_torch_pool_alloc(ssize_t size, int device, cudaStream_t stream,
+                                unsigned long long pool_first,
+                                unsigned long long pool_second);
+
+/* A CUDA graph capture (or torch.cuda.use_mem_pool) begins on device, and
+ * ends. Meanwhile the allocator queries and synchronizes no event, records
+ * the events of frees with uses on other streams only after the last
+ * capture ends, gives no memory back (empty_cache is
+ * HBMALLOC_INVALID_STATE), and creates memory in relaxed capture mode.
+ * Captures nest; an end with none underway is HBMALLOC_INVALID_STATE. */
+int hbmalloc_begin_capture(int device);
+int hbmalloc_end_capture(int device);
 
 /* Frees ptr. NULL is a no-op. size and stream are ignored (hbmalloc knows
  * both); an unknown pointer sets HBMALLOC_UNKNOWN_POINTER. */

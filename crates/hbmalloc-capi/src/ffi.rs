@@ -12,7 +12,7 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use hbmalloc::StreamId;
+use hbmalloc::{PoolId, StreamId};
 
 use crate::{ApiError, Status};
 
@@ -190,6 +190,96 @@ fn thrown_message() -> *const c_char {
             slot.borrow().as_ptr()
         })
         .unwrap_or(c"hbmalloc: allocation failed".as_ptr())
+}
+
+/// [`hbmalloc_alloc`] from the private pool `(pool_first, pool_second)`
+/// (PyTorch's `MempoolId_t`), made by [`hbmalloc_create_or_incref_pool`].
+/// NULL on failure, with the reason as the last error; NULL without error
+/// for `size == 0`.
+#[no_mangle]
+pub extern "C" fn hbmalloc_pool_alloc(
+    size: ssize_t,
+    device: c_int,
+    stream: CudaStream,
+    pool_first: u64,
+    pool_second: u64,
+) -> *mut c_void {
+    guarded(std::ptr::null_mut(), || {
+        let pool = PoolId(pool_first, pool_second);
+        crate::pool_alloc(pool, size as i64, device, stream_id(stream))
+            .map(|p| p as usize as *mut c_void)
+    })
+}
+
+/// [`hbmalloc_pool_alloc`] that throws on failure, as
+/// [`hbmalloc_torch_alloc`] does: for C++ callers only.
+#[no_mangle]
+pub extern "C-unwind" fn hbmalloc_torch_pool_alloc(
+    size: ssize_t,
+    device: c_int,
+    stream: CudaStream,
+    pool_first: u64,
+    pool_second: u64,
+) -> *mut c_void {
+    let ptr = hbmalloc_pool_alloc(size, device, stream, pool_first, pool_second);
+    if !ptr.is_null() || size == 0 {
+        return ptr;
+    }
+    let message = thrown_message();
+    // SAFETY: as in `hbmalloc_torch_alloc`: `message` lives in this thread's
+    // `THROWN` until its next write, the C++ side copies it before throwing,
+    // and this frame holds nothing to drop.
+    unsafe { hbmalloc_capi_throw(message) }
+}
+
+/// Makes the private pool `(pool_first, pool_second)` on `device`, or
+/// counts one more holder of it (PyTorch's `createOrIncrefPool`).
+#[no_mangle]
+pub extern "C" fn hbmalloc_create_or_incref_pool(
+    device: c_int,
+    pool_first: u64,
+    pool_second: u64,
+) -> c_int {
+    status_of(|| crate::create_or_incref_pool(device, PoolId(pool_first, pool_second)))
+}
+
+/// One holder of the pool fewer (PyTorch's `releasePool`): with none left,
+/// its memory goes back to the driver as its allocations are freed.
+#[no_mangle]
+pub extern "C" fn hbmalloc_release_pool(device: c_int, pool_first: u64, pool_second: u64) -> c_int {
+    status_of(|| crate::release_pool(device, PoolId(pool_first, pool_second)))
+}
+
+/// How many hold the pool, into `*count` (0: no such pool).
+///
+/// # Safety
+/// `count` is null (an invalid argument) or valid for a write of an `int`.
+#[no_mangle]
+pub unsafe extern "C" fn hbmalloc_pool_use_count(
+    device: c_int,
+    pool_first: u64,
+    pool_second: u64,
+    count: *mut c_int,
+) -> c_int {
+    status_of(|| {
+        let n = crate::pool_use_count(device, PoolId(pool_first, pool_second))?;
+        // SAFETY: the caller guarantees `count` is null or valid for a write.
+        unsafe { write_out(count, c_int::try_from(n).unwrap_or(c_int::MAX), "count") }
+    })
+}
+
+/// A CUDA graph capture (or `torch.cuda.use_mem_pool`) begins on `device`:
+/// until the matching [`hbmalloc_end_capture`] the allocator waits for no
+/// event and gives no memory back (`hbmalloc::capture`).
+#[no_mangle]
+pub extern "C" fn hbmalloc_begin_capture(device: c_int) -> c_int {
+    status_of(|| crate::begin_capture(device))
+}
+
+/// The capture begun with [`hbmalloc_begin_capture`] ended.
+#[no_mangle]
+pub extern "C" fn hbmalloc_end_capture(device: c_int) -> c_int {
+    status_of(|| crate::end_capture(device))
 }
 
 /// Frees `ptr` (PyTorch's pluggable `free`). NULL is a no-op; a pointer

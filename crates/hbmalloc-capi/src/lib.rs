@@ -35,7 +35,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use hbmalloc::{
     AllocError, AllocatorConfig, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceStats,
-    PolicyConfig, SharedAllocator, StreamId, ThreadSafeAllocator,
+    PolicyConfig, PoolId, SharedAllocator, StreamId, ThreadSafeAllocator,
 };
 use hbmalloc_cuda::{CudaDevice, CudaDriver};
 
@@ -75,6 +75,9 @@ pub enum Status {
     ConfigError = 7,
     /// A bug in hbmalloc (a caught panic, a poisoned lock).
     Internal = 8,
+    /// Not allowed now: `empty_cache` while a CUDA graph capture is
+    /// underway, or the end of a capture when none is.
+    InvalidState = 9,
 }
 
 /// An error of the API: a status and a message for people.
@@ -112,6 +115,10 @@ impl From<AllocError> for ApiError {
                 Status::InvalidArgument
             }
             AllocError::UnknownPointer { .. } => Status::UnknownPointer,
+            AllocError::UnknownPool { .. } => Status::InvalidArgument,
+            AllocError::CaptureUnderway { .. } | AllocError::NoCaptureUnderway => {
+                Status::InvalidState
+            }
             AllocError::Device(d) => device_status(d),
         };
         ApiError::new(status, e.to_string())
@@ -311,6 +318,64 @@ pub fn alloc(size: i64, device: i32, stream: StreamId) -> Result<DevicePtr, ApiE
         return Err(AllocError::InvalidSize { size }.into());
     }
     with_allocator(device, |a| Ok(a.malloc(size, stream)?))
+}
+
+/// Allocates `size` bytes on `device` for use on `stream` from the private
+/// pool `pool` (see [`create_or_incref_pool`]). `Ok(0)` for size 0.
+pub fn pool_alloc(
+    pool: PoolId,
+    size: i64,
+    device: i32,
+    stream: StreamId,
+) -> Result<DevicePtr, ApiError> {
+    if size == 0 {
+        return Ok(0);
+    }
+    let size = u64::try_from(size).map_err(|_| {
+        ApiError::new(
+            Status::InvalidArgument,
+            format!("hbmalloc: invalid allocation size {size}: sizes must be positive"),
+        )
+    })?;
+    if size > hbmalloc::MAX_REQUEST_BYTES {
+        return Err(AllocError::InvalidSize { size }.into());
+    }
+    with_allocator(device, |a| Ok(a.malloc_in_pool(pool, size, stream)?))
+}
+
+/// Makes the private memory pool `pool` on `device` (PyTorch's
+/// `createOrIncrefPool`: a `MemPool`, or the pool of a CUDA graph capture),
+/// or counts one more holder of it.
+pub fn create_or_incref_pool(device: i32, pool: PoolId) -> Result<(), ApiError> {
+    with_allocator(device, |a| Ok(a.create_or_incref_pool(pool)?))
+}
+
+/// One holder of `pool` fewer (PyTorch's `releasePool`); with none left its
+/// memory goes back to the driver as its allocations are freed.
+pub fn release_pool(device: i32, pool: PoolId) -> Result<(), ApiError> {
+    match with_existing_allocator(device, |a| Ok(a.release_pool(pool)?))? {
+        Some(()) => Ok(()),
+        None => Err(AllocError::UnknownPool { pool }.into()),
+    }
+}
+
+/// How many hold `pool` on `device` (0: no such pool).
+pub fn pool_use_count(device: i32, pool: PoolId) -> Result<u32, ApiError> {
+    Ok(with_existing_allocator(device, |a| Ok(a.pool_use_count(pool)))?.unwrap_or(0))
+}
+
+/// A CUDA graph capture (or `torch.cuda.use_mem_pool`) begins on `device`:
+/// see `hbmalloc::capture` for what the allocator stops doing meanwhile.
+pub fn begin_capture(device: i32) -> Result<(), ApiError> {
+    with_allocator(device, |a| Ok(a.begin_capture()?))
+}
+
+/// The capture begun by [`begin_capture`] ended.
+pub fn end_capture(device: i32) -> Result<(), ApiError> {
+    match with_existing_allocator(device, |a| Ok(a.end_capture()?))? {
+        Some(()) => Ok(()),
+        None => Err(AllocError::NoCaptureUnderway.into()),
+    }
 }
 
 /// Frees `ptr`, allocated on `device`. Freeing 0 (NULL) does nothing.

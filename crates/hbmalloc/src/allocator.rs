@@ -1,6 +1,7 @@
 //! `Allocator<D>`: the public face of the engine. It owns a [`Device`] and one
 //! policy's state, and forwards each call to the policy chosen at creation.
 
+use crate::capture::CaptureSafeDevice;
 use crate::config::{ConfigError, PytorchConfig};
 use crate::device::{Device, DevicePtr, StreamId};
 use crate::error::AllocError;
@@ -155,6 +156,8 @@ pub struct Allocator<D: Device> {
     settings: String,
     /// The share of the device's memory this allocator may hold.
     memory_fraction: f64,
+    /// A CUDA graph capture is underway on the device (see [`crate::capture`]).
+    capture_underway: bool,
 }
 
 macro_rules! dispatch {
@@ -194,7 +197,35 @@ impl<D: Device> Allocator<D> {
             engine,
             settings,
             memory_fraction,
+            capture_underway: false,
         })
+    }
+
+    /// The device as the policies may use it now: while a capture is
+    /// underway, calls that wait or give memory back are refused.
+    fn policy_device(device: &D, capture_underway: bool) -> CaptureSafeOr<'_> {
+        if capture_underway {
+            CaptureSafeOr::Capturing(CaptureSafeDevice(device))
+        } else {
+            CaptureSafeOr::Plain(device)
+        }
+    }
+
+    /// Tells the allocator that a CUDA graph capture began on the device
+    /// (`true`) or that the last one ended (`false`); see [`crate::capture`]
+    /// for what changes meanwhile. At the end, the events of blocks freed
+    /// during the capture with uses on other streams are recorded; an error
+    /// says one could not be (that block then waits for the next
+    /// synchronization).
+    pub fn set_capture_underway(&mut self, underway: bool) -> Result<(), AllocError> {
+        self.capture_underway = underway;
+        let dev: &dyn Device = &self.device;
+        dispatch!(mut self, p => p.set_capture_underway(dev, underway))
+    }
+
+    /// Whether a CUDA graph capture is underway ([`Allocator::set_capture_underway`]).
+    pub fn capture_underway(&self) -> bool {
+        self.capture_underway
     }
 
     /// The device.
@@ -208,7 +239,8 @@ impl<D: Device> Allocator<D> {
         if size == 0 || size > MAX_REQUEST_BYTES {
             return Err(AllocError::InvalidSize { size });
         }
-        let dev: &dyn Device = &self.device;
+        let device = Self::policy_device(&self.device, self.capture_underway);
+        let dev = device.as_dyn();
         dispatch!(mut self, p => p.malloc(dev, size, stream))
     }
 
@@ -216,7 +248,8 @@ impl<D: Device> Allocator<D> {
     /// [`Allocator::record_stream`] has finished with it.
     #[inline]
     pub fn free(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
-        let dev: &dyn Device = &self.device;
+        let device = Self::policy_device(&self.device, self.capture_underway);
+        let dev = device.as_dyn();
         dispatch!(mut self, p => p.free(dev, ptr))
     }
 
@@ -226,7 +259,13 @@ impl<D: Device> Allocator<D> {
     }
 
     /// Returns every wholly free cached segment (or page) to the driver.
+    /// Refused while a CUDA graph capture is underway.
     pub fn empty_cache(&mut self) -> Result<(), AllocError> {
+        if self.capture_underway {
+            return Err(AllocError::CaptureUnderway {
+                operation: "empty_cache",
+            });
+        }
         let dev: &dyn Device = &self.device;
         dispatch!(mut self, p => p.empty_cache(dev))
     }
@@ -307,5 +346,21 @@ impl<D: Device> Allocator<D> {
     /// Checks the invariants of DESIGN.md; the error says which one broke.
     pub fn check_invariants(&self) -> Result<(), String> {
         dispatch!(self, p => p.check_invariants())
+    }
+}
+
+/// [`Allocator::policy_device`]'s answer: the device itself, or the device
+/// seen through a capture.
+enum CaptureSafeOr<'a> {
+    Plain(&'a dyn Device),
+    Capturing(CaptureSafeDevice<'a>),
+}
+
+impl CaptureSafeOr<'_> {
+    fn as_dyn(&self) -> &dyn Device {
+        match self {
+            CaptureSafeOr::Plain(device) => *device,
+            CaptureSafeOr::Capturing(device) => device,
+        }
     }
 }

@@ -18,13 +18,26 @@
 //! the shards, and each shard's policy also sees it (for PyTorch's garbage
 //! collection threshold). With one shard the behaviour is exactly the
 //! single-lock engine's.
+//!
+//! Private memory pools (PyTorch's `MemPool`, and the pool a CUDA graph
+//! capture allocates from) are engines of their own beside the shards, made
+//! on request ([`SharedAllocator::create_or_incref_pool`]) and routed to by
+//! the caller ([`SharedAllocator::malloc_in_pool`]; frees find them through
+//! the pointer map). Like PyTorch's private pools they use policy `pytorch`
+//! without expandable segments: a captured graph keeps using the addresses
+//! of its pool's blocks, freed or not, at every replay, so a pool's memory
+//! is never remapped, stitched elsewhere or given back while the pool is
+//! held, and only memory of the same pool is reused for it. Once released
+//! by every holder ([`SharedAllocator::release_pool`]) its cache is given
+//! back, and the pool goes away with its last allocation.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::allocator::{Allocator, AllocatorConfig};
+use crate::allocator::{Allocator, AllocatorConfig, PolicyConfig};
+use crate::config::PytorchConfig;
 use crate::device::{
     CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
     PhysicalHandle, StreamId,
@@ -318,6 +331,28 @@ const OWNER_SHARDS: usize = 64;
 /// One engine shard: an allocator over the shared, limited device.
 type Shard<D> = Mutex<Allocator<Arc<LimitedDevice<D>>>>;
 
+/// A private memory pool's id: PyTorch's `MempoolId_t`, a pair (a graph
+/// capture's pool is `(capture id, 0)`, a `torch.cuda.MemPool`'s `(0, id)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PoolId(pub u64, pub u64);
+
+/// A private memory pool: its engine and how many hold it.
+struct PrivatePool<D: Device> {
+    id: PoolId,
+    shard: Arc<Shard<D>>,
+    /// Graphs and `MemPool` objects holding the pool (PyTorch's `use_count`).
+    use_count: u32,
+}
+
+/// The private pools of a device, in slots: a pointer's owner is
+/// `shards.len() + slot`. A slot is emptied only when its pool holds no
+/// allocation, so no owner entry ever names an emptied slot.
+struct PrivatePools<D: Device> {
+    slots: Vec<Option<PrivatePool<D>>>,
+    /// Settings a new pool starts with (history entries, as last set).
+    config: AllocatorConfig,
+}
+
 /// An allocator for one device, shared by many threads. See the module docs.
 pub struct SharedAllocator<D: Device> {
     device: Arc<LimitedDevice<D>>,
@@ -325,12 +360,24 @@ pub struct SharedAllocator<D: Device> {
     /// Which shard owns each live pointer, sharded by pointer.
     owners: Box<[Mutex<FastMap<DevicePtr, u32>>]>,
     peaks: CombinedPeaks,
+    /// Locked before any shard's lock, never after one.
+    pools: Mutex<PrivatePools<D>>,
+    /// Captures underway (see [`crate::capture`]): held while every engine
+    /// is told that the count went from 0 to 1 or back.
+    captures_underway: Mutex<u32>,
 }
 
 impl<D: Device> SharedAllocator<D> {
     /// An allocator over `device` with `shards` independent engines (at least 1).
     pub fn new(device: D, config: AllocatorConfig, shards: usize) -> Result<Self, AllocError> {
         let device = Arc::new(LimitedDevice::new(device));
+        let pools = Mutex::new(PrivatePools {
+            slots: Vec::new(),
+            config: AllocatorConfig {
+                policy: PolicyConfig::Pytorch(private_pool_config(&config.policy)),
+                history_entries: config.history_entries,
+            },
+        });
         let shards = (0..shards.max(1))
             .map(|_| Allocator::new(Arc::clone(&device), config.clone()).map(Mutex::new))
             .collect::<Result<Vec<_>, _>>()?
@@ -343,6 +390,8 @@ impl<D: Device> SharedAllocator<D> {
             shards,
             owners,
             peaks: CombinedPeaks::new(),
+            pools,
+            captures_underway: Mutex::new(0),
         })
     }
 
@@ -353,7 +402,17 @@ impl<D: Device> SharedAllocator<D> {
         index: usize,
         f: impl FnOnce(&mut Allocator<Arc<LimitedDevice<D>>>) -> R,
     ) -> R {
-        let mut shard = lock(&self.shards[index]);
+        self.on_engine(&self.shards[index], f)
+    }
+
+    /// [`SharedAllocator::on_shard`] for any engine of this device (a shard
+    /// or a private pool).
+    fn on_engine<R>(
+        &self,
+        engine: &Shard<D>,
+        f: impl FnOnce(&mut Allocator<Arc<LimitedDevice<D>>>) -> R,
+    ) -> R {
+        let mut shard = lock(engine);
         // Set only under every shard's lock, so this one orders it.
         if !self.peaks.tracking.load(Ordering::Relaxed) {
             return f(&mut shard);
@@ -387,7 +446,25 @@ impl<D: Device> SharedAllocator<D> {
         if first == home {
             return;
         }
-        let shards: Vec<_> = self.shards.iter().map(lock).collect();
+        self.start_tracking();
+    }
+
+    /// From now on every engine operation keeps the combined peaks (see
+    /// [`CombinedPeaks`]).
+    fn start_tracking(&self) {
+        let pools = lock(&self.pools);
+        let pool_shards: Vec<Arc<Shard<D>>> = pools
+            .slots
+            .iter()
+            .flatten()
+            .map(|p| Arc::clone(&p.shard))
+            .collect();
+        let shards: Vec<_> = self
+            .shards
+            .iter()
+            .chain(pool_shards.iter().map(|s| &**s))
+            .map(lock)
+            .collect();
         if self.peaks.tracking.load(Ordering::Relaxed) {
             return;
         }
@@ -423,6 +500,262 @@ impl<D: Device> SharedAllocator<D> {
         self.shards.len()
     }
 
+    /// The engines of the private pools now, with their owner indices.
+    fn pool_engines(&self) -> Vec<(u32, Arc<Shard<D>>)> {
+        let base = self.shards.len() as u32;
+        lock(&self.pools)
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, p)| {
+                p.as_ref()
+                    .map(|p| (base + slot as u32, Arc::clone(&p.shard)))
+            })
+            .collect()
+    }
+
+    /// Every engine of this device: the shards, then the private pools.
+    fn engines(&self) -> Vec<EngineRef<'_, D>> {
+        self.shards
+            .iter()
+            .map(EngineRef::Shard)
+            .chain(
+                self.pool_engines()
+                    .into_iter()
+                    .map(|(_, e)| EngineRef::Pool(e)),
+            )
+            .collect()
+    }
+
+    /// The engine that owns pointers of owner index `owner`.
+    fn engine_of(&self, owner: u32) -> Result<EngineRef<'_, D>, AllocError> {
+        let owner = owner as usize;
+        if let Some(shard) = self.shards.get(owner) {
+            return Ok(EngineRef::Shard(shard));
+        }
+        lock(&self.pools)
+            .slots
+            .get(owner - self.shards.len())
+            .and_then(|p| p.as_ref())
+            .map(|p| EngineRef::Pool(Arc::clone(&p.shard)))
+            .ok_or_else(|| {
+                AllocError::Device(DeviceError::new(
+                    CallKind::Setup,
+                    DeviceErrorKind::Driver("hbmalloc internal error".into()),
+                    format!("a pointer names engine {owner}, which does not exist"),
+                ))
+            })
+    }
+
+    /// `createOrIncrefPool`: makes the private pool `pool` (see the module
+    /// docs), or counts one more holder of it.
+    pub fn create_or_incref_pool(&self, pool: PoolId) -> Result<(), AllocError> {
+        {
+            // Lock order: the capture count, the pools, then any engine.
+            let captures = lock(&self.captures_underway);
+            let mut pools = lock(&self.pools);
+            if let Some(existing) = pools.slots.iter_mut().flatten().find(|p| p.id == pool) {
+                existing.use_count += 1;
+                return Ok(());
+            }
+            let mut engine = Allocator::new(Arc::clone(&self.device), pools.config.clone())?;
+            engine.set_memory_fraction(self.memory_fraction())?;
+            if *captures > 0 {
+                engine.set_capture_underway(true)?;
+            }
+            let entry = PrivatePool {
+                id: pool,
+                shard: Arc::new(Mutex::new(engine)),
+                use_count: 1,
+            };
+            match pools.slots.iter().position(Option::is_none) {
+                Some(slot) => pools.slots[slot] = Some(entry),
+                None => pools.slots.push(Some(entry)),
+            }
+        }
+        // Allocations of a pool and of the shards are summed exactly.
+        self.start_tracking();
+        Ok(())
+    }
+
+    /// How many hold `pool` (PyTorch's `getPoolUseCount`); 0 for none.
+    pub fn pool_use_count(&self, pool: PoolId) -> u32 {
+        lock(&self.pools)
+            .slots
+            .iter()
+            .flatten()
+            .find(|p| p.id == pool)
+            .map_or(0, |p| p.use_count)
+    }
+
+    /// `releasePool`: one holder of `pool` fewer. When none is left, the
+    /// pool's cached memory is given back, and the pool goes away with its
+    /// last allocation (at once if it has none).
+    pub fn release_pool(&self, pool: PoolId) -> Result<(), AllocError> {
+        let engine = {
+            let mut pools = lock(&self.pools);
+            let entry = pools
+                .slots
+                .iter_mut()
+                .flatten()
+                .find(|p| p.id == pool)
+                .ok_or(AllocError::UnknownPool { pool })?;
+            entry.use_count = entry.use_count.saturating_sub(1);
+            if entry.use_count > 0 {
+                return Ok(());
+            }
+            Arc::clone(&entry.shard)
+        };
+        if *lock(&self.captures_underway) == 0 {
+            self.on_engine(&engine, |a| a.empty_cache())?;
+        }
+        self.drop_pool_if_done(pool);
+        Ok(())
+    }
+
+    /// Empties `pool`'s slot if no one holds it and it holds no allocation.
+    fn drop_pool_if_done(&self, pool: PoolId) {
+        let mut pools = lock(&self.pools);
+        let Some(slot) = pools
+            .slots
+            .iter()
+            .position(|p| p.as_ref().is_some_and(|p| p.id == pool))
+        else {
+            return;
+        };
+        let done = pools.slots[slot].as_ref().is_some_and(|p| {
+            p.use_count == 0 && {
+                let engine = lock(&p.shard);
+                engine.stats().active[0].current == 0
+                    && engine.stats().reserved_bytes[0].current == 0
+            }
+        });
+        if done {
+            pools.slots[slot] = None;
+        }
+    }
+
+    /// Allocates `size` bytes for use on `stream` from the private pool
+    /// `pool` (made by [`SharedAllocator::create_or_incref_pool`]). When the
+    /// pool's engine runs out of memory, the shards' caches (and those of
+    /// released pools) are given back and the request retried.
+    pub fn malloc_in_pool(
+        &self,
+        pool: PoolId,
+        size: u64,
+        stream: StreamId,
+    ) -> Result<DevicePtr, AllocError> {
+        let (owner, engine) = {
+            let pools = lock(&self.pools);
+            let base = self.shards.len() as u32;
+            pools
+                .slots
+                .iter()
+                .enumerate()
+                .find_map(|(slot, p)| {
+                    p.as_ref()
+                        .filter(|p| p.id == pool && p.use_count > 0)
+                        .map(|p| (base + slot as u32, Arc::clone(&p.shard)))
+                })
+                .ok_or(AllocError::UnknownPool { pool })?
+        };
+        let ptr = match self.on_engine(&engine, |a| a.malloc(size, stream)) {
+            Err(AllocError::OutOfMemory(_)) if self.release_other_caches(owner)? => {
+                self.on_engine(&engine, |a| a.malloc(size, stream))?
+            }
+            result => result?,
+        };
+        lock(self.owners_of(ptr)).insert(ptr, owner);
+        Ok(ptr)
+    }
+
+    /// Gives back the cached memory of every engine but `except` that may
+    /// give it back now: the shards and the pools no one holds, unless a
+    /// capture is underway. True if any engine was asked.
+    fn release_other_caches(&self, except: u32) -> Result<bool, AllocError> {
+        if *lock(&self.captures_underway) > 0 {
+            return Ok(false);
+        }
+        let mut asked = false;
+        for i in 0..self.shards.len() {
+            if i as u32 != except {
+                self.on_shard(i, |a| a.empty_cache())?;
+                asked = true;
+            }
+        }
+        for (owner, engine) in self.released_pool_engines() {
+            if owner != except {
+                self.on_engine(&engine, |a| a.empty_cache())?;
+                asked = true;
+            }
+        }
+        Ok(asked)
+    }
+
+    /// The engines of the pools no one holds any more (waiting for their
+    /// last allocations), with their owner indices.
+    fn released_pool_engines(&self) -> Vec<(u32, Arc<Shard<D>>)> {
+        let base = self.shards.len() as u32;
+        lock(&self.pools)
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, p)| {
+                p.as_ref()
+                    .filter(|p| p.use_count == 0)
+                    .map(|p| (base + slot as u32, Arc::clone(&p.shard)))
+            })
+            .collect()
+    }
+
+    /// A CUDA graph capture begins on this device (PyTorch's
+    /// `beginAllocateToPool`, which `torch.cuda.use_mem_pool` calls too):
+    /// until the matching [`SharedAllocator::end_capture`], every engine
+    /// keeps to [`crate::capture`]'s rules. Captures nest and overlap: the
+    /// rules hold while any is underway.
+    pub fn begin_capture(&self) -> Result<(), AllocError> {
+        let mut count = lock(&self.captures_underway);
+        *count += 1;
+        if *count == 1 {
+            self.tell_engines_capture(true)?;
+        }
+        Ok(())
+    }
+
+    /// A capture begun with [`SharedAllocator::begin_capture`] ended. When
+    /// it was the last, the events of blocks freed meanwhile with uses on
+    /// other streams are recorded. Errors if no capture was underway.
+    pub fn end_capture(&self) -> Result<(), AllocError> {
+        let mut count = lock(&self.captures_underway);
+        if *count == 0 {
+            return Err(AllocError::NoCaptureUnderway);
+        }
+        *count -= 1;
+        if *count == 0 {
+            self.tell_engines_capture(false)?;
+        }
+        Ok(())
+    }
+
+    /// Whether a capture is underway on this device.
+    pub fn capture_underway(&self) -> bool {
+        *lock(&self.captures_underway) > 0
+    }
+
+    /// Every engine learns that captures began or ended. Called with the
+    /// count's lock held, so no engine misses a change; each engine is told
+    /// even if another reports an error (the first is returned).
+    fn tell_engines_capture(&self, underway: bool) -> Result<(), AllocError> {
+        let mut first_error = Ok(());
+        for engine in self.engines() {
+            let told = self.on_engine(engine.shard(), |a| a.set_capture_underway(underway));
+            if first_error.is_ok() {
+                first_error = told;
+            }
+        }
+        first_error
+    }
+
     fn hash(value: u64) -> u64 {
         BuildHasherDefault::<PointerHasher>::default().hash_one(value)
     }
@@ -445,8 +778,8 @@ impl<D: Device> SharedAllocator<D> {
     /// The snapshot of every shard, segments in address order.
     pub fn snapshot(&self) -> Snapshot {
         let mut out = Snapshot::default();
-        for shard in self.shards.iter() {
-            let snap = lock(shard).snapshot();
+        for engine in self.engines() {
+            let snap = lock(engine.shard()).snapshot();
             out.segments.extend(snap.segments);
             out.history.extend(snap.history);
             out.settings = snap.settings;
@@ -457,8 +790,8 @@ impl<D: Device> SharedAllocator<D> {
 
     /// Limits the memory of all shards together to `fraction` of the device.
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<(), AllocError> {
-        for shard in self.shards.iter() {
-            lock(shard).set_memory_fraction(fraction)?;
+        for engine in self.engines() {
+            lock(engine.shard()).set_memory_fraction(fraction)?;
         }
         let total = self.device.memory_info()?.total_bytes;
         self.device.set_limit((fraction * total as f64) as u64);
@@ -468,7 +801,8 @@ impl<D: Device> SharedAllocator<D> {
     /// `reset_peak_memory_stats()` on every shard: each peak becomes the
     /// current value.
     pub fn reset_peak_stats(&self) {
-        let mut shards: Vec<_> = self.shards.iter().map(lock).collect();
+        let engines = self.engines();
+        let mut shards: Vec<_> = engines.iter().map(|e| lock(e.shard())).collect();
         for shard in shards.iter_mut() {
             shard.reset_peak_stats();
         }
@@ -480,15 +814,16 @@ impl<D: Device> SharedAllocator<D> {
 
     /// `reset_accumulated_memory_stats()` on every shard.
     pub fn reset_accumulated_stats(&self) {
-        for shard in self.shards.iter() {
-            lock(shard).reset_accumulated_stats();
+        for engine in self.engines() {
+            lock(engine.shard()).reset_accumulated_stats();
         }
     }
 
     /// [`Allocator::set_history_entries`] on every shard.
     pub fn set_history_entries(&self, entries: usize, clear: bool) {
-        for shard in self.shards.iter() {
-            lock(shard).set_history_entries(entries, clear);
+        lock(&self.pools).config.history_entries = entries;
+        for engine in self.engines() {
+            lock(engine.shard()).set_history_entries(entries, clear);
         }
     }
 
@@ -501,6 +836,7 @@ impl<D: Device> SharedAllocator<D> {
     /// device memory need not come in one piece on a driver without virtual
     /// memory).
     pub fn largest_free_block_bytes(&self) -> Result<u64, AllocError> {
+        // A private pool's memory serves only that pool's requests.
         let cached = self
             .shards
             .iter()
@@ -526,8 +862,9 @@ impl<D: Device> SharedAllocator<D> {
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut live = 0i64;
         let mut reserved = 0i64;
-        for (i, shard) in self.shards.iter().enumerate() {
-            let shard = lock(shard);
+        let engines = self.engines();
+        for (i, engine) in engines.iter().enumerate() {
+            let shard = lock(engine.shard());
             shard
                 .check_invariants()
                 .map_err(|e| format!("shard {i}: {e}"))?;
@@ -541,7 +878,7 @@ impl<D: Device> SharedAllocator<D> {
             ));
         }
         if self.peaks.tracking.load(Ordering::Relaxed) {
-            let shards: Vec<_> = self.shards.iter().map(lock).collect();
+            let shards: Vec<_> = engines.iter().map(|e| lock(e.shard())).collect();
             let sums = summed_currents(shards.iter().map(|s| s.stats()));
             for (k, &sum) in sums.iter().enumerate() {
                 let (current, peak) = (
@@ -571,13 +908,8 @@ impl<D: Device> ThreadSafeAllocator for SharedAllocator<D> {
         let first = self.on_shard(home, |a| a.malloc(size, stream));
         let ptr = match first {
             Ok(ptr) => ptr,
-            Err(AllocError::OutOfMemory(_)) if self.shards.len() > 1 => {
-                // Other shards may be caching what this one needs.
-                for i in 0..self.shards.len() {
-                    if i != home {
-                        self.on_shard(i, |a| a.empty_cache())?;
-                    }
-                }
+            // Other engines may be caching what this one needs.
+            Err(AllocError::OutOfMemory(_)) if self.release_other_caches(home as u32)? => {
                 self.on_shard(home, |a| a.malloc(size, stream))?
             }
             Err(e) => return Err(e),
@@ -588,28 +920,56 @@ impl<D: Device> ThreadSafeAllocator for SharedAllocator<D> {
     }
 
     fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
-        let shard = lock(self.owners_of(ptr))
+        let owner = lock(self.owners_of(ptr))
             .remove(&ptr)
             .ok_or(AllocError::UnknownPointer { ptr })?;
-        self.on_shard(shard as usize, |a| a.free(ptr))
+        let engine = self.engine_of(owner)?;
+        let freed = self.on_engine(engine.shard(), |a| a.free(ptr));
+        if let EngineRef::Pool(_) = engine {
+            // A released pool goes away with its last allocation.
+            let released = lock(&self.pools)
+                .slots
+                .get(owner as usize - self.shards.len())
+                .and_then(|p| p.as_ref())
+                .filter(|p| p.use_count == 0)
+                .map(|p| p.id);
+            if let Some(pool) = released {
+                if freed.is_ok() && !self.capture_underway() {
+                    self.on_engine(engine.shard(), |a| a.empty_cache())?;
+                }
+                self.drop_pool_if_done(pool);
+            }
+        }
+        freed
     }
 
     fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
-        let shard = self.owner(ptr)?;
-        self.on_shard(shard, |a| a.record_stream(ptr, stream))
+        let owner = self.owner(ptr)?;
+        let engine = self.engine_of(owner as u32)?;
+        self.on_engine(engine.shard(), |a| a.record_stream(ptr, stream))
     }
 
+    /// Every shard's cache, and those of the pools no one holds; refused
+    /// while a capture is underway.
     fn empty_cache(&self) -> Result<(), AllocError> {
+        if self.capture_underway() {
+            return Err(AllocError::CaptureUnderway {
+                operation: "empty_cache",
+            });
+        }
         for i in 0..self.shards.len() {
             self.on_shard(i, |a| a.empty_cache())?;
+        }
+        for (_, engine) in self.released_pool_engines() {
+            self.on_engine(&engine, |a| a.empty_cache())?;
         }
         Ok(())
     }
 
     fn stats(&self) -> DeviceStats {
         let mut total = DeviceStats::default();
-        for (i, shard) in self.shards.iter().enumerate() {
-            let shard = lock(shard);
+        for (i, engine) in self.engines().iter().enumerate() {
+            let shard = lock(engine.shard());
             let s = shard.stats();
             if i == 0 {
                 total.max_split_size = s.max_split_size;
@@ -626,10 +986,35 @@ impl<D: Device> ThreadSafeAllocator for SharedAllocator<D> {
     }
 }
 
+/// A shard, or a private pool's engine (kept alive while used).
+enum EngineRef<'a, D: Device> {
+    Shard(&'a Shard<D>),
+    Pool(Arc<Shard<D>>),
+}
+
+impl<D: Device> EngineRef<'_, D> {
+    fn shard(&self) -> &Shard<D> {
+        match self {
+            EngineRef::Shard(shard) => shard,
+            EngineRef::Pool(shard) => shard,
+        }
+    }
+}
+
+/// The policy of a private pool: `pytorch` without expandable segments, as
+/// PyTorch's private pools (the user's `pytorch` settings otherwise).
+fn private_pool_config(policy: &PolicyConfig) -> PytorchConfig {
+    let mut config = match policy {
+        PolicyConfig::Pytorch(config) => config.clone(),
+        PolicyConfig::Hbm(_) => PytorchConfig::default(),
+    };
+    config.expandable_segments = false;
+    config
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::allocator::PolicyConfig;
     use crate::sim::SimDevice;
 
     const MIB: u64 = 1 << 20;
@@ -697,5 +1082,135 @@ mod tests {
         assert!(!alloc.peaks.tracking.load(Ordering::Relaxed));
         assert_eq!(alloc.stats().allocated_bytes[0].peak, 10 * MIB as i64);
         alloc.free(p).unwrap();
+    }
+
+    #[test]
+    fn a_private_pool_reuses_only_its_own_memory_and_goes_with_its_last_holder() {
+        for settings in ["policy:hbm", "policy:pytorch,expandable_segments:True"] {
+            let alloc = shared(settings);
+            let (pool, stream) = (PoolId(7, 0), StreamId(1));
+            assert!(matches!(
+                alloc.malloc_in_pool(pool, MIB, stream),
+                Err(AllocError::UnknownPool { .. })
+            ));
+            alloc.create_or_incref_pool(pool).unwrap();
+            alloc.create_or_incref_pool(pool).unwrap();
+            assert_eq!(alloc.pool_use_count(pool), 2);
+            let p = alloc.malloc_in_pool(pool, 9 * MIB, stream).unwrap();
+            alloc.free(p).unwrap();
+            // The pool's free memory is the graph's: not for the shards.
+            let q = alloc.malloc(9 * MIB, stream).unwrap();
+            assert_ne!(p, q, "{settings}");
+            assert_eq!(alloc.malloc_in_pool(pool, 9 * MIB, stream).unwrap(), p);
+            // A pool is PyTorch's plain segments (a 20 MiB one for requests
+            // under 10 MiB), never expandable or stitched.
+            let snapshot = alloc.snapshot();
+            let segment = snapshot
+                .segments
+                .iter()
+                .find(|s| s.address <= p && p < s.address + s.total_size)
+                .unwrap();
+            assert_eq!(segment.total_size, 20 * MIB, "{settings}");
+            assert!(!segment.expandable, "{settings}");
+            alloc.empty_cache().unwrap();
+            let stats = alloc.stats();
+            assert_eq!(stats.allocated_bytes[0].current, 18 * MIB as i64);
+            alloc.check_invariants().unwrap();
+            // Released by both holders with p still live: the pool stays
+            // until p is freed, then gives its memory back.
+            alloc.release_pool(pool).unwrap();
+            alloc.release_pool(pool).unwrap();
+            assert_eq!(alloc.pool_use_count(pool), 0);
+            assert!(alloc.malloc_in_pool(pool, MIB, stream).is_err());
+            alloc.check_invariants().unwrap();
+            let reserved_with_pool = alloc.stats().reserved_bytes[0].current;
+            alloc.free(p).unwrap();
+            assert_eq!(
+                alloc.stats().reserved_bytes[0].current,
+                reserved_with_pool - 20 * MIB as i64,
+                "{settings}"
+            );
+            assert!(alloc.pool_engines().is_empty(), "{settings}");
+            assert!(matches!(
+                alloc.release_pool(pool),
+                Err(AllocError::UnknownPool { .. })
+            ));
+            alloc.free(q).unwrap();
+            alloc.empty_cache().unwrap();
+            let stats = alloc.stats();
+            assert_eq!(stats.reserved_bytes[0].current, 0, "{settings}");
+            assert_eq!(stats.allocated_bytes[0].peak, 18 * MIB as i64, "{settings}");
+            alloc.check_invariants().unwrap();
+        }
+    }
+
+    #[test]
+    fn a_capture_covers_every_engine_and_a_pool_made_during_it() {
+        let alloc = shared("policy:hbm");
+        let (main, side) = (StreamId(1), StreamId(2));
+        let p = alloc.malloc(4 * MIB, main).unwrap();
+        alloc.record_stream(p, side).unwrap();
+        alloc.begin_capture().unwrap();
+        alloc.begin_capture().unwrap();
+        let pool = PoolId(3, 0);
+        alloc.create_or_incref_pool(pool).unwrap();
+        let records = alloc.device().call_counts().get(CallKind::EventRecord);
+        let g = alloc.malloc_in_pool(pool, MIB, main).unwrap();
+        alloc.record_stream(g, side).unwrap();
+        alloc.free(g).unwrap();
+        alloc.free(p).unwrap();
+        assert!(matches!(
+            alloc.empty_cache(),
+            Err(AllocError::CaptureUnderway { .. })
+        ));
+        alloc.end_capture().unwrap();
+        assert!(alloc.capture_underway());
+        assert_eq!(
+            alloc.device().call_counts().get(CallKind::EventRecord),
+            records
+        );
+        alloc.end_capture().unwrap();
+        // Both deferred frees recorded their events at the end.
+        assert_eq!(
+            alloc.device().call_counts().get(CallKind::EventRecord),
+            records + 2
+        );
+        assert!(alloc.end_capture().is_err());
+        alloc.device().complete_all();
+        alloc.release_pool(pool).unwrap();
+        alloc.empty_cache().unwrap();
+        assert_eq!(alloc.stats().reserved_bytes[0].current, 0);
+        alloc.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_shard_out_of_memory_takes_back_a_released_pools_cache_but_not_a_held_one() {
+        let config = AllocatorConfig {
+            policy: PolicyConfig::from_settings("policy:pytorch").unwrap(),
+            history_entries: 0,
+        };
+        let alloc = SharedAllocator::new(SimDevice::with_capacity(64 * MIB), config, 4).unwrap();
+        let (held, released) = (PoolId(1, 0), PoolId(2, 0));
+        alloc.create_or_incref_pool(held).unwrap();
+        alloc.create_or_incref_pool(released).unwrap();
+        let a = alloc.malloc_in_pool(held, 24 * MIB, StreamId(1)).unwrap();
+        let b = alloc
+            .malloc_in_pool(released, 24 * MIB, StreamId(1))
+            .unwrap();
+        alloc.free(a).unwrap();
+        alloc.release_pool(released).unwrap();
+        // b is live in the released pool: its segment stays until b goes.
+        assert!(alloc.malloc(24 * MIB, StreamId(1)).is_err());
+        alloc.free(b).unwrap();
+        let c = alloc.malloc(24 * MIB, StreamId(1)).unwrap();
+        // The held pool's cached segment was not taken.
+        assert_eq!(
+            alloc.malloc_in_pool(held, 24 * MIB, StreamId(1)).unwrap(),
+            a
+        );
+        alloc.check_invariants().unwrap();
+        for ptr in [a, c] {
+            alloc.free(ptr).unwrap();
+        }
     }
 }

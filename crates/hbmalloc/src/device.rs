@@ -150,6 +150,9 @@ pub enum DeviceErrorKind {
     Unsupported,
     /// No driver is present on this machine.
     NoDriver,
+    /// A call that waits or gives memory back, refused because a CUDA graph
+    /// capture is underway on the device (see [`crate::capture`]).
+    CaptureUnderway,
 }
 
 /// A failed driver call: which call, and why.
@@ -186,6 +189,9 @@ impl fmt::Display for DeviceError {
             DeviceErrorKind::Driver(name) => name.as_str(),
             DeviceErrorKind::Unsupported => "not supported by this device",
             DeviceErrorKind::NoDriver => "no driver present",
+            DeviceErrorKind::CaptureUnderway => {
+                "not allowed while a CUDA graph capture is underway on this device"
+            }
         };
         write!(f, "{} failed: {}", self.call, why)?;
         if !self.detail.is_empty() {

@@ -205,6 +205,20 @@ pub enum AllocError {
     Device(DeviceError),
     /// A configuration value was rejected.
     InvalidConfig(String),
+    /// The call is not allowed while a CUDA graph capture is underway on the
+    /// device (see [`crate::capture`]).
+    CaptureUnderway {
+        /// What was asked (`"empty_cache"`).
+        operation: &'static str,
+    },
+    /// The end of a CUDA graph capture was announced, but none was underway.
+    NoCaptureUnderway,
+    /// No private memory pool of that id exists on this device (see
+    /// [`crate::SharedAllocator::create_or_incref_pool`]).
+    UnknownPool {
+        /// The pool's id.
+        pool: crate::concurrent::PoolId,
+    },
 }
 
 impl fmt::Display for AllocError {
@@ -225,6 +239,21 @@ impl fmt::Display for AllocError {
             ),
             AllocError::Device(e) => write!(f, "driver error: {e}"),
             AllocError::InvalidConfig(msg) => write!(f, "invalid configuration: {msg}"),
+            AllocError::CaptureUnderway { operation } => write!(
+                f,
+                "{operation} is not allowed while a CUDA graph capture is underway on this device: \
+                 call it before the capture begins or after it ends"
+            ),
+            AllocError::NoCaptureUnderway => f.write_str(
+                "the end of a CUDA graph capture was announced, but none is underway \
+                 (endAllocateToPool without beginAllocateToPool)",
+            ),
+            AllocError::UnknownPool { pool } => write!(
+                f,
+                "no private memory pool ({}, {}) on this device: create it first \
+                 (createOrIncrefPool), or it was released",
+                pool.0, pool.1
+            ),
         }
     }
 }

@@ -859,6 +859,11 @@ pub(crate) struct HbmPolicy {
     /// Events whose synchronization failed: retired at the next full
     /// synchronization, so none is leaked.
     stray_events: Vec<EventId>,
+    /// A CUDA graph capture is underway on the device (see [`crate::capture`]).
+    capture_underway: bool,
+    /// Blocks freed with uses on other streams during a capture, whose
+    /// events are recorded when it ends.
+    deferred_event_blocks: Vec<DevicePtr>,
     /// Physical memory held: mapped granules, spare handles and segments.
     held_bytes: u64,
     /// Highest `held_bytes` seen: the peak reserved memory (kept here, not
@@ -919,6 +924,8 @@ impl HbmPolicy {
             scratch_idle: Vec::new(),
             pending_events: BTreeMap::new(),
             stray_events: Vec::new(),
+            capture_underway: false,
+            deferred_event_blocks: Vec::new(),
             held_bytes: 0,
             peak_held_bytes: 0,
             peak_demand_bytes: 0,
@@ -1059,6 +1066,11 @@ impl HbmPolicy {
             // segments, and try once more, stealing without any allowance.
             retried = true;
             self.stats.num_alloc_retries += 1;
+            if self.capture_underway {
+                // Nothing may be waited for or given back: only the retry's
+                // larger allowance for new memory.
+                continue;
+            }
             self.synchronize_and_free_events(dev)?;
             // Every wholly free chunk becomes a spare piece, so memory held
             // in a chunk that straddled the failed block's edge (neither
@@ -1319,7 +1331,10 @@ impl HbmPolicy {
         decrease(&mut self.stats.allocated_bytes, size, size);
         self.history
             .record(Action::FreeRequested, ptr, requested, stream);
-        if uses_pending {
+        if uses_pending && self.capture_underway {
+            self.deferred_event_blocks.push(ptr);
+            Ok(())
+        } else if uses_pending {
             self.insert_events(dev, ptr)
         } else {
             self.free_completed(ptr);
@@ -1408,8 +1423,31 @@ impl HbmPolicy {
         }
     }
 
+    /// A capture began (`true`) or the last one ended: see [`crate::capture`].
+    /// At the end, the events of the blocks freed during it are recorded.
+    pub(crate) fn set_capture_underway(
+        &mut self,
+        dev: &dyn Device,
+        underway: bool,
+    ) -> Result<(), AllocError> {
+        self.capture_underway = underway;
+        if underway {
+            return Ok(());
+        }
+        // A failure keeps the block's uncovered uses (the next
+        // synchronization frees it); the other blocks still get theirs.
+        let mut first_error = Ok(());
+        for ptr in std::mem::take(&mut self.deferred_event_blocks) {
+            let recorded = self.insert_events(dev, ptr);
+            if first_error.is_ok() {
+                first_error = recorded;
+            }
+        }
+        first_error
+    }
+
     fn process_events(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
-        if self.pending_events.is_empty() {
+        if self.pending_events.is_empty() || self.capture_underway {
             return Ok(());
         }
         let streams: Vec<StreamId> = self.pending_events.keys().copied().collect();

@@ -6,6 +6,7 @@
 //! repository root for the code map.
 
 pub mod allocator;
+pub mod capture;
 pub mod concurrent;
 pub mod config;
 pub mod device;
@@ -23,7 +24,7 @@ pub mod summary;
 pub use allocator::{
     Allocator, AllocatorConfig, BlockImage, PolicyConfig, SegmentImage, MAX_REQUEST_BYTES,
 };
-pub use concurrent::{SharedAllocator, ThreadSafeAllocator};
+pub use concurrent::{PoolId, SharedAllocator, ThreadSafeAllocator};
 pub use config::{Backend, ConfigError, PytorchConfig, ReserveSpec};
 pub use device::{
     CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,

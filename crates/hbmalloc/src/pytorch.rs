@@ -155,6 +155,12 @@ pub(crate) struct PytorchPolicy {
     stray_pages: Vec<StrayPage>,
     /// Events whose synchronization failed, to retire at the next `release_cached_blocks`.
     stray_events: Vec<EventId>,
+    /// A CUDA graph capture is underway on the device (see [`crate::capture`]).
+    capture_underway: bool,
+    /// Blocks freed with uses on other streams during a capture, whose
+    /// events are recorded when it ends (PyTorch's
+    /// `needs_events_deferred_until_no_capture`).
+    deferred_event_blocks: Vec<BlockId>,
 }
 
 fn pool_index(small: bool) -> usize {
@@ -178,6 +184,8 @@ impl PytorchPolicy {
             config,
             stray_pages: Vec::new(),
             stray_events: Vec::new(),
+            capture_underway: false,
+            deferred_event_blocks: Vec::new(),
         };
         if policy.config.per_process_memory_fraction < 1.0 {
             policy.set_memory_fraction(policy.config.per_process_memory_fraction);
@@ -301,15 +309,20 @@ impl PytorchPolicy {
         let alloc_size = self.allocation_size(size);
 
         let mut found = self.get_free_block(small, stream, size);
+        // During a capture no memory is given back: only new memory.
+        let may_release = !self.capture_underway;
         if found.is_none() {
-            if self.gc_enabled() {
+            if self.gc_enabled() && may_release {
                 self.garbage_collect_cached_blocks(dev)?;
             }
             found = self.alloc_block(dev, small, stream, size, alloc_size, false)?;
-            if found.is_none() && self.release_available_cached_blocks(dev, small, stream, size)? {
+            if found.is_none()
+                && may_release
+                && self.release_available_cached_blocks(dev, small, stream, size)?
+            {
                 found = self.alloc_block(dev, small, stream, size, alloc_size, false)?;
             }
-            if found.is_none() {
+            if found.is_none() && may_release {
                 self.release_cached_blocks(dev)?;
                 found = self.alloc_block(dev, small, stream, size, alloc_size, true)?;
             }
@@ -515,9 +528,35 @@ impl PytorchPolicy {
         if self.b(id).stream_uses.is_empty() {
             self.free_block(id);
             Ok(())
+        } else if self.capture_underway {
+            self.deferred_event_blocks.push(id);
+            Ok(())
         } else {
             self.insert_events(dev, id)
         }
+    }
+
+    /// A capture began (`true`) or the last one ended: see [`crate::capture`].
+    /// At the end, the events of the blocks freed during it are recorded.
+    pub(crate) fn set_capture_underway(
+        &mut self,
+        dev: &dyn Device,
+        underway: bool,
+    ) -> Result<(), AllocError> {
+        self.capture_underway = underway;
+        if underway {
+            return Ok(());
+        }
+        // A failure keeps the block's uncovered uses (a stranded block: the
+        // next synchronization frees it); the other blocks still get theirs.
+        let mut first_error = Ok(());
+        for id in std::mem::take(&mut self.deferred_event_blocks) {
+            let recorded = self.insert_events(dev, id);
+            if first_error.is_ok() {
+                first_error = recorded;
+            }
+        }
+        first_error
     }
 
     pub(crate) fn record_stream(
@@ -562,7 +601,7 @@ impl PytorchPolicy {
     }
 
     fn process_events(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
-        if self.cuda_events.is_empty() {
+        if self.cuda_events.is_empty() || self.capture_underway {
             return Ok(());
         }
         let streams: Vec<StreamId> = self.cuda_events.keys().copied().collect();

@@ -82,6 +82,26 @@ int main(int argc, char **argv) {
     hbmalloc_free(p, 4096, 0, stream);
     CHECK(hbmalloc_last_error_code() == HBMALLOC_UNKNOWN_POINTER);
     CHECK(hbmalloc_empty_cache(0) == HBMALLOC_OK);
+
+    /* A private pool during a capture: its own memory, no empty_cache. */
+    int holders = -1;
+    CHECK(hbmalloc_pool_alloc(64, 0, stream, 5, 0) == NULL);
+    CHECK(hbmalloc_last_error_code() == HBMALLOC_INVALID_ARGUMENT);
+    CHECK(hbmalloc_create_or_incref_pool(0, 5, 0) == HBMALLOC_OK);
+    CHECK(hbmalloc_begin_capture(0) == HBMALLOC_OK);
+    unsigned char *g = hbmalloc_pool_alloc(4096, 0, stream, 5, 0);
+    CHECK(g != NULL);
+    memset(g, 0x33, 4096);
+    CHECK(hbmalloc_empty_cache(0) == HBMALLOC_INVALID_STATE);
+    CHECK(hbmalloc_end_capture(0) == HBMALLOC_OK);
+    CHECK(hbmalloc_end_capture(0) == HBMALLOC_INVALID_STATE);
+    CHECK(hbmalloc_pool_use_count(0, 5, 0, &holders) == HBMALLOC_OK && holders == 1);
+    CHECK(hbmalloc_release_pool(0, 5, 0) == HBMALLOC_OK);
+    CHECK(hbmalloc_pool_use_count(0, 5, 0, &holders) == HBMALLOC_OK && holders == 0);
+    hbmalloc_free(g, 4096, 0, stream);
+    CHECK(hbmalloc_last_error_code() == HBMALLOC_OK);
+    CHECK(hbmalloc_release_pool(0, 5, 0) == HBMALLOC_INVALID_ARGUMENT);
+
     CHECK(hbmalloc_reset() == HBMALLOC_OK);
     CHECK(hbmalloc_last_error_code() == HBMALLOC_OK);
 

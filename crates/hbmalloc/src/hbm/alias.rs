@@ -449,12 +449,21 @@ impl HbmPolicy {
     /// chunk, so physically contiguous) and whole idle groups. On a device
     /// that maps whole handles only, whole handles only: a run that is a
     /// whole chunk of a whole handle, a group that is a whole handle.
+    /// During a CUDA graph capture, only memory last used on the span's own
+    /// stream: using another's would mean waiting for that stream.
     fn idle_donors(&self, granule: u64, bytes: u64, span: GranuleSpan) -> Vec<Donor> {
         let mut donors = Vec::new();
         let mut found = 0u64;
+        let stream = self.region(span.0).stream;
+        let usable = |region_index: u32| {
+            !self.capture_underway || self.region(region_index).stream == stream
+        };
         for (region_index, first, end) in self.free_granules(granule) {
             if found >= bytes {
                 break;
+            }
+            if !usable(region_index) {
+                continue;
             }
             let region = self.region(region_index);
             // Lent memory is in use elsewhere: skipped a word at a time.
@@ -463,7 +472,10 @@ impl HbmPolicy {
                 if region.aliased.get(i) {
                     let (start, id) = self.view_at(region_index, i);
                     let group = self.group(id);
-                    if start >= first && start + group.count <= end && self.group_idle(group, span)
+                    if start >= first
+                        && start + group.count <= end
+                        && self.group_idle(group, span)
+                        && usable(group.user.0)
                     {
                         donors.push(Donor::Group(id));
                         found += group.count * granule;

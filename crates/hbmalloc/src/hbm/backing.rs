@@ -271,7 +271,12 @@ impl HbmPolicy {
         if cursor == end {
             return Ok(true);
         }
-        let victims = self.free_spans(granule, (end - cursor) * granule, true);
+        // Stealing waits for the victims' streams: never during a capture.
+        let victims = if self.capture_underway {
+            Vec::new()
+        } else {
+            self.free_spans(granule, (end - cursor) * granule, true)
+        };
         // With nothing stolen, the spares and idle memory are as the calls
         // above left them: used up.
         if !victims.is_empty() {

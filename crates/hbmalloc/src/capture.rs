@@ -1,0 +1,236 @@
+//! CUDA graph capture: what the engine must not do while one is underway.
+//!
+//! While a stream of the device captures a CUDA graph (`torch.cuda.graph`,
+//! `torch.compile(mode="reduce-overhead")`), CUDA's default capture mode
+//! (global) refuses calls that wait or give memory back (event queries and
+//! synchronizations, `cudaFree`, unmaps, releases), from any thread, and
+//! invalidates the capture. An event recorded on a capturing stream becomes
+//! a node of the graph, not a marker the allocator could wait for. So, like
+//! PyTorch's allocator while its `captures_underway` is not empty, both
+//! policies, while a capture is underway:
+//!
+//! - do not look at pending events (a block freed with uses on other
+//!   streams stays unavailable until the capture ends);
+//! - do not record the events of blocks freed with uses on other streams:
+//!   they are recorded when the last capture ends;
+//! - give no memory back on the out-of-memory retry (it fails sooner), and
+//!   refuse `empty_cache`;
+//! - still create and map new memory (the CUDA backend makes those calls in
+//!   relaxed capture mode, as PyTorch does for `cudaMalloc`).
+//!
+//! [`CaptureSafeDevice`] makes the rule hold on every path, including ones
+//! no policy expects to take then (policy `hbm` stitching memory last used on
+//! another stream): it answers those calls with
+//! [`DeviceErrorKind::CaptureUnderway`] instead of passing them to the
+//! driver, so the worst case is a clear error for one request, never a
+//! broken capture.
+
+use crate::device::{
+    CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
+    PhysicalHandle, StreamId,
+};
+
+/// A device seen through an ongoing CUDA graph capture: calls that create or
+/// map memory pass, calls that wait or give memory back are refused with
+/// [`DeviceErrorKind::CaptureUnderway`].
+pub struct CaptureSafeDevice<'a>(pub &'a dyn Device);
+
+fn refused<T>(call: CallKind) -> DeviceResult<T> {
+    Err(DeviceError::new(
+        call,
+        DeviceErrorKind::CaptureUnderway,
+        "the driver would invalidate the capture; this happens after the capture ends".to_string(),
+    ))
+}
+
+impl Device for CaptureSafeDevice<'_> {
+    fn name(&self) -> String {
+        self.0.name()
+    }
+    fn memory_info(&self) -> DeviceResult<MemoryInfo> {
+        self.0.memory_info()
+    }
+    fn segment_alloc(&self, size: u64) -> DeviceResult<DevicePtr> {
+        self.0.segment_alloc(size)
+    }
+    fn segment_free(&self, _ptr: DevicePtr, _size: u64) -> DeviceResult<()> {
+        refused(CallKind::SegmentFree)
+    }
+    fn granularity(&self) -> Option<u64> {
+        self.0.granularity()
+    }
+    fn address_reserve(&self, size: u64) -> DeviceResult<DevicePtr> {
+        self.0.address_reserve(size)
+    }
+    fn address_free(&self, _base: DevicePtr, _size: u64) -> DeviceResult<()> {
+        refused(CallKind::AddressFree)
+    }
+    fn physical_create(&self, size: u64) -> DeviceResult<PhysicalHandle> {
+        self.0.physical_create(size)
+    }
+    fn physical_release(&self, _handle: PhysicalHandle) -> DeviceResult<()> {
+        refused(CallKind::PhysicalRelease)
+    }
+    fn map(
+        &self,
+        va: DevicePtr,
+        size: u64,
+        handle: PhysicalHandle,
+        offset: u64,
+    ) -> DeviceResult<()> {
+        self.0.map(va, size, handle, offset)
+    }
+    fn maps_handle_parts(&self) -> bool {
+        self.0.maps_handle_parts()
+    }
+    fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
+        self.0.set_access(va, size)
+    }
+    fn unmap(&self, _va: DevicePtr, _size: u64) -> DeviceResult<()> {
+        refused(CallKind::Unmap)
+    }
+    fn record_event(&self, _stream: StreamId) -> DeviceResult<EventId> {
+        refused(CallKind::EventRecord)
+    }
+    fn query_event(&self, _event: EventId) -> DeviceResult<bool> {
+        refused(CallKind::EventQuery)
+    }
+    fn synchronize_event(&self, _event: EventId) -> DeviceResult<()> {
+        refused(CallKind::EventSynchronize)
+    }
+    fn synchronize_device(&self) -> DeviceResult<()> {
+        refused(CallKind::DeviceSynchronize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::allocator::{Allocator, AllocatorConfig, PolicyConfig};
+    use crate::device::{CallKind, DeviceErrorKind, StreamId};
+    use crate::error::AllocError;
+    use crate::sim::SimDevice;
+
+    const MIB: u64 = 1 << 20;
+    const POLICIES: [&str; 3] = [
+        "policy:hbm",
+        "policy:pytorch",
+        "policy:pytorch,expandable_segments:True",
+    ];
+
+    fn allocator(settings: &str, device: SimDevice) -> Allocator<SimDevice> {
+        let config = AllocatorConfig {
+            policy: PolicyConfig::from_settings(settings).unwrap(),
+            history_entries: 0,
+        };
+        Allocator::new(device, config).unwrap()
+    }
+
+    /// The calls that wait or give memory back.
+    const FORBIDDEN: [CallKind; 8] = [
+        CallKind::SegmentFree,
+        CallKind::AddressFree,
+        CallKind::PhysicalRelease,
+        CallKind::Unmap,
+        CallKind::EventRecord,
+        CallKind::EventQuery,
+        CallKind::EventSynchronize,
+        CallKind::DeviceSynchronize,
+    ];
+
+    fn forbidden_calls(device: &SimDevice) -> u64 {
+        let counts = device.call_counts();
+        FORBIDDEN.iter().map(|&kind| counts.get(kind)).sum()
+    }
+
+    #[test]
+    fn a_block_freed_during_a_capture_waits_for_its_events_until_the_capture_ends() {
+        let (main, side) = (StreamId(1), StreamId(2));
+        for settings in POLICIES {
+            let mut a = allocator(settings, SimDevice::new());
+            let p = a.malloc(8 * MIB, main).unwrap();
+            a.record_stream(p, side).unwrap();
+            // Work pending on the other stream before the capture.
+            let use_of_p = a.device().enqueue_use(side, p, 8 * MIB);
+            a.set_capture_underway(true).unwrap();
+            let before = forbidden_calls(a.device());
+            a.free(p).unwrap();
+            // Not reusable: its use on `side` is covered by no event yet.
+            let q = a.malloc(8 * MIB, main).unwrap();
+            assert_ne!(p, q, "{settings}");
+            assert!(matches!(
+                a.empty_cache(),
+                Err(AllocError::CaptureUnderway {
+                    operation: "empty_cache"
+                })
+            ));
+            assert_eq!(forbidden_calls(a.device()), before, "{settings}");
+            assert_eq!(a.stats().allocated_bytes[0].current, 8 * MIB as i64);
+            assert_eq!(a.stats().active_bytes[0].current, 16 * MIB as i64);
+            a.check_invariants().unwrap();
+            // The end records the deferred event; once it completes, p's
+            // memory is reused.
+            let records = a.device().call_counts().get(CallKind::EventRecord);
+            a.set_capture_underway(false).unwrap();
+            assert_eq!(
+                a.device().call_counts().get(CallKind::EventRecord),
+                records + 1,
+                "{settings}"
+            );
+            a.device().complete_use(use_of_p);
+            a.device().complete_all();
+            let r = a.malloc(8 * MIB, main).unwrap();
+            assert_eq!(r, p, "{settings}");
+            assert!(a.device().take_violations().is_empty());
+            for ptr in [q, r] {
+                a.free(ptr).unwrap();
+            }
+            a.empty_cache().unwrap();
+            assert_eq!(a.stats().reserved_bytes[0].current, 0, "{settings}");
+            a.check_invariants().unwrap();
+        }
+    }
+
+    #[test]
+    fn out_of_memory_during_a_capture_gives_nothing_back_and_waits_for_nothing() {
+        for settings in POLICIES {
+            let mut a = allocator(settings, SimDevice::with_capacity(64 * MIB));
+            // Cached, wholly free memory that the usual retry would give back.
+            let cached: Vec<_> = (0..3)
+                .map(|_| a.malloc(12 * MIB, StreamId(1)).unwrap())
+                .collect();
+            for &p in &cached {
+                a.free(p).unwrap();
+            }
+            a.set_capture_underway(true).unwrap();
+            let before = forbidden_calls(a.device());
+            let err = a.malloc(40 * MIB, StreamId(2)).unwrap_err();
+            assert!(
+                matches!(err, AllocError::OutOfMemory(_)),
+                "{settings}: {err}"
+            );
+            assert_eq!(forbidden_calls(a.device()), before, "{settings}");
+            a.check_invariants().unwrap();
+            // After the capture the same request succeeds.
+            a.set_capture_underway(false).unwrap();
+            let p = a.malloc(40 * MIB, StreamId(2)).unwrap();
+            a.free(p).unwrap();
+            a.check_invariants().unwrap();
+        }
+    }
+
+    #[test]
+    fn the_capture_safe_device_refuses_what_would_break_a_capture() {
+        use crate::device::Device;
+        let device = SimDevice::new();
+        let safe = super::CaptureSafeDevice(&device);
+        let ptr = safe.segment_alloc(2 * MIB).unwrap();
+        let err = safe.segment_free(ptr, 2 * MIB).unwrap_err();
+        assert_eq!(err.kind, DeviceErrorKind::CaptureUnderway);
+        assert_eq!(err.call, CallKind::SegmentFree);
+        assert!(err.to_string().contains("CUDA graph capture"), "{err}");
+        assert!(safe.record_event(StreamId(1)).is_err());
+        assert!(safe.synchronize_device().is_err());
+        assert_eq!(forbidden_calls(&device), 0);
+        device.segment_free(ptr, 2 * MIB).unwrap();
+    }
+}
