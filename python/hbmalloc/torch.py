@@ -36,9 +36,9 @@ a captured graph uses could be handed to other tensors once they are freed,
 and the graph would overwrite them when it replays. After ``install()``,
 ``torch.cuda.CUDAGraph.capture_begin`` (``torch.cuda.graph``,
 ``make_graphed_callables``, ``torch.compile(mode="reduce-overhead")``) raises
-``RuntimeError`` saying so. To capture graphs, route only part of a program
-to hbmalloc with ``mem_pool()`` instead: PyTorch's own allocator then keeps a
-graph's memory private.
+``RuntimeError`` saying so. To capture graphs, use ``install(compiled=True)``
+(below), or route only part of a program to hbmalloc with ``mem_pool()``:
+PyTorch's own allocator then keeps a graph's memory private.
 
 cuDNN's benchmark mode: with ``torch.backends.cudnn.benchmark = True``,
 PyTorch asks the allocator for its largest free block (``cacheInfo``) before
@@ -75,10 +75,14 @@ observers ``torch._C._cuda_attach_out_of_memory_observer`` attached). So
 included, reach hbmalloc), ``TORCH_NCCL_AVOID_RECORD_STREAMS`` is left
 alone, ``torch.cuda``'s statistics are PyTorch's own calls, cuDNN's benchmark
 mode works, and PyTorch's fallbacks that catch its out-of-memory error
-catch hbmalloc's. Snapshots and history are still routed (PyTorch builds
-its snapshot from its own allocator's internals), and graph capture is
-still refused. It is opt-in until it has run on a GPU
-(``scripts/gpu-check`` runs it).
+catch hbmalloc's. It also keeps private memory pools as PyTorch's
+allocator does, so CUDA graph capture, ``torch.cuda.MemPool`` and
+``torch.cuda.use_mem_pool`` work: a graph's memory is reused only by
+allocations into its pool, and while a capture is underway hbmalloc waits
+for no event and gives no memory back (``hbmalloc.h``). Snapshots and history
+are still routed (PyTorch builds its snapshot from its own allocator's
+internals). It is opt-in until it has run on a GPU (``scripts/gpu-check``
+runs it).
 
 Importing this module does not import torch; its functions raise
 ``ImportError`` when torch is missing.
@@ -489,7 +493,8 @@ def install(compiled=False):
     ``torch.cuda``'s statistics, snapshots, history, ``empty_cache()`` and
     memory fraction to hbmalloc (see the module documentation: PyTorch passes
     none of them on to a pluggable allocator); CUDA graph capture raises from
-    then on, as PyTorch cannot keep a graph's memory private from hbmalloc,
+    then on, as PyTorch cannot keep a graph's memory private from hbmalloc
+    through the pluggable allocator alone (``compiled=True`` can),
     and ``torch.backends.cudnn.benchmark`` stays off (with a warning when
     set), as its algorithm search asks the allocator what a pluggable one
     cannot answer.
@@ -498,9 +503,9 @@ def install(compiled=False):
     torch instead (once; cached, see the module documentation), which
     answers PyTorch itself: streams (NCCL's too), statistics, cuDNN's
     benchmark mode and ``torch.OutOfMemoryError`` work as with PyTorch's
-    own allocator, so none of the wrapping above is done but the routing of
-    snapshots and history, and the refusal of graph capture. It needs a C++
-    compiler and CUDA's runtime headers.
+    own allocator, and it keeps CUDA graphs' private memory pools, so none
+    of the wrapping above is done but the routing of snapshots and history.
+    It needs a C++ compiler and CUDA's runtime headers.
 
     Raises ``RuntimeError`` when called twice, or when PyTorch's CUDA
     allocator is already initialised (too late), or when the compiled
@@ -530,7 +535,8 @@ def install(compiled=False):
         _forward_record_streams(torch)
         _keep_cudnn_benchmark_off(torch)
     _route_memory_functions(torch, compiled)
-    _refuse_graph_capture(torch)
+    if not compiled:
+        _refuse_graph_capture(torch)
     return plugged
 
 

@@ -8,8 +8,9 @@
 // cacheInfo (so cuDNN's benchmark mode works), recordStream (so streams,
 // NCCL's included, reach hbmalloc from C++), the statistics behind
 // torch.cuda.memory_stats(), out-of-memory errors of PyTorch's own type
-// (torch.OutOfMemoryError, which PyTorch's fallbacks catch), and memory
-// events for torch.profiler(profile_memory=True). Everything else
+// (torch.OutOfMemoryError, which PyTorch's fallbacks catch), memory
+// events for torch.profiler(profile_memory=True), and private memory pools
+// (torch.cuda.MemPool, use_mem_pool, CUDA graph capture). Everything else
 // is CUDAPluggableAllocator's: its pointer bookkeeping, its deleter, and
 // whatever a newer torch adds to the interface.
 //
@@ -22,6 +23,9 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <functional>
+#include <optional>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -53,6 +57,12 @@ namespace hbmalloc_torch {
 // The C ABI functions this allocator calls, typed by hbmalloc.h.
 struct Abi {
   decltype(&hbmalloc_torch_alloc) torch_alloc;
+  decltype(&hbmalloc_torch_pool_alloc) torch_pool_alloc;
+  decltype(&hbmalloc_create_or_incref_pool) create_or_incref_pool;
+  decltype(&hbmalloc_release_pool) release_pool;
+  decltype(&hbmalloc_pool_use_count) pool_use_count;
+  decltype(&hbmalloc_begin_capture) begin_capture;
+  decltype(&hbmalloc_end_capture) end_capture;
   decltype(&hbmalloc_free) free;
   decltype(&hbmalloc_record_stream) record_stream;
   decltype(&hbmalloc_init) init;
@@ -90,6 +100,12 @@ Abi load_abi(const char* path) {
   }
   Abi abi{};
   resolve(library, "hbmalloc_torch_alloc", &abi.torch_alloc);
+  resolve(library, "hbmalloc_torch_pool_alloc", &abi.torch_pool_alloc);
+  resolve(library, "hbmalloc_create_or_incref_pool", &abi.create_or_incref_pool);
+  resolve(library, "hbmalloc_release_pool", &abi.release_pool);
+  resolve(library, "hbmalloc_pool_use_count", &abi.pool_use_count);
+  resolve(library, "hbmalloc_begin_capture", &abi.begin_capture);
+  resolve(library, "hbmalloc_end_capture", &abi.end_capture);
   resolve(library, "hbmalloc_free", &abi.free);
   resolve(library, "hbmalloc_record_stream", &abi.record_stream);
   resolve(library, "hbmalloc_init", &abi.init);
@@ -251,7 +267,10 @@ class HbmallocAllocator final : public Pluggable {
   void* allocate(size_t size, int device, cudaStream_t stream) {
     void* ptr = nullptr;
     try {
-      ptr = abi_.torch_alloc(static_cast<ssize_t>(size), device, stream);
+      const auto pool = pool_for(device, stream);
+      ptr = pool ? abi_.torch_pool_alloc(
+                       static_cast<ssize_t>(size), device, stream, pool->first, pool->second)
+                 : abi_.torch_alloc(static_cast<ssize_t>(size), device, stream);
     } catch (const std::runtime_error& e) {
       if (abi_.last_error_code() != HBMALLOC_OUT_OF_MEMORY) {
         TORCH_CHECK(false, e.what());
@@ -336,18 +355,77 @@ class HbmallocAllocator final : public Pluggable {
     check(abi_, abi_.reset_accumulated_stats(device));
   }
 
-  // CUDA graph capture and torch.cuda.use_mem_pool ask for a private pool,
-  // which hbmalloc does not keep: refused before they begin, whoever asks.
+  // Private memory pools, as PyTorch's allocator keeps them: a
+  // torch.cuda.MemPool makes one (createOrIncrefPool) and releases it when
+  // it goes; a CUDA graph capture (and torch.cuda.use_mem_pool) makes or
+  // holds one, routes the allocations its filter accepts there until
+  // endAllocateToPool, and the graph releases it when it is reset. hbmalloc
+  // keeps a pool's memory for that pool alone, and while any capture or
+  // use_mem_pool is underway it waits for no event and gives no memory
+  // back, which CUDA would refuse during a capture (hbmalloc.h).
   void beginAllocateToPool(
-      c10::DeviceIndex /*device*/,
-      c10::cuda::MempoolId_t /*mempool_id*/,
-      std::function<bool(cudaStream_t)> /*filter*/) override {
+      c10::DeviceIndex device,
+      c10::cuda::MempoolId_t mempool_id,
+      std::function<bool(cudaStream_t)> filter) override {
+    check(abi_, abi_.create_or_incref_pool(device, mempool_id.first, mempool_id.second));
+    if (abi_.begin_capture(device) != HBMALLOC_OK) {
+      std::string message(abi_.last_error(nullptr, 0), '\0');
+      abi_.last_error(message.data(), message.size() + 1);
+      abi_.release_pool(device, mempool_id.first, mempool_id.second);
+      TORCH_CHECK(false, message);
+    }
+    std::lock_guard<std::mutex> lock(routes_mutex_);
+    routes_.push_back(Route{device, mempool_id, std::move(filter)});
+    route_count_.store(routes_.size(), std::memory_order_release);
+  }
+
+  void endAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override {
+    {
+      std::lock_guard<std::mutex> lock(routes_mutex_);
+      auto route = std::find_if(routes_.begin(), routes_.end(), [&](const Route& r) {
+        return r.device == device && r.pool == mempool_id;
+      });
+      TORCH_CHECK(
+          route != routes_.end(), "hbmalloc: endAllocateToPool for pool (", mempool_id.first,
+          ", ", mempool_id.second, ") on device ", static_cast<int>(device),
+          ", which is not being allocated to");
+      routes_.erase(route);
+      route_count_.store(routes_.size(), std::memory_order_release);
+    }
+    check(abi_, abi_.end_capture(device));
+  }
+
+  void releasePool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override {
+    check(abi_, abi_.release_pool(device, mempool_id.first, mempool_id.second));
+  }
+
+  // Not marked override: older torch versions (before 2.8) have no such
+  // virtual, and then nothing calls these.
+  void createOrIncrefPool(
+      c10::DeviceIndex device,
+      c10::cuda::MempoolId_t mempool_id,
+      std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator = nullptr) {
     TORCH_CHECK(
-        false,
-        "hbmalloc keeps no private memory pools (CUDA graph capture, "
-        "torch.cuda.use_mem_pool) while it is PyTorch's allocator: leave PyTorch's "
-        "allocator in place for them, and route allocations to hbmalloc with "
-        "hbmalloc.torch.mem_pool() instead of install()");
+        allocator == nullptr || allocator.get() == this,
+        "hbmalloc is PyTorch's CUDA allocator (hbmalloc.torch.install(compiled=True)): a "
+        "torch.cuda.MemPool with an allocator of its own is not supported; make it without one");
+    check(abi_, abi_.create_or_incref_pool(device, mempool_id.first, mempool_id.second));
+  }
+
+  int getPoolUseCount(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) {
+    int count = 0;
+    check(abi_, abi_.pool_use_count(device, mempool_id.first, mempool_id.second, &count));
+    return count;
+  }
+
+  // emptyCache of one pool (~MemPool calls it after releasePool): hbmalloc
+  // gave the pool's cache back when its last holder released it, and a pool
+  // still held keeps its memory for its graphs.
+  // Not marked override: before torch 2.8 emptyCache takes no pool.
+  void emptyCache(c10::cuda::MempoolId_t mempool_id) {
+    if (mempool_id.first == 0 && mempool_id.second == 0) {
+      check(abi_, abi_.reset());
+    }
   }
 
   std::string name() override {
@@ -374,7 +452,33 @@ class HbmallocAllocator final : public Pluggable {
     }
   }
 
+  // The private pool the allocation on `stream` goes to, if a route's
+  // filter takes it (the first route begun, as in PyTorch's allocator).
+  std::optional<c10::cuda::MempoolId_t> pool_for(int device, cudaStream_t stream) {
+    if (route_count_.load(std::memory_order_acquire) == 0) {
+      return std::nullopt;
+    }
+    std::lock_guard<std::mutex> lock(routes_mutex_);
+    for (const auto& route : routes_) {
+      if (route.device == device && route.filter(stream)) {
+        return route.pool;
+      }
+    }
+    return std::nullopt;
+  }
+
+  // Allocations of `device` that `filter` accepts go to `pool`.
+  struct Route {
+    int device;
+    c10::cuda::MempoolId_t pool;
+    std::function<bool(cudaStream_t)> filter;
+  };
+
   Abi abi_;
+  std::mutex routes_mutex_;
+  std::vector<Route> routes_;
+  // routes_.size(), read without the lock on every allocation.
+  std::atomic<size_t> route_count_{0};
   std::mutex observers_mutex_;
   std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> oom_observers_;
 };

@@ -112,11 +112,56 @@ extern "C" int hbmalloc_torch_compiled_check(
     failing_malloc("bad device", 64, 7);
     out << "observed: " << observed.str() << "\n";
 
-    try {
-      torch_view.beginAllocateToPool(0, {1, 0}, [](cudaStream_t) { return true; });
-      out << "graph pool: allowed\n";
-    } catch (const c10::Error& e) {
-      out << "graph pool: refused: " << first_line(e) << "\n";
+    // A CUDA graph capture as PyTorch drives it: allocations its filter
+    // accepts go to the graph's private pool until endAllocateToPool.
+    {
+      const c10::cuda::MempoolId_t graph_pool{9, 0};
+      auto capturing = reinterpret_cast<cudaStream_t>(0x4400);
+      auto reserved = [&] { return torch_view.getDeviceStats(0).reserved_bytes[0].current; };
+      torch_view.beginAllocateToPool(
+          0, graph_pool, [=](cudaStream_t stream) { return stream == capturing; });
+      void* g = allocator.malloc(1 << 20, 0, capturing);
+      void* h = allocator.malloc(1 << 20, 0, nullptr);
+      out << "pool holders: " << allocator.getPoolUseCount(0, graph_pool) << "\n";
+      try {
+        torch_view.emptyCache();
+        out << "empty_cache during capture: allowed\n";
+      } catch (const c10::Error& e) {
+        out << "empty_cache during capture: " << first_line(e) << "\n";
+      }
+      torch_view.raw_delete(g);
+      void* g2 = allocator.malloc(1 << 20, 0, capturing);
+      out << "the pool reuses its memory: " << (g2 == g) << "\n";
+      torch_view.raw_delete(h);
+      void* h2 = allocator.malloc(1 << 20, 0, nullptr);
+      out << "others never get it: " << (h2 != g2) << "\n";
+      torch_view.endAllocateToPool(0, graph_pool);
+      try {
+        torch_view.endAllocateToPool(0, graph_pool);
+        out << "second end: allowed\n";
+      } catch (const c10::Error& e) {
+        out << "second end: " << first_line(e) << "\n";
+      }
+      torch_view.raw_delete(g2);
+      void* after = allocator.malloc(1 << 20, 0, capturing);
+      out << "not routed after the end: " << (after != g2) << "\n";
+      const auto held = reserved();
+      torch_view.releasePool(0, graph_pool);
+      out << "released: holders " << allocator.getPoolUseCount(0, graph_pool)
+          << ", memory given back " << (held - reserved()) << "\n";
+      torch_view.raw_delete(h2);
+      torch_view.raw_delete(after);
+      // A torch.cuda.MemPool: made and released by its owner.
+      allocator.createOrIncrefPool(0, {0, 5});
+      out << "MemPool holders: " << allocator.getPoolUseCount(0, {0, 5});
+      torch_view.releasePool(0, {0, 5});
+      out << " then " << allocator.getPoolUseCount(0, {0, 5}) << "\n";
+      try {
+        torch_view.releasePool(0, {0, 5});
+        out << "release again: allowed\n";
+      } catch (const c10::Error& e) {
+        out << "release again: " << first_line(e) << "\n";
+      }
     }
 
     // With a profiler recording memory: an allocation, its free and an
