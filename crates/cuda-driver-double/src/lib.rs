@@ -27,10 +27,15 @@
 //!   with `CUDA_ERROR_OUT_OF_MEMORY`; 2 MiB granularity;
 //! - events complete immediately by default, or only when the test says so;
 //! - contexts are per thread as in the driver: calls that need one fail with
-//!   `CUDA_ERROR_INVALID_CONTEXT` when the thread has no valid current context.
+//!   `CUDA_ERROR_INVALID_CONTEXT` when the thread has no valid current context;
+//! - so is the stream-capture mode (`cuThreadExchangeStreamCaptureMode`,
+//!   global until changed): each driver call is counted as made in relaxed
+//!   mode or not, so a test can see that the calls that make memory would be
+//!   allowed during a CUDA graph capture (no capture is modelled).
 //!
 //! Tests steer it through the `hbm_double_*` functions (reset, capacity,
-//! fault injection, event completion, call counts, live bytes, and filling
+//! fault injection, event completion, call counts, calls made in relaxed
+//! capture mode, the calling thread's capture mode, live bytes, and filling
 //! and reading device memory as a device sees it, without a context). Setting
 //! `HBM_DOUBLE_NO_DEVICE=1` makes `cuInit` fail with `CUDA_ERROR_NO_DEVICE`;
 //! it is read on every `cuInit` call so one process can test both cases.
@@ -62,6 +67,16 @@ pub type CUcontext = *mut c_void;
 pub type CUevent = *mut c_void;
 /// A stream handle (`CUstream`).
 pub type CUstream = *mut c_void;
+/// A thread's stream-capture interaction mode (`CUstreamCaptureMode`).
+pub type CUstreamCaptureMode = c_uint;
+
+/// `CU_STREAM_CAPTURE_MODE_GLOBAL`: every thread's mode until it changes it.
+pub const CU_STREAM_CAPTURE_MODE_GLOBAL: CUstreamCaptureMode = 0;
+/// `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`.
+pub const CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: CUstreamCaptureMode = 1;
+/// `CU_STREAM_CAPTURE_MODE_RELAXED`: potentially unsafe calls such as
+/// `cuMemAlloc` are allowed during a capture.
+pub const CU_STREAM_CAPTURE_MODE_RELAXED: CUstreamCaptureMode = 2;
 
 // The C types below are declared again here, not shared with
 // `hbmalloc-cuda`'s own declarations, on purpose: the double stands in for
@@ -160,6 +175,8 @@ const ERROR_NAMES: &[(CUresult, &CStr)] = &[
     (600, c"CUDA_ERROR_NOT_READY"),
     (700, c"CUDA_ERROR_ILLEGAL_ADDRESS"),
     (801, c"CUDA_ERROR_NOT_SUPPORTED"),
+    (900, c"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"),
+    (901, c"CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"),
     (999, c"CUDA_ERROR_UNKNOWN"),
 ];
 
@@ -242,6 +259,9 @@ struct State {
     /// `cuMemMap` accepts any offset and maps from the handle's start.
     map_offset_ignored: bool,
     calls: BTreeMap<String, u64>,
+    /// Of `calls`, those made while the calling thread's stream-capture
+    /// mode was relaxed.
+    relaxed_calls: BTreeMap<String, u64>,
     faults: Vec<Fault>,
 }
 
@@ -264,12 +284,17 @@ impl State {
             whole_handle_maps: false,
             map_offset_ignored: false,
             calls: BTreeMap::new(),
+            relaxed_calls: BTreeMap::new(),
             faults: Vec::new(),
         }
     }
 
-    /// Counts a call of `name`; returns the injected error if one fires now.
-    fn enter(&mut self, name: &str) -> Result<(), CUresult> {
+    /// Counts a call of `name` (made in relaxed capture mode or not);
+    /// returns the injected error if one fires now.
+    fn enter(&mut self, name: &str, relaxed: bool) -> Result<(), CUresult> {
+        if relaxed {
+            *self.relaxed_calls.entry(name.to_string()).or_insert(0) += 1;
+        }
         let count = self.calls.entry(name.to_string()).or_insert(0);
         *count += 1;
         let count = *count;
@@ -444,6 +469,9 @@ static STATE: Mutex<State> = Mutex::new(State::new());
 thread_local! {
     /// The calling thread's current context, as in the real driver.
     static CURRENT_CONTEXT: Cell<usize> = const { Cell::new(0) };
+    /// The calling thread's stream-capture mode, as in the real driver.
+    static CAPTURE_MODE: Cell<CUstreamCaptureMode> =
+        const { Cell::new(CU_STREAM_CAPTURE_MODE_GLOBAL) };
 }
 
 fn lock() -> MutexGuard<'static, State> {
@@ -452,15 +480,17 @@ fn lock() -> MutexGuard<'static, State> {
     STATE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Runs one driver call: counts it, fires an armed fault, then runs `body`.
+/// Runs one driver call: counts it (and whether the calling thread's
+/// capture mode is relaxed), fires an armed fault, then runs `body`.
 /// A panic becomes `CUDA_ERROR_UNKNOWN` instead of unwinding into C.
 fn driver_call<T>(
     name: &str,
     body: impl FnOnce(&mut State) -> Result<T, CUresult>,
 ) -> Result<T, CUresult> {
     catch_unwind(AssertUnwindSafe(|| {
+        let relaxed = CAPTURE_MODE.with(Cell::get) == CU_STREAM_CAPTURE_MODE_RELAXED;
         let mut state = lock();
-        state.enter(name)?;
+        state.enter(name, relaxed)?;
         body(&mut state)
     }))
     .unwrap_or(Err(CUDA_ERROR_UNKNOWN))
@@ -1138,15 +1168,44 @@ pub unsafe extern "C" fn cuGetErrorName(error: CUresult, name: *mut *const c_cha
     unsafe { write_out(name, result) }
 }
 
+/// `cuThreadExchangeStreamCaptureMode`: sets the calling thread's mode to
+/// `*mode` and writes the previous one back.
+///
+/// # Safety
+/// `mode` must be null or valid for reading and writing a
+/// `CUstreamCaptureMode`.
+#[no_mangle]
+pub unsafe extern "C" fn cuThreadExchangeStreamCaptureMode(
+    mode: *mut CUstreamCaptureMode,
+) -> CUresult {
+    let result = driver_call("cuThreadExchangeStreamCaptureMode", |s| {
+        non_null(mode)?;
+        s.require_init()?;
+        // SAFETY: checked non-null above; the caller promises it points to
+        // a readable `CUstreamCaptureMode`.
+        let wanted = unsafe { mode.read_unaligned() };
+        if wanted > CU_STREAM_CAPTURE_MODE_RELAXED {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        Ok(CAPTURE_MODE.with(|m| m.replace(wanted)))
+    });
+    // SAFETY: checked non-null above; the caller promises it is writable.
+    unsafe { write_out(mode, result) }
+}
+
 // ---------------------------------------------------------------------------
 // Control functions for tests
 // ---------------------------------------------------------------------------
 
 /// Forgets everything: memory, ranges, events, contexts, counts, faults;
-/// capacity back to 1 GiB, events complete at once, `cuInit` needed again.
+/// capacity back to 1 GiB, events complete at once, `cuInit` needed again,
+/// the calling thread's capture mode global (other threads keep theirs).
 #[no_mangle]
 pub extern "C" fn hbm_double_reset() {
-    control((), |s| *s = State::new());
+    control((), |s| {
+        *s = State::new();
+        CAPTURE_MODE.with(|m| m.set(CU_STREAM_CAPTURE_MODE_GLOBAL));
+    });
 }
 
 /// Sets each device's capacity in bytes.
@@ -1276,6 +1335,48 @@ pub unsafe extern "C" fn hbm_double_call_count(call_name: *const c_char) -> u64 
     control(0, |s| s.calls.get(name.as_ref()).copied().unwrap_or(0))
 }
 
+/// Calls of driver function `call_name` since the last reset that were made
+/// while the calling thread's stream-capture mode was relaxed (0 for null):
+/// the calls a CUDA graph capture would have allowed.
+///
+/// # Safety
+/// `call_name` must be null or a valid nul-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn hbm_double_relaxed_call_count(call_name: *const c_char) -> u64 {
+    if call_name.is_null() {
+        return 0;
+    }
+    // SAFETY: checked non-null above; the caller promises a nul-terminated
+    // string that outlives this call.
+    let name = unsafe { CStr::from_ptr(call_name) }.to_string_lossy();
+    control(0, |s| {
+        s.relaxed_calls.get(name.as_ref()).copied().unwrap_or(0)
+    })
+}
+
+/// The calling thread's stream-capture mode (0 global, 1 thread-local,
+/// 2 relaxed), read without a driver call.
+#[no_mangle]
+pub extern "C" fn hbm_double_capture_mode() -> CUstreamCaptureMode {
+    control(CU_STREAM_CAPTURE_MODE_GLOBAL, |_| {
+        CAPTURE_MODE.with(Cell::get)
+    })
+}
+
+/// Sets the calling thread's stream-capture mode without a driver call (how
+/// a test puts a thread in the mode a capture left it in). Returns
+/// `CUDA_SUCCESS`, or `CUDA_ERROR_INVALID_VALUE` for an unknown mode.
+#[no_mangle]
+pub extern "C" fn hbm_double_set_capture_mode(mode: CUstreamCaptureMode) -> CUresult {
+    if mode > CU_STREAM_CAPTURE_MODE_RELAXED {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    control(CUDA_ERROR_UNKNOWN, |_| {
+        CAPTURE_MODE.with(|m| m.set(mode));
+        CUDA_SUCCESS
+    })
+}
+
 /// Bytes held by segments and physical memory on all devices.
 #[no_mangle]
 pub extern "C" fn hbm_double_live_bytes() -> u64 {
@@ -1321,6 +1422,57 @@ mod tests {
             16
         );
         assert_eq!(std::mem::offset_of!(CUmemAllocationProp, alloc_flags), 24);
+    }
+
+    #[test]
+    fn capture_mode_is_exchanged_per_thread_and_relaxed_calls_are_counted() {
+        // The other unit tests do not touch the driver state, so one reset
+        // here is enough.
+        hbm_double_reset();
+        assert_eq!(cuInit(0), CUDA_SUCCESS);
+        assert_eq!(hbm_double_capture_mode(), CU_STREAM_CAPTURE_MODE_GLOBAL);
+        let mut mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: `mode` is a valid in-out pointer for the call.
+        let status = unsafe { cuThreadExchangeStreamCaptureMode(&mut mode) };
+        assert_eq!(status, CUDA_SUCCESS);
+        assert_eq!(mode, CU_STREAM_CAPTURE_MODE_GLOBAL, "the previous mode");
+        assert_eq!(hbm_double_capture_mode(), CU_STREAM_CAPTURE_MODE_RELAXED);
+        // Another thread has its own mode.
+        let other = std::thread::spawn(|| hbm_double_capture_mode())
+            .join()
+            .unwrap();
+        assert_eq!(other, CU_STREAM_CAPTURE_MODE_GLOBAL);
+        // Made in relaxed mode: counted as such; the exchange that switched
+        // to relaxed was made in global mode.
+        assert_eq!(cuInit(0), CUDA_SUCCESS);
+        let relaxed = |name: &CStr| {
+            // SAFETY: a valid nul-terminated string.
+            unsafe { hbm_double_relaxed_call_count(name.as_ptr()) }
+        };
+        assert_eq!(relaxed(c"cuInit"), 1);
+        assert_eq!(relaxed(c"cuThreadExchangeStreamCaptureMode"), 0);
+
+        let mut bad = 3;
+        // SAFETY: as above.
+        let status = unsafe { cuThreadExchangeStreamCaptureMode(&mut bad) };
+        assert_eq!(status, CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(bad, 3, "unchanged on failure");
+        assert_eq!(hbm_double_capture_mode(), CU_STREAM_CAPTURE_MODE_RELAXED);
+        // SAFETY: null is allowed and refused.
+        let status = unsafe { cuThreadExchangeStreamCaptureMode(std::ptr::null_mut()) };
+        assert_eq!(status, CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(hbm_double_set_capture_mode(3), CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(
+            hbm_double_set_capture_mode(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+            CUDA_SUCCESS
+        );
+        assert_eq!(
+            hbm_double_capture_mode(),
+            CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        );
+        hbm_double_reset();
+        assert_eq!(hbm_double_capture_mode(), CU_STREAM_CAPTURE_MODE_GLOBAL);
+        assert_eq!(relaxed(c"cuInit"), 0);
     }
 
     #[test]

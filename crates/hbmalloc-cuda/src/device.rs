@@ -1,6 +1,13 @@
 //! `CudaDevice`: [`hbmalloc::Device`] over the CUDA driver API.
 //!
 //! No `unsafe` here: every driver call goes through `CudaDriver`'s wrappers.
+//!
+//! Safe during a CUDA graph capture (stream capture) in any thread, for the
+//! calls that make memory: each runs with the calling thread switched to
+//! relaxed capture mode (`RelaxedCapture`), as PyTorch's allocator does
+//! around `cudaMalloc`. Frees, unmaps, releases and synchronizations are not
+//! switched: they must not happen during a capture at all, nor must
+//! `CudaDevice::new` (its map probe frees what it makes).
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
@@ -13,7 +20,10 @@ use hbmalloc::{
 };
 
 use crate::driver::{CuContext, CuError, CuEvent, CudaDriver};
-use crate::ffi::{CUdevice, CUdeviceptr, CUmemGenericAllocationHandle, CUDA_ERROR_NOT_SUPPORTED};
+use crate::ffi::{
+    CUdevice, CUdeviceptr, CUmemGenericAllocationHandle, CUstreamCaptureMode,
+    CUDA_ERROR_NOT_SUPPORTED, CU_STREAM_CAPTURE_MODE_RELAXED,
+};
 use crate::SETUP_CALL_KIND;
 
 /// Events handed out by `record_event` and the pool they return to.
@@ -33,6 +43,13 @@ struct EventTable {
 /// Every call makes the primary context current on the calling thread first
 /// (one `cuCtxGetCurrent`, plus a `cuCtxSetCurrent` only when another
 /// context is current; that other context is restored afterwards).
+///
+/// The calls that make memory (`segment_alloc`, `address_reserve`,
+/// `physical_create`, `map`, `set_access`) also switch the calling thread to
+/// relaxed stream-capture mode around their driver call and restore its mode
+/// afterwards (`cuThreadExchangeStreamCaptureMode`), so a CUDA graph capture
+/// underway in this thread or another one neither refuses them nor is
+/// invalidated by them.
 ///
 /// Dropping it destroys its pooled events and releases the primary context.
 #[derive(Debug)]
@@ -72,6 +89,35 @@ impl Drop for ContextGuard<'_> {
     }
 }
 
+/// Switches the calling thread to relaxed stream-capture mode for one driver
+/// call that makes memory; restores the thread's previous mode on drop (no
+/// call at all when it was relaxed already).
+///
+/// In the default global mode, while this thread captures a CUDA graph or
+/// another thread runs a capture begun in global mode (PyTorch's default),
+/// the driver refuses "potentially unsafe" calls such as `cuMemAlloc` with
+/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and invalidates the capture.
+/// Relaxed mode lets them run: memory made during a capture is fine as long
+/// as it is not freed before the graph is replayed (PyTorch's allocator
+/// wraps `cudaMalloc` the same way). Frees, unmaps, releases and
+/// synchronizations take no guard: they must not happen during a capture.
+struct RelaxedCapture<'a> {
+    driver: &'a CudaDriver,
+    restore: Option<CUstreamCaptureMode>,
+}
+
+impl Drop for RelaxedCapture<'_> {
+    fn drop(&mut self) {
+        if let Some(previous) = self.restore {
+            // Nothing to report to: the call itself already succeeded or
+            // failed. A failed restore leaves this thread relaxed, which
+            // only stops the driver refusing its own unsafe calls during a
+            // capture.
+            let _ = self.driver.thread_exchange_stream_capture_mode(previous);
+        }
+    }
+}
+
 impl CudaDevice {
     /// Opens device `device_ordinal`: `cuInit(0)`, checks the ordinal against
     /// `cuDeviceGetCount`, retains the primary context, queries the name,
@@ -79,6 +125,10 @@ impl CudaDevice {
     ///
     /// Errors carry [`SETUP_CALL_KIND`] and name the failing driver function
     /// in their detail.
+    ///
+    /// Not for use during a CUDA graph capture: the map probe
+    /// (`probe_handle_parts`) makes and frees memory and copies it to the
+    /// host. Open devices before capturing.
     pub fn new(driver: Arc<CudaDriver>, device_ordinal: i32) -> Result<Self, DeviceError> {
         let setup = |e: CuError, context: &str| {
             DeviceError::new(
@@ -318,6 +368,26 @@ impl CudaDevice {
         })
     }
 
+    /// Switches this thread to relaxed stream-capture mode until the guard
+    /// drops (see [`RelaxedCapture`]). A failed switch is an error of `call`
+    /// naming `cuThreadExchangeStreamCaptureMode`; the mode is unchanged.
+    fn relax_capture(&self, call: CallKind) -> DeviceResult<RelaxedCapture<'_>> {
+        let previous = self
+            .driver
+            .thread_exchange_stream_capture_mode(CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(|e| {
+                self.error(
+                    call,
+                    e,
+                    "switching this thread to relaxed stream-capture mode",
+                )
+            })?;
+        Ok(RelaxedCapture {
+            driver: &self.driver,
+            restore: (previous != CU_STREAM_CAPTURE_MODE_RELAXED).then_some(previous),
+        })
+    }
+
     fn require_vmm(&self, call: CallKind) -> DeviceResult<()> {
         match self.granularity {
             Some(_) => Ok(()),
@@ -372,6 +442,7 @@ impl Device for CudaDevice {
         self.count(call);
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
+        let _relaxed = self.relax_capture(call)?;
         self.driver
             .mem_alloc(bytes)
             .map_err(|e| self.error(call, e, &format!("size {size}")))
@@ -396,6 +467,7 @@ impl Device for CudaDevice {
         self.require_vmm(call)?;
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
+        let _relaxed = self.relax_capture(call)?;
         self.driver
             .mem_address_reserve(bytes)
             .map_err(|e| self.error(call, e, &format!("size {size}")))
@@ -418,6 +490,7 @@ impl Device for CudaDevice {
         self.require_vmm(call)?;
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
+        let _relaxed = self.relax_capture(call)?;
         self.driver
             .mem_create(bytes, self.ordinal)
             .map(PhysicalHandle)
@@ -447,6 +520,7 @@ impl Device for CudaDevice {
         let bytes = CudaDevice::size_arg(call, size)?;
         let offset_bytes = CudaDevice::size_arg(call, offset)?;
         let _current = self.make_current(call)?;
+        let _relaxed = self.relax_capture(call)?;
         self.driver
             .mem_map(va, bytes, handle.0, offset_bytes)
             .map_err(|e| {
@@ -475,6 +549,7 @@ impl Device for CudaDevice {
         self.require_vmm(call)?;
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
+        let _relaxed = self.relax_capture(call)?;
         self.driver
             .mem_set_access(va, bytes, &self.access_ordinals)
             .map_err(|e| {

@@ -99,6 +99,8 @@ driver_api! {
     event_synchronize = "cuEventSynchronize" fn(CUevent);
     event_destroy = "cuEventDestroy_v2" fn(CUevent);
     get_error_name = "cuGetErrorName" fn(CUresult, *mut *const c_char);
+    thread_exchange_stream_capture_mode = "cuThreadExchangeStreamCaptureMode"
+        fn(*mut CUstreamCaptureMode);
 }
 
 fn no_driver(detail: String) -> DeviceError {
@@ -522,6 +524,25 @@ impl CudaDriver {
         check("cuMemcpyDtoH_v2", unsafe {
             (self.api.memcpy_dtoh)(out.as_mut_ptr().cast(), ptr, out.len())
         })
+    }
+
+    /// Sets the calling thread's stream-capture interaction mode to `mode`
+    /// and returns the mode it had (`cuThreadExchangeStreamCaptureMode`,
+    /// CUDA 10.1 and later). The mode is per thread: it says which capture
+    /// sequences forbid this thread's "potentially unsafe" calls
+    /// (`cuMemAlloc` among them).
+    pub(crate) fn thread_exchange_stream_capture_mode(
+        &self,
+        mode: CUstreamCaptureMode,
+    ) -> CuResult<CUstreamCaptureMode> {
+        let mut exchanged = mode;
+        // SAFETY: `exchanged` is a valid, initialised in-out pointer for the
+        // call's duration; the driver reads the new mode from it and writes
+        // the old one back.
+        check("cuThreadExchangeStreamCaptureMode", unsafe {
+            (self.api.thread_exchange_stream_capture_mode)(&mut exchanged)
+        })?;
+        Ok(exchanged)
     }
 
     pub(crate) fn event_create(&self) -> CuResult<CuEvent> {

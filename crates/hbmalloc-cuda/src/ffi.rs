@@ -20,6 +20,10 @@ pub type CUevent = *mut c_void;
 /// `CUstream`: an opaque pointer.
 pub type CUstream = *mut c_void;
 
+/// `CUstreamCaptureMode`: how a thread's "potentially unsafe" driver calls
+/// interact with stream captures (a C enum).
+pub type CUstreamCaptureMode = c_uint;
+
 /// `CUmemLocation`.
 #[repr(C)]
 #[derive(Copy, Clone, Debug, Default)]
@@ -93,6 +97,15 @@ pub const CU_MEM_ALLOC_GRANULARITY_RECOMMENDED: c_uint = 0x1;
 /// `CU_EVENT_DISABLE_TIMING`: cheaper events, enough for ordering.
 pub const CU_EVENT_DISABLE_TIMING: c_uint = 0x2;
 
+/// `CU_STREAM_CAPTURE_MODE_RELAXED`: the thread's potentially unsafe calls
+/// are never refused for a capture (what PyTorch's allocator switches to
+/// around `cudaMalloc`). The others are `CU_STREAM_CAPTURE_MODE_GLOBAL` (0,
+/// every thread's default: refused while this thread runs a capture, or
+/// another thread runs one begun in global mode) and
+/// `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL` (1: refused only while this thread
+/// runs one). Captures begun in relaxed mode refuse nothing.
+pub const CU_STREAM_CAPTURE_MODE_RELAXED: CUstreamCaptureMode = 2;
+
 /// Names of the status codes most likely to reach us, used when
 /// `cuGetErrorName` itself fails.
 pub const KNOWN_ERROR_NAMES: &[(CUresult, &str)] = &[
@@ -113,6 +126,8 @@ pub const KNOWN_ERROR_NAMES: &[(CUresult, &str)] = &[
     (600, "CUDA_ERROR_NOT_READY"),
     (700, "CUDA_ERROR_ILLEGAL_ADDRESS"),
     (801, "CUDA_ERROR_NOT_SUPPORTED"),
+    (900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"),
+    (901, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"),
     (999, "CUDA_ERROR_UNKNOWN"),
 ];
 

@@ -18,6 +18,33 @@ const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
 const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
 /// Injected where a test needs an error no natural path produces.
 const CUDA_ERROR_ILLEGAL_ADDRESS: i32 = 700;
+/// `CUstreamCaptureMode` values.
+const CAPTURE_MODE_GLOBAL: u32 = 0;
+const CAPTURE_MODE_THREAD_LOCAL: u32 = 1;
+const CAPTURE_MODE_RELAXED: u32 = 2;
+const EXCHANGE_CAPTURE_MODE: &str = "cuThreadExchangeStreamCaptureMode";
+/// The driver calls that make memory: `CudaDevice` runs each in relaxed
+/// stream-capture mode, so a CUDA graph capture allows them.
+const MEMORY_MAKING_SYMBOLS: [&str; 5] = [
+    "cuMemAlloc_v2",
+    "cuMemAddressReserve",
+    "cuMemCreate",
+    "cuMemMap",
+    "cuMemSetAccess",
+];
+/// Calls that must not happen during a capture at all: never switched.
+const OTHER_RUNTIME_SYMBOLS: [&str; 10] = [
+    "cuMemFree_v2",
+    "cuMemUnmap",
+    "cuMemRelease",
+    "cuMemAddressFree",
+    "cuMemGetInfo_v2",
+    "cuCtxSynchronize",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventSynchronize",
+];
 
 fn driver() -> Arc<CudaDriver> {
     CudaDriver::load_from(double_path()).expect("the double loads as a driver")
@@ -293,6 +320,14 @@ fn runtime_cases() -> Vec<RuntimeCase> {
     vec![
         RuntimeCase {
             symbol: "cuMemAlloc_v2",
+            call: CallKind::SegmentAlloc,
+            run: |dev, arm| {
+                arm();
+                dev.segment_alloc(MIB).map(drop)
+            },
+        },
+        RuntimeCase {
+            symbol: EXCHANGE_CAPTURE_MODE,
             call: CallKind::SegmentAlloc,
             run: |dev, arm| {
                 arm();
@@ -670,4 +705,198 @@ fn a_driver_that_ignores_the_map_offset_is_caught_by_its_data() {
         assert_eq!(double.live_bytes(), 0, "{symbol} failed");
     }
     assert!(open(0).maps_handle_parts());
+}
+
+/// (calls, calls made in relaxed capture mode) of each symbol so far.
+fn call_counts(double: &support::Double, symbols: &[&str]) -> Vec<(u64, u64)> {
+    symbols
+        .iter()
+        .map(|s| (double.call_count(s), double.relaxed_call_count(s)))
+        .collect()
+}
+
+/// Every `Device` call that reaches the driver, once, checking after each
+/// that the calling thread's capture mode is `mode` again.
+fn every_device_call(dev: &CudaDevice, double: &support::Double, mode: u32) {
+    let check = |what: &str| assert_eq!(double.capture_mode(), mode, "after {what}");
+    let ptr = dev.segment_alloc(MIB).unwrap();
+    check("segment_alloc");
+    dev.segment_free(ptr, MIB).unwrap();
+    check("segment_free");
+    let base = dev.address_reserve(2 * GRANULE).unwrap();
+    check("address_reserve");
+    let handle = dev.physical_create(GRANULE).unwrap();
+    check("physical_create");
+    dev.map(base, GRANULE, handle, 0).unwrap();
+    check("map");
+    dev.set_access(base, GRANULE).unwrap();
+    check("set_access");
+    dev.unmap(base, GRANULE).unwrap();
+    check("unmap");
+    dev.physical_release(handle).unwrap();
+    check("physical_release");
+    dev.address_free(base, 2 * GRANULE).unwrap();
+    check("address_free");
+    let event = dev.record_event(StreamId(0)).unwrap();
+    check("record_event");
+    assert_eq!(dev.query_event(event), Ok(true));
+    let event = dev.record_event(StreamId(0)).unwrap();
+    dev.synchronize_event(event).unwrap();
+    dev.synchronize_device().unwrap();
+    dev.memory_info().unwrap();
+    check("the event, synchronize and memory-info calls");
+}
+
+/// During a CUDA graph capture in global mode (PyTorch's default), the
+/// driver refuses `cuMemAlloc` and its kind and invalidates the capture
+/// unless the calling thread is in relaxed mode. `CudaDevice` switches to
+/// relaxed for exactly the calls that make memory, and gives the thread its
+/// own mode back, whatever it was.
+#[test]
+fn calls_that_make_memory_run_in_relaxed_capture_mode_and_restore_the_mode() {
+    for mode in [
+        CAPTURE_MODE_GLOBAL,
+        CAPTURE_MODE_THREAD_LOCAL,
+        CAPTURE_MODE_RELAXED,
+    ] {
+        let (_serial, double) = exclusive();
+        let dev = open(0);
+        double.set_capture_mode(mode);
+        let making = call_counts(double, &MEMORY_MAKING_SYMBOLS);
+        let other = call_counts(double, &OTHER_RUNTIME_SYMBOLS);
+        let exchanges = double.call_count(EXCHANGE_CAPTURE_MODE);
+
+        every_device_call(&dev, double, mode);
+
+        for (symbol, (before, after)) in MEMORY_MAKING_SYMBOLS.iter().zip(
+            making
+                .iter()
+                .zip(call_counts(double, &MEMORY_MAKING_SYMBOLS)),
+        ) {
+            let calls = after.0 - before.0;
+            assert_eq!(calls, 1, "mode {mode}: {symbol} calls");
+            assert_eq!(
+                after.1 - before.1,
+                calls,
+                "mode {mode}: {symbol} ran in relaxed mode"
+            );
+        }
+        for (symbol, (before, after)) in OTHER_RUNTIME_SYMBOLS.iter().zip(
+            other
+                .iter()
+                .zip(call_counts(double, &OTHER_RUNTIME_SYMBOLS)),
+        ) {
+            assert!(after.0 > before.0, "mode {mode}: {symbol} was called");
+            // Not switched: they run in the thread's own mode.
+            let relaxed = if mode == CAPTURE_MODE_RELAXED {
+                after.0 - before.0
+            } else {
+                0
+            };
+            assert_eq!(after.1 - before.1, relaxed, "mode {mode}: {symbol}");
+        }
+        // One exchange to relaxed per call that makes memory, and one back
+        // unless the thread was relaxed already.
+        let per_call = if mode == CAPTURE_MODE_RELAXED { 1 } else { 2 };
+        assert_eq!(
+            double.call_count(EXCHANGE_CAPTURE_MODE) - exchanges,
+            per_call * MEMORY_MAKING_SYMBOLS.len() as u64,
+            "mode {mode}"
+        );
+        assert_eq!(double.capture_mode(), mode);
+    }
+}
+
+/// The capture mode is per thread, in the driver and here: threads sharing
+/// one device, each in its own mode, each get theirs back.
+#[test]
+fn each_thread_gets_its_own_capture_mode_back() {
+    let (_serial, double) = exclusive();
+    let dev = open(0);
+    // The probe when the device opened is no `Device` call: not switched.
+    let before = call_counts(double, &MEMORY_MAKING_SYMBOLS);
+    std::thread::scope(|s| {
+        for mode in [
+            CAPTURE_MODE_GLOBAL,
+            CAPTURE_MODE_THREAD_LOCAL,
+            CAPTURE_MODE_RELAXED,
+            CAPTURE_MODE_THREAD_LOCAL,
+        ] {
+            let dev = &dev;
+            s.spawn(move || {
+                double.set_capture_mode(mode);
+                for _ in 0..20 {
+                    every_device_call(dev, double, mode);
+                }
+            });
+        }
+    });
+    assert_eq!(double.capture_mode(), CAPTURE_MODE_GLOBAL);
+    let after = call_counts(double, &MEMORY_MAKING_SYMBOLS);
+    for (symbol, (before, after)) in MEMORY_MAKING_SYMBOLS.iter().zip(before.iter().zip(after)) {
+        assert_eq!(after.0 - before.0, 80, "{symbol}: 4 threads, 20 rounds");
+        assert_eq!(after.1 - before.1, 80, "{symbol} ran in relaxed mode");
+    }
+    assert_eq!(double.live_bytes(), 0);
+}
+
+/// When the switch to relaxed mode fails, the call fails with an error
+/// naming `cuThreadExchangeStreamCaptureMode`, makes nothing, and leaves
+/// the thread's mode alone; the device works on afterwards.
+#[test]
+fn a_failed_capture_mode_switch_is_a_clear_error_and_makes_nothing() {
+    let cases = runtime_cases();
+    for symbol in MEMORY_MAKING_SYMBOLS {
+        let case = cases
+            .iter()
+            .find(|c| c.symbol == symbol)
+            .expect("every call that makes memory has a runtime case");
+        let (_serial, double) = exclusive();
+        let dev = open(0);
+        double.set_capture_mode(CAPTURE_MODE_THREAD_LOCAL);
+        let made = double.call_count(symbol);
+        let arm = || double.fail_nth(EXCHANGE_CAPTURE_MODE, 1, CUDA_ERROR_ILLEGAL_ADDRESS);
+        let live = std::cell::Cell::new(0);
+        let arm_and_note = || {
+            live.set(double.live_bytes());
+            arm();
+        };
+        let err = (case.run)(&dev, &arm_and_note).expect_err(symbol);
+        assert_eq!(err.call, case.call, "{symbol}: {err}");
+        assert_eq!(
+            err.kind,
+            driver_error("CUDA_ERROR_ILLEGAL_ADDRESS"),
+            "{symbol}"
+        );
+        assert!(
+            err.detail.contains(EXCHANGE_CAPTURE_MODE)
+                && err.detail.contains("relaxed stream-capture mode"),
+            "{symbol}: {}",
+            err.detail
+        );
+        assert_eq!(double.call_count(symbol), made, "{symbol} was not called");
+        assert_eq!(double.live_bytes(), live.get(), "{symbol} made nothing");
+        assert_eq!(double.capture_mode(), CAPTURE_MODE_THREAD_LOCAL, "{symbol}");
+        // The device still works, and still switches.
+        dev.physical_create(GRANULE).unwrap();
+        assert_eq!(double.capture_mode(), CAPTURE_MODE_THREAD_LOCAL, "{symbol}");
+    }
+}
+
+/// A failed switch back cannot undo a call that succeeded: the memory is
+/// the caller's, and the thread stays relaxed (the driver then refuses none
+/// of its calls during a capture), as the next successful switch shows.
+#[test]
+fn a_failed_switch_back_keeps_the_memory_and_leaves_the_thread_relaxed() {
+    let (_serial, double) = exclusive();
+    let dev = open(0);
+    double.fail_nth(EXCHANGE_CAPTURE_MODE, 2, CUDA_ERROR_ILLEGAL_ADDRESS);
+    let ptr = dev.segment_alloc(MIB).unwrap();
+    assert_eq!(double.live_bytes(), MIB);
+    assert_eq!(double.capture_mode(), CAPTURE_MODE_RELAXED);
+    dev.segment_free(ptr, MIB).unwrap();
+    double.set_capture_mode(CAPTURE_MODE_GLOBAL);
+    dev.segment_free(dev.segment_alloc(MIB).unwrap(), MIB)
+        .unwrap();
+    assert_eq!(double.capture_mode(), CAPTURE_MODE_GLOBAL);
 }

@@ -84,6 +84,9 @@ pub struct Double {
     read: unsafe extern "C" fn(*mut u8, u64, u64, i32) -> i32,
     complete_all_events: extern "C" fn(),
     call_count: unsafe extern "C" fn(*const c_char) -> u64,
+    relaxed_call_count: unsafe extern "C" fn(*const c_char) -> u64,
+    capture_mode: extern "C" fn() -> u32,
+    set_capture_mode: extern "C" fn(u32) -> i32,
     live_bytes: extern "C" fn() -> u64,
     live_events: extern "C" fn() -> u64,
     primary_context_retains: extern "C" fn(i32) -> u64,
@@ -118,6 +121,9 @@ impl Double {
             read: symbol!(library, "hbm_double_read"),
             complete_all_events: symbol!(library, "hbm_double_complete_all_events"),
             call_count: symbol!(library, "hbm_double_call_count"),
+            relaxed_call_count: symbol!(library, "hbm_double_relaxed_call_count"),
+            capture_mode: symbol!(library, "hbm_double_capture_mode"),
+            set_capture_mode: symbol!(library, "hbm_double_set_capture_mode"),
             live_bytes: symbol!(library, "hbm_double_live_bytes"),
             live_events: symbol!(library, "hbm_double_live_events"),
             primary_context_retains: symbol!(library, "hbm_double_primary_context_retains"),
@@ -187,6 +193,29 @@ impl Double {
         let name = CString::new(symbol).expect("no nul in a symbol name");
         // SAFETY: `name` is a valid nul-terminated string for the call.
         unsafe { (self.call_count)(name.as_ptr()) }
+    }
+
+    /// Calls of `symbol` since the last reset made while the calling
+    /// thread's stream-capture mode was relaxed.
+    pub fn relaxed_call_count(&self, symbol: &str) -> u64 {
+        let name = CString::new(symbol).expect("no nul in a symbol name");
+        // SAFETY: `name` is a valid nul-terminated string for the call.
+        unsafe { (self.relaxed_call_count)(name.as_ptr()) }
+    }
+
+    /// The calling thread's stream-capture mode (0 global, 1 thread-local,
+    /// 2 relaxed).
+    pub fn capture_mode(&self) -> u32 {
+        (self.capture_mode)()
+    }
+
+    /// Puts the calling thread in stream-capture mode `mode`.
+    pub fn set_capture_mode(&self, mode: u32) {
+        assert_eq!(
+            (self.set_capture_mode)(mode),
+            0,
+            "setting capture mode {mode}"
+        );
     }
 
     /// Bytes of segments and physical memory held on all devices.
