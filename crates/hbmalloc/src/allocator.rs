@@ -201,16 +201,6 @@ impl<D: Device> Allocator<D> {
         })
     }
 
-    /// The device as the policies may use it now: while a capture is
-    /// underway, calls that wait or give memory back are refused.
-    fn policy_device(device: &D, capture_underway: bool) -> CaptureSafeOr<'_> {
-        if capture_underway {
-            CaptureSafeOr::Capturing(CaptureSafeDevice(device))
-        } else {
-            CaptureSafeOr::Plain(device)
-        }
-    }
-
     /// Tells the allocator that a CUDA graph capture began on the device
     /// (`true`) or that the last one ended (`false`); see [`crate::capture`]
     /// for what changes meanwhile. At the end, the events of blocks freed
@@ -239,18 +229,38 @@ impl<D: Device> Allocator<D> {
         if size == 0 || size > MAX_REQUEST_BYTES {
             return Err(AllocError::InvalidSize { size });
         }
-        let device = Self::policy_device(&self.device, self.capture_underway);
-        let dev = device.as_dyn();
+        if self.capture_underway {
+            return self.malloc_during_capture(size, stream);
+        }
+        let dev: &dyn Device = &self.device;
         dispatch!(mut self, p => p.malloc(dev, size, stream))
+    }
+
+    #[cold]
+    fn malloc_during_capture(
+        &mut self,
+        size: u64,
+        stream: StreamId,
+    ) -> Result<DevicePtr, AllocError> {
+        let dev = CaptureSafeDevice(&self.device);
+        dispatch!(mut self, p => p.malloc(&dev, size, stream))
     }
 
     /// Frees `ptr`. Its memory is reused once every stream recorded with
     /// [`Allocator::record_stream`] has finished with it.
     #[inline]
     pub fn free(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
-        let device = Self::policy_device(&self.device, self.capture_underway);
-        let dev = device.as_dyn();
+        if self.capture_underway {
+            return self.free_during_capture(ptr);
+        }
+        let dev: &dyn Device = &self.device;
         dispatch!(mut self, p => p.free(dev, ptr))
+    }
+
+    #[cold]
+    fn free_during_capture(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
+        let dev = CaptureSafeDevice(&self.device);
+        dispatch!(mut self, p => p.free(&dev, ptr))
     }
 
     /// Declares that `ptr` is used on `stream` as well as its own.
@@ -346,21 +356,5 @@ impl<D: Device> Allocator<D> {
     /// Checks the invariants of DESIGN.md; the error says which one broke.
     pub fn check_invariants(&self) -> Result<(), String> {
         dispatch!(self, p => p.check_invariants())
-    }
-}
-
-/// [`Allocator::policy_device`]'s answer: the device itself, or the device
-/// seen through a capture.
-enum CaptureSafeOr<'a> {
-    Plain(&'a dyn Device),
-    Capturing(CaptureSafeDevice<'a>),
-}
-
-impl CaptureSafeOr<'_> {
-    fn as_dyn(&self) -> &dyn Device {
-        match self {
-            CaptureSafeOr::Plain(device) => *device,
-            CaptureSafeOr::Capturing(device) => device,
-        }
     }
 }

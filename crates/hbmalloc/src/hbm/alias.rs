@@ -449,21 +449,12 @@ impl HbmPolicy {
     /// chunk, so physically contiguous) and whole idle groups. On a device
     /// that maps whole handles only, whole handles only: a run that is a
     /// whole chunk of a whole handle, a group that is a whole handle.
-    /// During a CUDA graph capture, only memory last used on the span's own
-    /// stream: using another's would mean waiting for that stream.
     fn idle_donors(&self, granule: u64, bytes: u64, span: GranuleSpan) -> Vec<Donor> {
         let mut donors = Vec::new();
         let mut found = 0u64;
-        let stream = self.region(span.0).stream;
-        let usable = |region_index: u32| {
-            !self.capture_underway || self.region(region_index).stream == stream
-        };
         for (region_index, first, end) in self.free_granules(granule) {
             if found >= bytes {
                 break;
-            }
-            if !usable(region_index) {
-                continue;
             }
             let region = self.region(region_index);
             // Lent memory is in use elsewhere: skipped a word at a time.
@@ -472,10 +463,7 @@ impl HbmPolicy {
                 if region.aliased.get(i) {
                     let (start, id) = self.view_at(region_index, i);
                     let group = self.group(id);
-                    if start >= first
-                        && start + group.count <= end
-                        && self.group_idle(group, span)
-                        && usable(group.user.0)
+                    if start >= first && start + group.count <= end && self.group_idle(group, span)
                     {
                         donors.push(Donor::Group(id));
                         found += group.count * granule;
@@ -513,6 +501,21 @@ impl HbmPolicy {
         donors
     }
 
+    /// During a CUDA graph capture, only memory last used on the span's own
+    /// stream may be stitched in: another stream's would mean waiting for it
+    /// (see [`crate::capture`]).
+    #[cold]
+    fn keep_same_stream_donors(&self, donors: &mut Vec<Donor>, span: GranuleSpan) {
+        let stream = self.region(span.0).stream;
+        donors.retain(|donor| {
+            let region = match *donor {
+                Donor::Granules { view, .. } => view.0,
+                Donor::Group(id) => self.group(id).user.0,
+            };
+            self.region(region).stream == stream
+        });
+    }
+
     /// Maps memory lying idle under free ranges elsewhere into
     /// `[cursor, end)` of the span's region as well (see [`AliasGroup`]);
     /// returns the first granule still unmapped. With `plenty` above 1,
@@ -527,7 +530,10 @@ impl HbmPolicy {
     ) -> Result<u64, AllocError> {
         let region_index = span.0;
         let wanted = (end - cursor) * plenty;
-        let donors = self.idle_donors(granule, wanted * granule, span);
+        let mut donors = self.idle_donors(granule, wanted * granule, span);
+        if self.capture_underway {
+            self.keep_same_stream_donors(&mut donors, span);
+        }
         if plenty > 1 {
             let idle: u64 = donors
                 .iter()
