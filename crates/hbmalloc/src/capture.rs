@@ -18,12 +18,18 @@
 //! - still create and map new memory (the CUDA backend makes those calls in
 //!   relaxed capture mode, as PyTorch does for `cudaMalloc`).
 //!
-//! [`CaptureSafeDevice`] makes the rule hold on every path, including ones
-//! no policy expects to take then (policy `hbm` stitching memory last used on
-//! another stream): it answers those calls with
-//! [`DeviceErrorKind::CaptureUnderway`] instead of passing them to the
-//! driver, so the worst case is a clear error for one request, never a
-//! broken capture.
+//! - policy `hbm` stitches in, and places blocks on, only memory last used
+//!   on the request's own stream (another's would mean waiting for that
+//!   stream), and steals nothing; a chunk whose `set_access` fails stays
+//!   mapped (no unmap) and gets access again before the next request is
+//!   served.
+//!
+//! [`CaptureSafeDevice`] makes the rule hold on every path: it answers those
+//! calls with [`DeviceErrorKind::CaptureUnderway`] instead of passing them to
+//! the driver, so a path missed here would be a clear error for one request,
+//! never a broken capture. The simulation tests (`simtest.rs`) begin and end
+//! captures at random, with driver faults injected, and fail on any such
+//! refusal and on any such call reaching the device.
 
 use crate::device::{
     CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,

@@ -861,6 +861,10 @@ pub(crate) struct HbmPolicy {
     stray_events: Vec<EventId>,
     /// A CUDA graph capture is underway on the device (see [`crate::capture`]).
     capture_underway: bool,
+    /// Stretches mapped whose `set_access` failed and whose unmap did not
+    /// happen (region, its base, first granule, end granule): access is
+    /// granted again before the next request is served.
+    without_access: Vec<(u32, DevicePtr, u64, u64)>,
     /// Blocks freed with uses on other streams during a capture, whose
     /// events are recorded when it ends.
     deferred_event_blocks: Vec<DevicePtr>,
@@ -926,6 +930,7 @@ impl HbmPolicy {
             stray_events: Vec::new(),
             capture_underway: false,
             deferred_event_blocks: Vec::new(),
+            without_access: Vec::new(),
             held_bytes: 0,
             peak_held_bytes: 0,
             peak_demand_bytes: 0,
@@ -1008,6 +1013,9 @@ impl HbmPolicy {
         requested: u64,
         stream: StreamId,
     ) -> Result<DevicePtr, AllocError> {
+        if !self.without_access.is_empty() {
+            self.grant_missing_access(dev)?;
+        }
         self.process_events(dev)?;
         let demand = self.stats.active_bytes[0].current as u64 + size;
         self.growing = demand > self.peak_demand_bytes;
@@ -1580,13 +1588,20 @@ impl HbmPolicy {
         self.stats.num_ooms += 1;
         let allocated = self.stats.allocated_bytes[0].current as u64;
         // With remapping, every wholly free mapped granule is usable by any
-        // request: that is the largest piece the allocator could offer.
+        // request: that is the largest piece the allocator could offer. Idle
+        // memory stitched in at several views is mapped (and listed) once per
+        // view; the cache cannot offer more than it holds (this shows during
+        // a capture, when the retry unmaps nothing).
+        let cached_free = self
+            .held_bytes
+            .saturating_sub(self.stats.allocated_bytes[0].current as u64);
         let largest_free = match self.granule {
             Some(g) => self
                 .free_spans(g, u64::MAX, false)
                 .iter()
                 .map(|v| v.3 * g)
-                .sum(),
+                .sum::<u64>()
+                .min(cached_free),
             None => self
                 .free_by_size
                 .iter()

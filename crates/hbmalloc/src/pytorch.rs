@@ -1039,8 +1039,17 @@ impl PytorchPolicy {
         small: bool,
     ) -> Result<Option<(DevicePtr, u64)>, AllocError> {
         // A page a failed undo could not unmap still occupies its address.
+        // During a capture it stays there (nothing may be unmapped): a range
+        // over it cannot be mapped until the capture ends.
         if self.stray_pages.iter().any(|p| p.mapped_at.is_some()) {
-            self.release_strays(dev)?;
+            if !self.capture_underway {
+                self.release_strays(dev)?;
+            } else if self.stray_pages.iter().any(|p| {
+                p.mapped_at
+                    .is_some_and(|at| at < ptr + size && ptr < at + p.size)
+            }) {
+                return Ok(None);
+            }
         }
         let seg = self.expandable_segments[index as usize]
             .as_mut()

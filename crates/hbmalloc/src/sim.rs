@@ -421,6 +421,23 @@ impl SimDevice {
         (va < start + m.size).then(|| (m.handle, m.offset + (va - start)))
     }
 
+    /// Whether no byte of `[ptr, ptr + len)` lies in a mapping that was
+    /// never given access ([`Device::set_access`]): such memory faults when a
+    /// kernel touches it. Segments and unmapped bytes count as accessible.
+    pub fn accessible(&self, ptr: DevicePtr, len: u64) -> bool {
+        let state = self.lock();
+        let first = state
+            .mappings
+            .range(..=ptr)
+            .next_back()
+            .filter(|(&start, m)| ptr < start + m.size)
+            .map_or(ptr, |(&start, _)| start);
+        state
+            .mappings
+            .range(first..ptr.saturating_add(len))
+            .all(|(_, m)| m.accessible)
+    }
+
     /// The physical memory mapped under `[ptr, ptr + len)`: (handle, first
     /// byte, end byte) for each mapping the range crosses. Unmapped parts
     /// are left out.

@@ -4,7 +4,8 @@
 //! eight streams, kernels queued on the allocation stream and, after
 //! `record_stream`, on others, frees while those kernels are still queued,
 //! events completing in random order, `empty_cache`, memory fractions,
-//! capacity pressure and injected driver faults at every kind of call — and
+//! CUDA graph captures (see [`crate::capture`]), capacity pressure and
+//! injected driver faults at every kind of call — and
 //! checks after every step that the allocator's books agree with the
 //! device's and with the program's own view.
 //!
@@ -14,6 +15,7 @@
 //!
 //! What is checked after every step (see [`run_seed`]):
 //! - [`Allocator::check_invariants`] and [`SimDevice::check_invariants`];
+//! - memory handed out is mapped with access (`set_access`);
 //! - no two live allocations overlap, and the snapshot's allocated blocks are
 //!   exactly the program's live allocations (address and requested size);
 //! - `reserved_bytes` equals [`SimDevice::used_bytes`]; `allocated_bytes`
@@ -24,6 +26,10 @@
 //!   on a *different* stream than the new allocation's, and the device saw
 //!   no unmap (or non-synchronizing segment free) of memory a queued kernel
 //!   touches ([`SimDevice::take_violations`]);
+//! - while a capture is underway, no call that waits or gives memory back
+//!   reaches the device (event record, query or synchronization, device
+//!   synchronization, segment free, unmap, release, address free), and
+//!   `empty_cache` is refused;
 //! - every error is accounted for: a driver error must come from an injected
 //!   fault; an out-of-memory error carries the requested size and numbers
 //!   that agree with the statistics; an allocator with nothing live and no
@@ -201,6 +207,8 @@ pub struct SeedReport {
     pub device_errors: u64,
     /// Kernels queued.
     pub uses: u64,
+    /// CUDA graph captures begun.
+    pub captures: u64,
 }
 
 impl SeedReport {
@@ -212,6 +220,7 @@ impl SeedReport {
         self.faults_armed += other.faults_armed;
         self.device_errors += other.device_errors;
         self.uses += other.uses;
+        self.captures += other.captures;
     }
 }
 
@@ -273,6 +282,8 @@ struct Run<D: SimBacked> {
     fault_clear_at: usize,
     report: SeedReport,
     recent: Vec<String>,
+    /// A CUDA graph capture is underway.
+    capturing: bool,
 }
 
 /// Runs one seed on a fresh [`SimDevice`] under `settings`.
@@ -367,6 +378,7 @@ fn run_with<D: SimBacked>(
         fault_clear_at: 0,
         report: SeedReport::default(),
         recent: Vec::new(),
+        capturing: false,
     };
     let mut steps = opts.steps;
     for step in 0..opts.steps {
@@ -376,7 +388,18 @@ fn run_with<D: SimBacked>(
                 break;
             }
         }
+        let capturing_before = run.capturing;
+        let forbidden_before = forbidden_during_capture(run.sim());
         let result = run.step(step).and_then(|()| run.check());
+        let result = result.and_then(|()| {
+            let forbidden = forbidden_during_capture(run.sim()) - forbidden_before;
+            if capturing_before && run.capturing && forbidden > 0 {
+                return Err(format!(
+                    "{forbidden} calls that wait or give memory back reached the device during a capture"
+                ));
+            }
+            Ok(())
+        });
         run.report.ops += 1;
         if let Err(message) = result {
             return Err(fail(step, message, run.recent));
@@ -429,7 +452,9 @@ impl<D: SimBacked> Run<D> {
         }
     }
 
-    /// A driver error is fine only when it is an injected one.
+    /// A driver error is fine only when it is an injected one. (A call
+    /// refused during a capture, [`DeviceErrorKind::CaptureUnderway`], is a
+    /// path that would have waited or given memory back: a failure.)
     fn device_error_ok(&mut self, e: &AllocError, what: &str) -> Result<(), String> {
         match e {
             AllocError::Device(d) if d.detail.starts_with("injected fault") => {
@@ -448,7 +473,8 @@ impl<D: SimBacked> Run<D> {
         }
         let roll = self.rng.below(1000);
         match roll {
-            0..=299 => self.op_malloc(),
+            0..=289 => self.op_malloc(),
+            290..=299 => self.op_capture(),
             300..=449 => self.op_launch(),
             450..=549 => self.op_record_stream(),
             550..=769 => self.op_free(),
@@ -456,6 +482,8 @@ impl<D: SimBacked> Run<D> {
             910..=934 => {
                 self.log("empty_cache".into());
                 match self.alloc.empty_cache() {
+                    Err(AllocError::CaptureUnderway { .. }) if self.capturing => Ok(()),
+                    Ok(()) if self.capturing => Err("empty_cache ran during a capture".into()),
                     Ok(()) => Ok(()),
                     Err(e) => self.device_error_ok(&e, "empty_cache"),
                 }
@@ -473,6 +501,24 @@ impl<D: SimBacked> Run<D> {
                 }
                 Ok(())
             }
+        }
+    }
+
+    /// Begins a CUDA graph capture, or ends the one underway.
+    fn op_capture(&mut self) -> Result<(), String> {
+        self.capturing = !self.capturing;
+        if self.capturing {
+            self.log("begin capture".into());
+            self.report.captures += 1;
+            return self
+                .alloc
+                .set_capture_underway(true)
+                .map_err(|e| format!("begin capture: {e}"));
+        }
+        self.log("end capture".into());
+        match self.alloc.set_capture_underway(false) {
+            Ok(()) => Ok(()),
+            Err(e) => self.device_error_ok(&e, "end capture"),
         }
     }
 
@@ -547,6 +593,11 @@ impl<D: SimBacked> Run<D> {
                         }
                     }
                 }
+                if !self.sim().accessible(ptr, size) {
+                    return Err(format!(
+                        "malloc({size}) returned {ptr:#x}, mapped without access (set_access)"
+                    ));
+                }
                 let foreign: Vec<_> = self
                     .sim()
                     .pending_uses_overlapping(ptr, size)
@@ -601,7 +652,12 @@ impl<D: SimBacked> Run<D> {
                     return Err(format!("OOM report inconsistent: {report:?}"));
                 }
                 let limit = report.limit_bytes.unwrap_or(u64::MAX).min(self.capacity);
-                if self.live.is_empty() && !self.faults_armed && size + 22 * MIB <= limit {
+                // During a capture no cached memory is given back.
+                if self.live.is_empty()
+                    && !self.faults_armed
+                    && !self.capturing
+                    && size + 22 * MIB <= limit
+                {
                     return Err(format!(
                         "spurious OOM: nothing live, {size} bytes asked of {limit}: {}",
                         report.render()
@@ -774,6 +830,13 @@ impl<D: SimBacked> Run<D> {
     fn finish(&mut self) -> Result<(), String> {
         self.sim().clear_faults();
         self.faults_armed = false;
+        if self.capturing {
+            self.capturing = false;
+            self.log("end capture".into());
+            self.alloc
+                .set_capture_underway(false)
+                .map_err(|e| format!("final end of the capture: {e}"))?;
+        }
         self.log("finish: free all, complete_all, empty_cache".into());
         let ptrs: Vec<DevicePtr> = self.live.keys().copied().collect();
         for ptr in ptrs {
@@ -838,6 +901,24 @@ pub fn run_seeds(
         total.add(&run_seed(settings, seed, opts)?);
     }
     Ok(total)
+}
+
+/// The calls a capture forbids that `SimDevice` has counted so far.
+fn forbidden_during_capture(sim: &SimDevice) -> u64 {
+    let counts = sim.call_counts();
+    [
+        CallKind::SegmentFree,
+        CallKind::AddressFree,
+        CallKind::PhysicalRelease,
+        CallKind::Unmap,
+        CallKind::EventRecord,
+        CallKind::EventQuery,
+        CallKind::EventSynchronize,
+        CallKind::DeviceSynchronize,
+    ]
+    .iter()
+    .map(|&kind| counts.get(kind))
+    .sum()
 }
 
 #[cfg(test)]

@@ -64,8 +64,18 @@ fn run_on<D: SimBacked>(
         }
     }
     println!(
-        "{settings}: {count} seeds, {} operations checked ({} mallocs, {} OOMs, {} faults armed, {} injected errors, {} kernels)",
-        total.ops, total.mallocs, total.ooms, total.faults_armed, total.device_errors, total.uses
+        "{settings}: {count} seeds, {} operations checked ({} mallocs, {} OOMs, {} faults armed, {} injected errors, {} kernels, {} captures)",
+        total.ops,
+        total.mallocs,
+        total.ooms,
+        total.faults_armed,
+        total.device_errors,
+        total.uses,
+        total.captures
+    );
+    assert!(
+        count < 100 || total.captures > 0,
+        "{settings}: no seed began a capture"
     );
     total
 }

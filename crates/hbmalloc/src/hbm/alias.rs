@@ -112,7 +112,9 @@ impl HbmPolicy {
         // settles most blocked candidates alone.
         region.lent.any(first, end)
             || (region.aliased.any(first, end)
-                && self.twice_end(region_index, first, end).is_some())
+                && (self.twice_end(region_index, first, end).is_some()
+                    || (self.capture_underway
+                        && self.other_stream_end(region_index, first, end).is_some())))
     }
 
     /// `None` when a block at `[ptr, ptr + size)` of region `region_index`
@@ -130,9 +132,29 @@ impl HbmPolicy {
         let granule = self.granule.unwrap_or(1);
         let region = self.region(region_index);
         let lent_end = region.lent.last_set(first, end).map(|index| index + 1);
+        let other_stream_end = if self.capture_underway {
+            self.other_stream_end(region_index, first, end)
+        } else {
+            None
+        };
         lent_end
             .max(self.twice_end(region_index, first, end))
+            .max(other_stream_end)
             .map(|index| region.base + index * granule)
+    }
+
+    /// During a CUDA graph capture, groups last used on another stream are
+    /// in the way too: taking them would mean waiting for that stream
+    /// ([`HbmPolicy::claim`]), which a capture forbids (see
+    /// [`crate::capture`]). The end of the last such view under granules
+    /// `[first, end)`, if any.
+    #[cold]
+    fn other_stream_end(&self, region_index: u32, first: u64, end: u64) -> Option<u64> {
+        let stream = self.region(region_index).stream;
+        self.views_in(region_index, first, end)
+            .filter(|&(_, id)| self.region(self.group(id).user.0).stream != stream)
+            .map(|(start, id)| start + self.group(id).count)
+            .last()
     }
 
     /// The end (a granule index) of the last group view under granules

@@ -211,10 +211,43 @@ impl HbmPolicy {
                     .range(from..to)
                     .map(|(&s, c)| (region_index, s, s, c.count))
                     .collect();
-                self.unmap_spans(dev, granule, &victims)?;
+                // A capture forbids the unmap; a failed unmap leaves some
+                // mapped. Either way, access is granted again before any
+                // later request is served.
+                let base = region.base;
+                let undone =
+                    !self.capture_underway && self.unmap_spans(dev, granule, &victims).is_ok();
+                if !undone {
+                    self.without_access.push((region_index, base, from, to));
+                }
                 return Err(e.into());
             }
             from = self.region(region_index).next_with(to, end, true);
+        }
+        Ok(())
+    }
+
+    /// Grants access to the stretches left mapped without it
+    /// (`without_access`, see [`HbmPolicy::grant_access`]), or fails: no
+    /// request is served while memory is mapped without access.
+    #[cold]
+    pub(super) fn grant_missing_access(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
+        let granule = self.granule.unwrap_or(1);
+        while let Some(&(region_index, base, start, end)) = self.without_access.last() {
+            let region = self
+                .regions
+                .get(region_index as usize)
+                .and_then(Option::as_ref);
+            // A region given back since (its base differs) took its mappings with it.
+            if let Some(region) = region.filter(|r| r.base == base) {
+                let mut from = region.next_with(start, end, true);
+                while from < end {
+                    let to = region.next_with(from, end, false);
+                    dev.set_access(base + from * granule, (to - from) * granule)?;
+                    from = region.next_with(to, end, true);
+                }
+            }
+            self.without_access.pop();
         }
         Ok(())
     }
