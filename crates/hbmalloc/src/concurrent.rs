@@ -606,10 +606,18 @@ impl<D: Device> SharedAllocator<D> {
             }
             Arc::clone(&entry.shard)
         };
-        if *lock(&self.captures_underway) == 0 {
-            self.on_engine(&engine, |a| a.empty_cache())?;
-        }
+        self.empty_unless_capturing(&engine)?;
         self.drop_pool_if_done(pool);
+        Ok(())
+    }
+
+    /// Gives back `engine`'s cache unless a capture is underway; no capture
+    /// begins meanwhile.
+    fn empty_unless_capturing(&self, engine: &Shard<D>) -> Result<(), AllocError> {
+        let captures = lock(&self.captures_underway);
+        if *captures == 0 {
+            self.on_engine(engine, |a| a.empty_cache())?;
+        }
         Ok(())
     }
 
@@ -673,7 +681,9 @@ impl<D: Device> SharedAllocator<D> {
     /// give it back now: the shards and the pools no one holds, unless a
     /// capture is underway. True if any engine was asked.
     fn release_other_caches(&self, except: u32) -> Result<bool, AllocError> {
-        if *lock(&self.captures_underway) > 0 {
+        // Held throughout: no capture begins while memory is given back.
+        let captures = lock(&self.captures_underway);
+        if *captures > 0 {
             return Ok(false);
         }
         let mut asked = false;
@@ -724,7 +734,9 @@ impl<D: Device> SharedAllocator<D> {
 
     /// A capture begun with [`SharedAllocator::begin_capture`] ended. When
     /// it was the last, the events of blocks freed meanwhile with uses on
-    /// other streams are recorded. Errors if no capture was underway.
+    /// other streams are recorded, and the pools released meanwhile give
+    /// their memory back (no capture can begin until they have). Errors if
+    /// no capture was underway.
     pub fn end_capture(&self) -> Result<(), AllocError> {
         let mut count = lock(&self.captures_underway);
         if *count == 0 {
@@ -733,6 +745,19 @@ impl<D: Device> SharedAllocator<D> {
         *count -= 1;
         if *count == 0 {
             self.tell_engines_capture(false)?;
+            for (_, engine) in self.released_pool_engines() {
+                self.on_engine(&engine, |a| a.empty_cache())?;
+            }
+            let released: Vec<PoolId> = lock(&self.pools)
+                .slots
+                .iter()
+                .flatten()
+                .filter(|p| p.use_count == 0)
+                .map(|p| p.id)
+                .collect();
+            for pool in released {
+                self.drop_pool_if_done(pool);
+            }
         }
         Ok(())
     }
@@ -934,8 +959,8 @@ impl<D: Device> ThreadSafeAllocator for SharedAllocator<D> {
                 .filter(|p| p.use_count == 0)
                 .map(|p| p.id);
             if let Some(pool) = released {
-                if freed.is_ok() && !self.capture_underway() {
-                    self.on_engine(engine.shard(), |a| a.empty_cache())?;
+                if freed.is_ok() {
+                    self.empty_unless_capturing(engine.shard())?;
                 }
                 self.drop_pool_if_done(pool);
             }
@@ -952,7 +977,9 @@ impl<D: Device> ThreadSafeAllocator for SharedAllocator<D> {
     /// Every shard's cache, and those of the pools no one holds; refused
     /// while a capture is underway.
     fn empty_cache(&self) -> Result<(), AllocError> {
-        if self.capture_underway() {
+        // Held throughout: no capture begins while memory is given back.
+        let captures = lock(&self.captures_underway);
+        if *captures > 0 {
             return Err(AllocError::CaptureUnderway {
                 operation: "empty_cache",
             });

@@ -383,3 +383,85 @@ fn the_largest_free_block_is_the_cache_or_the_device_within_the_fraction() {
         alloc.check_invariants().unwrap();
     }
 }
+
+/// Threads that each capture "graphs" into private pools of their own while
+/// the others allocate, free each other's memory and empty the cache: the
+/// pools' memory is never handed to anyone else, every engine keeps its
+/// books, and everything returns to the device once the pools are released.
+#[test]
+fn four_threads_capture_into_private_pools_while_others_churn() {
+    use hbmalloc::PoolId;
+    for settings in ["policy:hbm", "policy:pytorch,expandable_segments:True"] {
+        let device = SimDevice::with_config(SimConfig {
+            // Pools released while another thread captures give their
+            // memory back only when no capture is underway: room for all.
+            capacity_bytes: 32 << 30,
+            ..SimConfig::default()
+        });
+        let alloc = Arc::new(SharedAllocator::new(device, config(settings), 8).unwrap());
+        let handles: Vec<_> = (0..4u64)
+            .map(|t| {
+                let alloc = Arc::clone(&alloc);
+                std::thread::spawn(move || {
+                    let mut rng = 0x2545_F491_4F6C_DD1Du64 ^ (t + 1);
+                    let stream = StreamId(t + 1);
+                    let mut outside = Vec::new();
+                    for round in 0..12u64 {
+                        let pool = PoolId(t * 1000 + round + 1, 0);
+                        alloc.create_or_incref_pool(pool).unwrap();
+                        alloc.begin_capture().unwrap();
+                        let mut graph = Vec::new();
+                        for _ in 0..16 {
+                            let r = next(&mut rng);
+                            let size = 1 + r % (4 * MIB);
+                            let p = alloc.malloc_in_pool(pool, size, stream).unwrap();
+                            if r % 3 == 0 {
+                                // A temporary of the graph: freed in the capture.
+                                alloc.free(p).unwrap();
+                            } else {
+                                graph.push((p, size));
+                            }
+                            // Another stream of this thread, outside the pool.
+                            let q = alloc.malloc(1 + r % MIB, StreamId(t + 10)).unwrap();
+                            outside.push(q);
+                            if outside.len() > 8 {
+                                alloc.free(outside.swap_remove(0)).unwrap();
+                            }
+                        }
+                        // Memory of a live pool never serves anyone else.
+                        for &q in &outside {
+                            assert!(graph.iter().all(|&(p, size)| q < p || q >= p + size));
+                        }
+                        alloc.end_capture().unwrap();
+                        if round % 4 == 3 {
+                            // Captures that have ended allow empty_cache
+                            // unless another thread's is underway.
+                            match alloc.empty_cache() {
+                                Ok(()) | Err(AllocError::CaptureUnderway { .. }) => {}
+                                Err(e) => panic!("empty_cache: {e}"),
+                            }
+                        }
+                        alloc.release_pool(pool).unwrap();
+                        for (p, _) in graph {
+                            alloc.free(p).unwrap();
+                        }
+                        assert_eq!(alloc.pool_use_count(pool), 0);
+                    }
+                    for q in outside {
+                        alloc.free(q).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for handle in handles {
+            handle.join().unwrap();
+        }
+        alloc.check_invariants().unwrap();
+        assert!(!alloc.capture_underway());
+        assert_eq!(alloc.stats().allocation[0].current, 0, "{settings}");
+        alloc.device().complete_all();
+        alloc.empty_cache().unwrap();
+        assert_eq!(alloc.device().used_bytes(), 0, "{settings}");
+        assert_eq!(alloc.stats().reserved_bytes[0].current, 0, "{settings}");
+    }
+}
