@@ -153,7 +153,12 @@ pub extern "C-unwind" fn hbmalloc_torch_alloc(
     device: c_int,
     stream: CudaStream,
 ) -> *mut c_void {
-    let ptr = hbmalloc_alloc(size, device, stream);
+    throw_unless_allocated(hbmalloc_alloc(size, device, stream), size)
+}
+
+/// `ptr`, or the last error thrown as a C++ exception when the allocation
+/// of `size` bytes failed (NULL for a non-zero size).
+extern "C-unwind" fn throw_unless_allocated(ptr: *mut c_void, size: ssize_t) -> *mut c_void {
     if !ptr.is_null() || size == 0 {
         return ptr;
     }
@@ -161,7 +166,7 @@ pub extern "C-unwind" fn hbmalloc_torch_alloc(
     // SAFETY: `message` is a NUL-terminated string owned by this thread's
     // `THROWN`, valid until its next write on this thread; the C++ side
     // copies it into the exception before it throws. The exception unwinds
-    // this frame ("C-unwind"), which holds nothing to drop.
+    // this frame and the caller's ("C-unwind"), which hold nothing to drop.
     unsafe { hbmalloc_capi_throw(message) }
 }
 
@@ -222,14 +227,7 @@ pub extern "C-unwind" fn hbmalloc_torch_pool_alloc(
     pool_second: u64,
 ) -> *mut c_void {
     let ptr = hbmalloc_pool_alloc(size, device, stream, pool_first, pool_second);
-    if !ptr.is_null() || size == 0 {
-        return ptr;
-    }
-    let message = thrown_message();
-    // SAFETY: as in `hbmalloc_torch_alloc`: `message` lives in this thread's
-    // `THROWN` until its next write, the C++ side copies it before throwing,
-    // and this frame holds nothing to drop.
-    unsafe { hbmalloc_capi_throw(message) }
+    throw_unless_allocated(ptr, size)
 }
 
 /// Makes the private pool `(pool_first, pool_second)` on `device`, or

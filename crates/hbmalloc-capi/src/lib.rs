@@ -303,10 +303,11 @@ pub fn init() -> Result<usize, ApiError> {
     Ok(runtime()?.devices.len())
 }
 
-/// Allocates `size` bytes on `device` for use on `stream`. `Ok(0)` for size 0.
-pub fn alloc(size: i64, device: i32, stream: StreamId) -> Result<DevicePtr, ApiError> {
+/// A request's size from the C ABI: `None` for 0 (no allocation), an error
+/// for a negative or absurd one.
+fn request_size(size: i64) -> Result<Option<u64>, ApiError> {
     if size == 0 {
-        return Ok(0);
+        return Ok(None);
     }
     let size = u64::try_from(size).map_err(|_| {
         ApiError::new(
@@ -317,7 +318,15 @@ pub fn alloc(size: i64, device: i32, stream: StreamId) -> Result<DevicePtr, ApiE
     if size > hbmalloc::MAX_REQUEST_BYTES {
         return Err(AllocError::InvalidSize { size }.into());
     }
-    with_allocator(device, |a| Ok(a.malloc(size, stream)?))
+    Ok(Some(size))
+}
+
+/// Allocates `size` bytes on `device` for use on `stream`. `Ok(0)` for size 0.
+pub fn alloc(size: i64, device: i32, stream: StreamId) -> Result<DevicePtr, ApiError> {
+    match request_size(size)? {
+        Some(size) => with_allocator(device, |a| Ok(a.malloc(size, stream)?)),
+        None => Ok(0),
+    }
 }
 
 /// Allocates `size` bytes on `device` for use on `stream` from the private
@@ -328,19 +337,10 @@ pub fn pool_alloc(
     device: i32,
     stream: StreamId,
 ) -> Result<DevicePtr, ApiError> {
-    if size == 0 {
-        return Ok(0);
+    match request_size(size)? {
+        Some(size) => with_allocator(device, |a| Ok(a.malloc_in_pool(pool, size, stream)?)),
+        None => Ok(0),
     }
-    let size = u64::try_from(size).map_err(|_| {
-        ApiError::new(
-            Status::InvalidArgument,
-            format!("hbmalloc: invalid allocation size {size}: sizes must be positive"),
-        )
-    })?;
-    if size > hbmalloc::MAX_REQUEST_BYTES {
-        return Err(AllocError::InvalidSize { size }.into());
-    }
-    with_allocator(device, |a| Ok(a.malloc_in_pool(pool, size, stream)?))
 }
 
 /// Makes the private memory pool `pool` on `device` (PyTorch's

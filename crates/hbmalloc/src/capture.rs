@@ -35,6 +35,36 @@ use crate::device::{
     CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
     PhysicalHandle, StreamId,
 };
+use crate::error::AllocError;
+
+/// The calls a capture forbids: they wait, or give memory back.
+pub const FORBIDDEN_DURING_CAPTURE: [CallKind; 8] = [
+    CallKind::SegmentFree,
+    CallKind::AddressFree,
+    CallKind::PhysicalRelease,
+    CallKind::Unmap,
+    CallKind::EventRecord,
+    CallKind::EventQuery,
+    CallKind::EventSynchronize,
+    CallKind::DeviceSynchronize,
+];
+
+/// Records the events deferred during a capture, once it has ended: `record`
+/// for each item, every item tried even after a failure (the failed one keeps
+/// its uses and waits for the next synchronization); the first error.
+pub(crate) fn record_deferred<T>(
+    items: Vec<T>,
+    mut record: impl FnMut(T) -> Result<(), AllocError>,
+) -> Result<(), AllocError> {
+    let mut first_error = Ok(());
+    for item in items {
+        let recorded = record(item);
+        if first_error.is_ok() {
+            first_error = recorded;
+        }
+    }
+    first_error
+}
 
 /// A device seen through an ongoing CUDA graph capture: calls that create or
 /// map memory pass, calls that wait or give memory back are refused with
@@ -131,21 +161,12 @@ mod tests {
         Allocator::new(device, config).unwrap()
     }
 
-    /// The calls that wait or give memory back.
-    const FORBIDDEN: [CallKind; 8] = [
-        CallKind::SegmentFree,
-        CallKind::AddressFree,
-        CallKind::PhysicalRelease,
-        CallKind::Unmap,
-        CallKind::EventRecord,
-        CallKind::EventQuery,
-        CallKind::EventSynchronize,
-        CallKind::DeviceSynchronize,
-    ];
-
     fn forbidden_calls(device: &SimDevice) -> u64 {
         let counts = device.call_counts();
-        FORBIDDEN.iter().map(|&kind| counts.get(kind)).sum()
+        super::FORBIDDEN_DURING_CAPTURE
+            .iter()
+            .map(|&kind| counts.get(kind))
+            .sum()
     }
 
     #[test]

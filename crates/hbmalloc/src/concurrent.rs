@@ -502,6 +502,15 @@ impl<D: Device> SharedAllocator<D> {
 
     /// The engines of the private pools now, with their owner indices.
     fn pool_engines(&self) -> Vec<(u32, Arc<Shard<D>>)> {
+        self.pool_engines_where(|_| true)
+    }
+
+    /// The engines of the private pools that `keep` accepts, with their
+    /// owner indices.
+    fn pool_engines_where(
+        &self,
+        keep: impl Fn(&PrivatePool<D>) -> bool,
+    ) -> Vec<(u32, Arc<Shard<D>>)> {
         let base = self.shards.len() as u32;
         lock(&self.pools)
             .slots
@@ -509,6 +518,7 @@ impl<D: Device> SharedAllocator<D> {
             .enumerate()
             .filter_map(|(slot, p)| {
                 p.as_ref()
+                    .filter(|p| keep(p))
                     .map(|p| (base + slot as u32, Arc::clone(&p.shard)))
             })
             .collect()
@@ -705,17 +715,7 @@ impl<D: Device> SharedAllocator<D> {
     /// The engines of the pools no one holds any more (waiting for their
     /// last allocations), with their owner indices.
     fn released_pool_engines(&self) -> Vec<(u32, Arc<Shard<D>>)> {
-        let base = self.shards.len() as u32;
-        lock(&self.pools)
-            .slots
-            .iter()
-            .enumerate()
-            .filter_map(|(slot, p)| {
-                p.as_ref()
-                    .filter(|p| p.use_count == 0)
-                    .map(|p| (base + slot as u32, Arc::clone(&p.shard)))
-            })
-            .collect()
+        self.pool_engines_where(|p| p.use_count == 0)
     }
 
     /// A CUDA graph capture begins on this device (PyTorch's

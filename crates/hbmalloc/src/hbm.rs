@@ -1442,16 +1442,8 @@ impl HbmPolicy {
         if underway {
             return Ok(());
         }
-        // A failure keeps the block's uncovered uses (the next
-        // synchronization frees it); the other blocks still get theirs.
-        let mut first_error = Ok(());
-        for ptr in std::mem::take(&mut self.deferred_event_blocks) {
-            let recorded = self.insert_events(dev, ptr);
-            if first_error.is_ok() {
-                first_error = recorded;
-            }
-        }
-        first_error
+        let deferred = std::mem::take(&mut self.deferred_event_blocks);
+        crate::capture::record_deferred(deferred, |ptr| self.insert_events(dev, ptr))
     }
 
     fn process_events(&mut self, dev: &dyn Device) -> Result<(), AllocError> {

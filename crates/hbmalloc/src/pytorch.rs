@@ -547,16 +547,8 @@ impl PytorchPolicy {
         if underway {
             return Ok(());
         }
-        // A failure keeps the block's uncovered uses (a stranded block: the
-        // next synchronization frees it); the other blocks still get theirs.
-        let mut first_error = Ok(());
-        for id in std::mem::take(&mut self.deferred_event_blocks) {
-            let recorded = self.insert_events(dev, id);
-            if first_error.is_ok() {
-                first_error = recorded;
-            }
-        }
-        first_error
+        let deferred = std::mem::take(&mut self.deferred_event_blocks);
+        crate::capture::record_deferred(deferred, |id| self.insert_events(dev, id))
     }
 
     pub(crate) fn record_stream(

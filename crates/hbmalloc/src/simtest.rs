@@ -906,19 +906,10 @@ pub fn run_seeds(
 /// The calls a capture forbids that `SimDevice` has counted so far.
 fn forbidden_during_capture(sim: &SimDevice) -> u64 {
     let counts = sim.call_counts();
-    [
-        CallKind::SegmentFree,
-        CallKind::AddressFree,
-        CallKind::PhysicalRelease,
-        CallKind::Unmap,
-        CallKind::EventRecord,
-        CallKind::EventQuery,
-        CallKind::EventSynchronize,
-        CallKind::DeviceSynchronize,
-    ]
-    .iter()
-    .map(|&kind| counts.get(kind))
-    .sum()
+    crate::capture::FORBIDDEN_DURING_CAPTURE
+        .iter()
+        .map(|&kind| counts.get(kind))
+        .sum()
 }
 
 #[cfg(test)]
