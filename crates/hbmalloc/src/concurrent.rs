@@ -351,6 +351,9 @@ struct PrivatePools<D: Device> {
     slots: Vec<Option<PrivatePool<D>>>,
     /// Settings a new pool starts with (history entries, as last set).
     config: AllocatorConfig,
+    /// The statistics of the pools that went away (their counters and
+    /// peaks; every current value was 0), so that no counter goes back.
+    retired: DeviceStats,
 }
 
 /// An allocator for one device, shared by many threads. See the module docs.
@@ -373,6 +376,7 @@ impl<D: Device> SharedAllocator<D> {
         let device = Arc::new(LimitedDevice::new(device));
         let pools = Mutex::new(PrivatePools {
             slots: Vec::new(),
+            retired: DeviceStats::default(),
             config: AllocatorConfig {
                 policy: PolicyConfig::Pytorch(private_pool_config(&config.policy)),
                 history_entries: config.history_entries,
@@ -599,58 +603,66 @@ impl<D: Device> SharedAllocator<D> {
     }
 
     /// `releasePool`: one holder of `pool` fewer. When none is left, the
-    /// pool's cached memory is given back, and the pool goes away with its
-    /// last allocation (at once if it has none).
+    /// pool's cached memory is given back (unless a capture is underway:
+    /// then when the last one ends), and the pool goes away with its last
+    /// allocation. Errors only for a pool that no one holds. Giving memory
+    /// back is best effort here (PyTorch calls this from destructors):
+    /// what the driver refuses waits for the next `empty_cache`.
     pub fn release_pool(&self, pool: PoolId) -> Result<(), AllocError> {
-        let engine = {
+        {
             let mut pools = lock(&self.pools);
             let entry = pools
                 .slots
                 .iter_mut()
                 .flatten()
-                .find(|p| p.id == pool)
+                .find(|p| p.id == pool && p.use_count > 0)
                 .ok_or(AllocError::UnknownPool { pool })?;
-            entry.use_count = entry.use_count.saturating_sub(1);
+            entry.use_count -= 1;
             if entry.use_count > 0 {
                 return Ok(());
             }
-            Arc::clone(&entry.shard)
-        };
-        self.empty_unless_capturing(&engine)?;
-        self.drop_pool_if_done(pool);
-        Ok(())
-    }
-
-    /// Gives back `engine`'s cache unless a capture is underway; no capture
-    /// begins meanwhile.
-    fn empty_unless_capturing(&self, engine: &Shard<D>) -> Result<(), AllocError> {
+        }
         let captures = lock(&self.captures_underway);
-        if *captures == 0 {
-            self.on_engine(engine, |a| a.empty_cache())?;
-        }
+        let _ = self.retire_released_pools(*captures);
         Ok(())
     }
 
-    /// Empties `pool`'s slot if no one holds it and it holds no allocation.
-    fn drop_pool_if_done(&self, pool: PoolId) {
-        let mut pools = lock(&self.pools);
-        let Some(slot) = pools
-            .slots
-            .iter()
-            .position(|p| p.as_ref().is_some_and(|p| p.id == pool))
-        else {
-            return;
-        };
-        let done = pools.slots[slot].as_ref().is_some_and(|p| {
-            p.use_count == 0 && {
-                let engine = lock(&p.shard);
-                engine.stats().active[0].current == 0
-                    && engine.stats().reserved_bytes[0].current == 0
-            }
-        });
-        if done {
-            pools.slots[slot] = None;
+    /// Unless a capture is underway (`captures`, read by the caller under
+    /// the count's lock, which it holds so that none begins meanwhile):
+    /// gives back the caches of the pools no one holds, and retires those
+    /// left with no memory. A pool whose engine someone is using now (an
+    /// allocation or a free in flight) stays until that caller comes here
+    /// in turn. Every pool is tried; the first error is returned.
+    fn retire_released_pools(&self, captures: u32) -> Result<(), AllocError> {
+        if captures > 0 {
+            return Ok(());
         }
+        let mut first_error = Ok(());
+        for (_, engine) in self.released_pool_engines() {
+            let emptied = self.on_engine(&engine, |a| a.empty_cache());
+            if first_error.is_ok() {
+                first_error = emptied;
+            }
+        }
+        let mut pools = lock(&self.pools);
+        let PrivatePools { slots, retired, .. } = &mut *pools;
+        for slot in slots.iter_mut() {
+            let Some(pool) = slot.as_ref() else {
+                continue;
+            };
+            // Every other handle to an engine is taken under this lock.
+            if pool.use_count > 0 || Arc::strong_count(&pool.shard) > 1 {
+                continue;
+            }
+            let engine = lock(&pool.shard);
+            let stats = engine.stats();
+            if stats.active[0].current == 0 && stats.reserved_bytes[0].current == 0 {
+                retired.accumulate(stats);
+                drop(engine);
+                *slot = None;
+            }
+        }
+        first_error
     }
 
     /// Allocates `size` bytes for use on `stream` from the private pool
@@ -703,11 +715,9 @@ impl<D: Device> SharedAllocator<D> {
                 asked = true;
             }
         }
-        for (owner, engine) in self.released_pool_engines() {
-            if owner != except {
-                self.on_engine(&engine, |a| a.empty_cache())?;
-                asked = true;
-            }
+        if !self.released_pool_engines().is_empty() {
+            self.retire_released_pools(*captures)?;
+            asked = true;
         }
         Ok(asked)
     }
@@ -745,19 +755,7 @@ impl<D: Device> SharedAllocator<D> {
         *count -= 1;
         if *count == 0 {
             self.tell_engines_capture(false)?;
-            for (_, engine) in self.released_pool_engines() {
-                self.on_engine(&engine, |a| a.empty_cache())?;
-            }
-            let released: Vec<PoolId> = lock(&self.pools)
-                .slots
-                .iter()
-                .flatten()
-                .filter(|p| p.use_count == 0)
-                .map(|p| p.id)
-                .collect();
-            for pool in released {
-                self.drop_pool_if_done(pool);
-            }
+            self.retire_released_pools(*count)?;
         }
         Ok(())
     }
@@ -826,6 +824,7 @@ impl<D: Device> SharedAllocator<D> {
     /// `reset_peak_memory_stats()` on every shard: each peak becomes the
     /// current value.
     pub fn reset_peak_stats(&self) {
+        lock(&self.pools).retired.reset_peak();
         let engines = self.engines();
         let mut shards: Vec<_> = engines.iter().map(|e| lock(e.shard())).collect();
         for shard in shards.iter_mut() {
@@ -839,6 +838,7 @@ impl<D: Device> SharedAllocator<D> {
 
     /// `reset_accumulated_memory_stats()` on every shard.
     pub fn reset_accumulated_stats(&self) {
+        lock(&self.pools).retired.reset_accumulated();
         for engine in self.engines() {
             lock(engine.shard()).reset_accumulated_stats();
         }
@@ -950,19 +950,18 @@ impl<D: Device> ThreadSafeAllocator for SharedAllocator<D> {
             .ok_or(AllocError::UnknownPointer { ptr })?;
         let engine = self.engine_of(owner)?;
         let freed = self.on_engine(engine.shard(), |a| a.free(ptr));
-        if let EngineRef::Pool(_) = engine {
+        if let EngineRef::Pool(engine) = engine {
             // A released pool goes away with its last allocation.
             let released = lock(&self.pools)
                 .slots
                 .get(owner as usize - self.shards.len())
                 .and_then(|p| p.as_ref())
-                .filter(|p| p.use_count == 0)
-                .map(|p| p.id);
-            if let Some(pool) = released {
-                if freed.is_ok() {
-                    self.empty_unless_capturing(engine.shard())?;
-                }
-                self.drop_pool_if_done(pool);
+                .is_some_and(|p| p.use_count == 0 && Arc::ptr_eq(&p.shard, &engine));
+            drop(engine);
+            if released {
+                // The free is done; what is not given back now waits.
+                let captures = lock(&self.captures_underway);
+                let _ = self.retire_released_pools(*captures);
             }
         }
         freed
@@ -987,14 +986,11 @@ impl<D: Device> ThreadSafeAllocator for SharedAllocator<D> {
         for i in 0..self.shards.len() {
             self.on_shard(i, |a| a.empty_cache())?;
         }
-        for (_, engine) in self.released_pool_engines() {
-            self.on_engine(&engine, |a| a.empty_cache())?;
-        }
-        Ok(())
+        self.retire_released_pools(*captures)
     }
 
     fn stats(&self) -> DeviceStats {
-        let mut total = DeviceStats::default();
+        let mut total = lock(&self.pools).retired.clone();
         for (i, engine) in self.engines().iter().enumerate() {
             let shard = lock(engine.shard());
             let s = shard.stats();
@@ -1239,5 +1235,39 @@ mod tests {
         for ptr in [a, c] {
             alloc.free(ptr).unwrap();
         }
+    }
+
+    #[test]
+    fn counters_do_not_go_back_when_a_pool_goes_away_and_a_pool_is_released_once_per_holder() {
+        let alloc = shared("policy:hbm");
+        let pool = PoolId(0, 4);
+        alloc.create_or_incref_pool(pool).unwrap();
+        let p = alloc.malloc_in_pool(pool, 30 * MIB, StreamId(1)).unwrap();
+        alloc.free(p).unwrap();
+        let before = alloc.stats();
+        assert_eq!(before.num_device_alloc, 1);
+        alloc.release_pool(pool).unwrap();
+        assert!(
+            alloc.pool_engines().is_empty(),
+            "released with nothing live: gone"
+        );
+        let after = alloc.stats();
+        assert_eq!(after.reserved_bytes[0].current, 0);
+        assert_eq!(after.num_device_alloc, 1);
+        assert_eq!(after.num_device_free, 1);
+        assert_eq!(
+            after.allocation[0].allocated,
+            before.allocation[0].allocated
+        );
+        assert_eq!(after.allocated_bytes[0].allocated, 30 * MIB as i64);
+        assert_eq!(after.segment[0].peak, 1);
+        // No holder left: a second release is an error, not a silent no-op.
+        assert!(matches!(
+            alloc.release_pool(pool),
+            Err(AllocError::UnknownPool { .. })
+        ));
+        alloc.reset_accumulated_stats();
+        assert_eq!(alloc.stats().num_device_alloc, 0);
+        alloc.check_invariants().unwrap();
     }
 }

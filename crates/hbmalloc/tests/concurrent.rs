@@ -465,3 +465,73 @@ fn four_threads_capture_into_private_pools_while_others_churn() {
         assert_eq!(alloc.stats().reserved_bytes[0].current, 0, "{settings}");
     }
 }
+
+/// Eight threads mixing every call that touches pools and captures (a
+/// review's stress program): captures begun and ended, pools made, used,
+/// released and freed into, `empty_cache`, statistics and their resets,
+/// memory fractions, snapshots. No free may fail, nothing may deadlock, and
+/// at the end every engine's books agree and everything goes back.
+#[test]
+fn eight_threads_mix_pools_captures_and_cache_calls() {
+    use hbmalloc::PoolId;
+    let device = SimDevice::with_config(SimConfig {
+        capacity_bytes: 16 << 30,
+        ..SimConfig::default()
+    });
+    let alloc = Arc::new(SharedAllocator::new(device, config("policy:hbm"), 4).unwrap());
+    let handles: Vec<_> = (0..8u64)
+        .map(|t| {
+            let alloc = Arc::clone(&alloc);
+            std::thread::spawn(move || {
+                for i in 1..=1500u64 {
+                    let pool = PoolId(i % 3 + 1, 0);
+                    match (t + i) % 9 {
+                        0 => {
+                            alloc.begin_capture().unwrap();
+                            alloc.end_capture().unwrap();
+                        }
+                        1 => {
+                            alloc.create_or_incref_pool(pool).unwrap();
+                            let p = alloc.malloc_in_pool(pool, MIB * (1 + i % 5), StreamId(t));
+                            alloc.release_pool(pool).unwrap();
+                            if let Ok(p) = p {
+                                alloc.record_stream(p, StreamId(t + 1)).unwrap();
+                                alloc.free(p).unwrap();
+                            }
+                        }
+                        2 => match alloc.empty_cache() {
+                            Ok(()) | Err(AllocError::CaptureUnderway { .. }) => {}
+                            Err(e) => panic!("empty_cache: {e}"),
+                        },
+                        3 => {
+                            let _ = alloc.stats();
+                            alloc.reset_peak_stats();
+                        }
+                        4 => alloc.set_memory_fraction(0.9).unwrap(),
+                        5 => {
+                            let _ = alloc.snapshot();
+                            alloc.set_history_entries(0, false);
+                        }
+                        _ => {
+                            let p = alloc.malloc(MIB * (1 + i % 7), StreamId(t)).unwrap();
+                            alloc.record_stream(p, StreamId(t + 3)).unwrap();
+                            alloc.free(p).unwrap();
+                        }
+                    }
+                    if i % 500 == 0 {
+                        alloc.device().complete_all();
+                    }
+                }
+            })
+        })
+        .collect();
+    for handle in handles {
+        handle.join().unwrap();
+    }
+    assert!(!alloc.capture_underway());
+    alloc.device().complete_all();
+    alloc.empty_cache().unwrap();
+    alloc.check_invariants().unwrap();
+    assert_eq!(alloc.stats().reserved_bytes[0].current, 0);
+    assert_eq!(alloc.device().used_bytes(), 0);
+}
