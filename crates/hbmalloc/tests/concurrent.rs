@@ -483,7 +483,7 @@ fn eight_threads_mix_pools_captures_and_cache_calls() {
         .map(|t| {
             let alloc = Arc::clone(&alloc);
             std::thread::spawn(move || {
-                for i in 1..=1500u64 {
+                for i in 1..=20_000u64 {
                     let pool = PoolId(i % 3 + 1, 0);
                     match (t + i) % 9 {
                         0 => {
