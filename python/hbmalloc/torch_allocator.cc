@@ -367,6 +367,15 @@ class HbmallocAllocator final : public Pluggable {
       c10::DeviceIndex device,
       c10::cuda::MempoolId_t mempool_id,
       std::function<bool(cudaStream_t)> filter) override {
+    {
+      std::lock_guard<std::mutex> lock(routes_mutex_);
+      TORCH_CHECK(
+          std::none_of(
+              routes_.begin(), routes_.end(),
+              [&](const Route& r) { return r.device == device && r.pool == mempool_id; }),
+          "hbmalloc: beginAllocateToPool: already allocating to pool (", mempool_id.first, ", ",
+          mempool_id.second, ") on device ", static_cast<int>(device));
+    }
     check(abi_, abi_.create_or_incref_pool(device, mempool_id.first, mempool_id.second));
     if (abi_.begin_capture(device) != HBMALLOC_OK) {
       std::string message(abi_.last_error(nullptr, 0), '\0');
@@ -395,8 +404,14 @@ class HbmallocAllocator final : public Pluggable {
     check(abi_, abi_.end_capture(device));
   }
 
+  // Called from ~MemPool and ~CUDAGraph: never throws. A pool released
+  // once too often is PyTorch's bug, said as a warning.
   void releasePool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override {
-    check(abi_, abi_.release_pool(device, mempool_id.first, mempool_id.second));
+    if (abi_.release_pool(device, mempool_id.first, mempool_id.second) != HBMALLOC_OK) {
+      std::string message(abi_.last_error(nullptr, 0), '\0');
+      abi_.last_error(message.data(), message.size() + 1);
+      TORCH_WARN("hbmalloc: releasePool: ", message);
+    }
   }
 
   // Not marked override: older torch versions (before 2.8) have no such

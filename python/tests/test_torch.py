@@ -422,7 +422,8 @@ def test_compiled_allocator_answers_pytorchs_calls_from_cpp(compiled_cache):
         "not routed after the end: 1",
         f"released: holders 0, memory given back {2 * MIB}",
         "MemPool holders: 1 then 0",
-        "release again: no private memory pool (0, 5) on this device",
+        "release again: hbmalloc: releasePool: no private memory pool (0, 5) on this device",
+        "begin twice: hbmalloc: beginAllocateToPool: already allocating to pool (9, 0) on device 0",
         # torch.profiler's memory events: the request's size, then the
         # device's allocated bytes after the call (the 3 MiB block above is
         # freed but still active, so not allocated).

@@ -39,6 +39,15 @@ struct ProfilerRecorder final : c10::MemoryReportingInfoBase {
   }
 };
 
+// Records the warnings PyTorch's TORCH_WARN gives, a line each.
+struct WarningRecorder final : c10::WarningHandler {
+  std::ostringstream told;
+
+  void process(const c10::Warning& warning) override {
+    told << warning.msg() << "; ";
+  }
+};
+
 }  // namespace
 
 extern "C" int hbmalloc_torch_compiled_check(
@@ -156,12 +165,22 @@ extern "C" int hbmalloc_torch_compiled_check(
       out << "MemPool holders: " << allocator.getPoolUseCount(0, {0, 5});
       torch_view.releasePool(0, {0, 5});
       out << " then " << allocator.getPoolUseCount(0, {0, 5}) << "\n";
-      try {
+      {
+        // Released once too often (from a destructor, say): a warning, no throw.
+        WarningRecorder warnings;
+        c10::WarningUtils::WarningHandlerGuard guard(&warnings);
         torch_view.releasePool(0, {0, 5});
-        out << "release again: allowed\n";
-      } catch (const c10::Error& e) {
-        out << "release again: " << first_line(e) << "\n";
+        out << "release again: " << warnings.told.str() << "\n";
       }
+      try {
+        torch_view.beginAllocateToPool(0, graph_pool, [](cudaStream_t) { return true; });
+        torch_view.beginAllocateToPool(0, graph_pool, [](cudaStream_t) { return true; });
+        out << "begin twice: allowed\n";
+      } catch (const c10::Error& e) {
+        out << "begin twice: " << first_line(e) << "\n";
+      }
+      torch_view.endAllocateToPool(0, graph_pool);
+      torch_view.releasePool(0, graph_pool);
     }
 
     // With a profiler recording memory: an allocation, its free and an

@@ -31,6 +31,7 @@
 pub mod ffi;
 
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use hbmalloc::{
@@ -148,6 +149,10 @@ struct Runtime {
     /// keep); holds the history entries an allocator created now keeps
     /// (`HBMALLOC_HISTORY_ENTRIES`, then [`set_history_entries`]).
     creating: Mutex<usize>,
+    /// CUDA graph captures underway on any device ([`begin_capture`]):
+    /// opening a device meanwhile is refused, as its probe makes driver
+    /// calls a capture forbids (`CudaDevice::new`).
+    captures: AtomicUsize,
 }
 
 /// Reads [`SHARDS_ENV`].
@@ -230,6 +235,7 @@ impl Runtime {
             config,
             shards,
             devices,
+            captures: AtomicUsize::new(0),
         })
     }
 
@@ -269,6 +275,16 @@ pub fn with_allocator<R>(
         return f(allocator);
     }
     let history_entries = runtime.creating.lock().unwrap_or_else(|e| e.into_inner());
+    if slot.get().is_none() && runtime.captures.load(Ordering::SeqCst) > 0 {
+        return Err(ApiError::new(
+            Status::InvalidState,
+            format!(
+                "hbmalloc: device {device} is used for the first time while a CUDA graph capture is \
+                 underway; opening it takes driver calls a capture forbids: use the device once \
+                 (an allocation, say) before capturing"
+            ),
+        ));
+    }
     if slot.get().is_none() {
         let cuda = CudaDevice::new(Arc::clone(&runtime.driver), device).map_err(device_error)?;
         let config = AllocatorConfig {
@@ -367,13 +383,18 @@ pub fn pool_use_count(device: i32, pool: PoolId) -> Result<u32, ApiError> {
 /// A CUDA graph capture (or `torch.cuda.use_mem_pool`) begins on `device`:
 /// see `hbmalloc::capture` for what the allocator stops doing meanwhile.
 pub fn begin_capture(device: i32) -> Result<(), ApiError> {
-    with_allocator(device, |a| Ok(a.begin_capture()?))
+    with_allocator(device, |a| Ok(a.begin_capture()?))?;
+    runtime()?.captures.fetch_add(1, Ordering::SeqCst);
+    Ok(())
 }
 
 /// The capture begun by [`begin_capture`] ended.
 pub fn end_capture(device: i32) -> Result<(), ApiError> {
     match with_existing_allocator(device, |a| Ok(a.end_capture()?))? {
-        Some(()) => Ok(()),
+        Some(()) => {
+            runtime()?.captures.fetch_sub(1, Ordering::SeqCst);
+            Ok(())
+        }
         None => Err(AllocError::NoCaptureUnderway.into()),
     }
 }

@@ -14,11 +14,11 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use hbmalloc::{StreamId, ThreadSafeAllocator};
 use hbmalloc_capi::{
-    check_invariants, hbmalloc_alloc, hbmalloc_cache_info, hbmalloc_empty_cache, hbmalloc_free,
-    hbmalloc_init, hbmalloc_last_error, hbmalloc_last_error_code, hbmalloc_mem_get_info,
-    hbmalloc_memory_fraction, hbmalloc_record_stream, hbmalloc_reset, hbmalloc_set_memory_fraction,
-    hbmalloc_snapshot, hbmalloc_stats_json, hbmalloc_stats_values, hbmalloc_summary, settings,
-    stats_map, Status,
+    check_invariants, hbmalloc_alloc, hbmalloc_begin_capture, hbmalloc_cache_info,
+    hbmalloc_empty_cache, hbmalloc_end_capture, hbmalloc_free, hbmalloc_init, hbmalloc_last_error,
+    hbmalloc_last_error_code, hbmalloc_mem_get_info, hbmalloc_memory_fraction,
+    hbmalloc_record_stream, hbmalloc_reset, hbmalloc_set_memory_fraction, hbmalloc_snapshot,
+    hbmalloc_stats_json, hbmalloc_stats_values, hbmalloc_summary, settings, stats_map, Status,
 };
 use hbmalloc_cuda::byte_check::{byte_program, Buffers, DeviceBytes};
 
@@ -518,6 +518,20 @@ fn child_entry() {
             assert!(alloc(512, 0).is_null());
             assert_error(Status::ConfigError, &["HBMALLOC_HISTORY_ENTRIES", "lots"]);
         }
+        "first_use_during_a_capture" => {
+            // Device 1 is opened for the first time while device 0 captures.
+            assert_eq!(hbmalloc_begin_capture(0), 0);
+            assert!(alloc(512, 1).is_null());
+            assert_error(
+                Status::InvalidState,
+                &["device 1 is used for the first time while a CUDA graph capture"],
+            );
+            assert_eq!(hbmalloc_end_capture(0), 0);
+            let p = alloc(512, 1);
+            assert_ok();
+            free(p, 1);
+            assert_eq!(hbmalloc_end_capture(0), Status::InvalidState as i32);
+        }
         "pytorch_conf" => {
             let p = alloc(512, 0);
             assert_ok();
@@ -703,6 +717,7 @@ fn config_cases_in_child_processes() {
         &[("PYTORCH_CUDA_ALLOC_CONF", "no_such_key:1")],
     );
     child_case("bad_history", &[("HBMALLOC_HISTORY_ENTRIES", "lots")]);
+    child_case("first_use_during_a_capture", &[]);
     child_case(
         "pytorch_conf",
         &[("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")],
