@@ -88,8 +88,9 @@ typedef enum hbmalloc_status {
     HBMALLOC_CONFIG_ERROR = 7,
     /* A bug in hbmalloc (caught panic). Please report it. */
     HBMALLOC_INTERNAL = 8,
-    /* Not allowed now: empty_cache during a CUDA graph capture, or the end
-     * of a capture when none is underway. */
+    /* Not allowed now: empty_cache during a CUDA graph capture, a device
+     * used for the first time during one (opening it takes driver calls a
+     * capture forbids), or the end of a capture when none is underway. */
     HBMALLOC_INVALID_STATE = 9
 } hbmalloc_status;
 
@@ -116,7 +117,8 @@ void *hbmalloc_torch_alloc(ssize_t size, int device, cudaStream_t stream);
 int hbmalloc_create_or_incref_pool(int device, unsigned long long pool_first,
                                    unsigned long long pool_second);
 
-/* One holder fewer (PyTorch's releasePool). */
+/* One holder fewer (PyTorch's releasePool); HBMALLOC_INVALID_ARGUMENT when
+ * none is left. Giving the pool's memory back is best effort here. */
 int hbmalloc_release_pool(int device, unsigned long long pool_first,
                           unsigned long long pool_second);
 

@@ -77,7 +77,8 @@ pub enum Status {
     /// A bug in hbmalloc (a caught panic, a poisoned lock).
     Internal = 8,
     /// Not allowed now: `empty_cache` while a CUDA graph capture is
-    /// underway, or the end of a capture when none is.
+    /// underway, a device used for the first time during one, or the end of
+    /// a capture when none is.
     InvalidState = 9,
 }
 
