@@ -346,7 +346,8 @@ struct PrivatePool<D: Device> {
 
 /// The private pools of a device, in slots: a pointer's owner is
 /// `shards.len() + slot`. A slot is emptied only when its pool holds no
-/// allocation, so no owner entry ever names an emptied slot.
+/// allocation and no caller holds its engine (every handle to it is taken
+/// under this lock), so no owner entry ever names an emptied slot.
 struct PrivatePools<D: Device> {
     slots: Vec<Option<PrivatePool<D>>>,
     /// Settings a new pool starts with (history entries, as last set).
@@ -363,7 +364,8 @@ pub struct SharedAllocator<D: Device> {
     /// Which shard owns each live pointer, sharded by pointer.
     owners: Box<[Mutex<FastMap<DevicePtr, u32>>]>,
     peaks: CombinedPeaks,
-    /// Locked before any shard's lock, never after one.
+    /// Locked after `captures_underway` (when both are) and before any
+    /// engine's lock, never after one.
     pools: Mutex<PrivatePools<D>>,
     /// Captures underway (see [`crate::capture`]): held while every engine
     /// is told that the count went from 0 to 1 or back.
