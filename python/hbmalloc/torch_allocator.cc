@@ -414,17 +414,26 @@ class HbmallocAllocator final : public Pluggable {
     }
   }
 
-  // Not marked override: older torch versions (before 2.8) have no such
-  // virtual, and then nothing calls these.
+  // What torch.cuda.MemPool's constructor calls: ensureExistsAndIncrefPool
+  // (torch 2.6, 2.7), createOrIncrefPool with a CUDAAllocator* (2.8-2.10)
+  // or a shared_ptr (2.11 on). Not marked override: each exists in some
+  // versions only, and overrides where the signature matches.
+  void ensureExistsAndIncrefPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) {
+    create_or_incref_pool(device, mempool_id, nullptr);
+  }
+
   void createOrIncrefPool(
       c10::DeviceIndex device,
       c10::cuda::MempoolId_t mempool_id,
-      std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator = nullptr) {
-    TORCH_CHECK(
-        allocator == nullptr || allocator.get() == this,
-        "hbmalloc is PyTorch's CUDA allocator (hbmalloc.torch.install(compiled=True)): a "
-        "torch.cuda.MemPool with an allocator of its own is not supported; make it without one");
-    check(abi_, abi_.create_or_incref_pool(device, mempool_id.first, mempool_id.second));
+      c10::cuda::CUDACachingAllocator::CUDAAllocator* allocator) {
+    create_or_incref_pool(device, mempool_id, allocator);
+  }
+
+  void createOrIncrefPool(
+      c10::DeviceIndex device,
+      c10::cuda::MempoolId_t mempool_id,
+      std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator) {
+    create_or_incref_pool(device, mempool_id, allocator.get());
   }
 
   int getPoolUseCount(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) {
@@ -436,7 +445,8 @@ class HbmallocAllocator final : public Pluggable {
   // emptyCache of one pool (~MemPool calls it after releasePool): hbmalloc
   // gave the pool's cache back when its last holder released it, and a pool
   // still held keeps its memory for its graphs.
-  // Not marked override: before torch 2.8 emptyCache takes no pool.
+  // Not marked override: before torch 2.8 emptyCache takes no pool (and
+  // ~MemPool calls CUDAPluggableAllocator's emptyCache(), every device's).
   void emptyCache(c10::cuda::MempoolId_t mempool_id) {
     if (mempool_id.first == 0 && mempool_id.second == 0) {
       check(abi_, abi_.reset());
@@ -465,6 +475,17 @@ class HbmallocAllocator final : public Pluggable {
     for (const auto& observer : observers) {
       observer(device, size, total_bytes, free_bytes);
     }
+  }
+
+  void create_or_incref_pool(
+      c10::DeviceIndex device,
+      c10::cuda::MempoolId_t mempool_id,
+      const c10::cuda::CUDACachingAllocator::CUDAAllocator* allocator) {
+    TORCH_CHECK(
+        allocator == nullptr || allocator == this,
+        "hbmalloc is PyTorch's CUDA allocator (hbmalloc.torch.install(compiled=True)): a "
+        "torch.cuda.MemPool with an allocator of its own is not supported; make it without one");
+    check(abi_, abi_.create_or_incref_pool(device, mempool_id.first, mempool_id.second));
   }
 
   // The private pool the allocation on `stream` goes to, if a route's
