@@ -40,7 +40,7 @@ mod pool;
 
 pub use device::CudaDevice;
 pub use driver::{CudaDriver, DEFAULT_DRIVER_NAMES, DRIVER_PATH_ENV, DRIVER_SYMBOLS};
-pub use pool::{CudaPool, DeviceBuffer};
+pub use pool::{CaptureGuard, CudaPool, DeviceBuffer, GraphPool};
 
 use hbmalloc::CallKind;
 

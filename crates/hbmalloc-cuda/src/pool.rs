@@ -5,15 +5,21 @@
 //! raw stream handle (`stream.cu_stream()`) and use the buffer's
 //! [`DeviceBuffer::device_ptr`] wherever a `CUdeviceptr` is expected. See
 //! `examples/cudarc_pool.rs`.
+//!
+//! CUDA graphs: hold a [`CaptureGuard`] ([`CudaPool::capture`]) while a
+//! stream captures, and take the graph's buffers from a [`GraphPool`]
+//! ([`CudaPool::graph_pool`]), whose memory only that pool reuses, as long as
+//! it lives (a replayed graph writes to its buffers, freed or not).
 
 #![forbid(unsafe_code)]
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use hbmalloc::{
-    AllocError, AllocatorConfig, DevicePtr, DeviceStats, PolicyConfig, SharedAllocator, StreamId,
-    ThreadSafeAllocator,
+    AllocError, AllocatorConfig, DevicePtr, DeviceStats, PolicyConfig, PoolId, SharedAllocator,
+    StreamId, ThreadSafeAllocator,
 };
 
 use crate::{CudaDevice, CudaDriver};
@@ -24,6 +30,8 @@ const POOL_SHARDS: usize = 8;
 /// A thread-safe pool of one GPU's memory.
 pub struct CudaPool {
     pub(crate) allocator: SharedAllocator<CudaDevice>,
+    /// The id of the last [`GraphPool`] made.
+    last_graph_pool: AtomicU64,
 }
 
 impl fmt::Debug for CudaPool {
@@ -59,6 +67,7 @@ impl CudaPool {
     ) -> Result<Arc<Self>, AllocError> {
         Ok(Arc::new(CudaPool {
             allocator: SharedAllocator::new(device, config, POOL_SHARDS)?,
+            last_graph_pool: AtomicU64::new(0),
         }))
     }
 
@@ -78,7 +87,30 @@ impl CudaPool {
         })
     }
 
-    /// Returns cached memory to the driver.
+    /// A CUDA graph capture is underway until the guard drops: meanwhile the
+    /// pool waits for no event and gives no memory back, which the driver
+    /// would refuse during a capture (see `hbmalloc::capture`). Begin it
+    /// before the stream begins capturing; captures may overlap.
+    pub fn capture(self: &Arc<Self>) -> Result<CaptureGuard, AllocError> {
+        self.allocator.begin_capture()?;
+        Ok(CaptureGuard {
+            pool: Arc::clone(self),
+        })
+    }
+
+    /// A private pool for a CUDA graph's buffers: their memory is reused
+    /// only by this pool's allocations while it lives, and given back once
+    /// it and all its buffers are gone.
+    pub fn graph_pool(self: &Arc<Self>) -> Result<GraphPool, AllocError> {
+        let id = PoolId(self.last_graph_pool.fetch_add(1, Ordering::Relaxed) + 1, 0);
+        self.allocator.create_or_incref_pool(id)?;
+        Ok(GraphPool {
+            pool: Arc::clone(self),
+            id,
+        })
+    }
+
+    /// Returns cached memory to the driver (refused during a capture).
     pub fn empty_cache(&self) -> Result<(), AllocError> {
         self.allocator.empty_cache()
     }
@@ -100,6 +132,64 @@ impl CudaPool {
     /// The device.
     pub fn device(&self) -> &CudaDevice {
         self.allocator.device()
+    }
+}
+
+/// A CUDA graph capture underway on a [`CudaPool`]'s device
+/// ([`CudaPool::capture`]); ends when dropped.
+pub struct CaptureGuard {
+    pool: Arc<CudaPool>,
+}
+
+impl fmt::Debug for CaptureGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CaptureGuard").finish_non_exhaustive()
+    }
+}
+
+impl Drop for CaptureGuard {
+    fn drop(&mut self) {
+        // Fails only when recording the events of buffers dropped during the
+        // capture fails (a driver error): those buffers' memory then waits
+        // for the next synchronization. A destructor can only say so.
+        if let Err(e) = self.pool.allocator.end_capture() {
+            eprintln!("hbmalloc: ending a CUDA graph capture: {e}");
+        }
+    }
+}
+
+/// A private pool for a CUDA graph's memory ([`CudaPool::graph_pool`]).
+pub struct GraphPool {
+    pool: Arc<CudaPool>,
+    id: PoolId,
+}
+
+impl fmt::Debug for GraphPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GraphPool").field("id", &self.id).finish()
+    }
+}
+
+impl GraphPool {
+    /// Allocates `bytes` for use on `stream` from this pool.
+    pub fn alloc(&self, bytes: usize, stream: StreamId) -> Result<DeviceBuffer, AllocError> {
+        let ptr = self
+            .pool
+            .allocator
+            .malloc_in_pool(self.id, bytes as u64, stream)?;
+        Ok(DeviceBuffer {
+            pool: Arc::clone(&self.pool),
+            ptr,
+            len: bytes,
+            stream,
+        })
+    }
+}
+
+impl Drop for GraphPool {
+    fn drop(&mut self) {
+        // This handle is the pool's only holder, so the release succeeds.
+        let _ = self.pool.allocator.release_pool(self.id);
     }
 }
 

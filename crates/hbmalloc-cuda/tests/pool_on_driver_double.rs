@@ -186,3 +186,69 @@ fn hbm_buffers_keep_their_bytes_with_threads_sharing_a_small_device() {
     pool.empty_cache().unwrap();
     assert_eq!(double.live_bytes(), 0);
 }
+
+/// A CUDA graph's buffers from a `GraphPool` while a `CaptureGuard` lives:
+/// memory is made in relaxed capture mode, nothing is waited for or freed
+/// during the capture, the graph's freed buffers are reused only by the
+/// graph pool, and everything returns to the driver once the pool and its
+/// buffers are gone.
+#[test]
+fn a_graph_pool_keeps_its_memory_and_a_capture_waits_for_nothing() {
+    let (_guard, double) = support::exclusive();
+    double.set_events_complete(false);
+    for settings in ["policy:hbm", "policy:pytorch"] {
+        let pool = pool(settings);
+        let (capturing, side) = (StreamId(0x10), StreamId(0x20));
+        let graph = pool.graph_pool().unwrap();
+        let forbidden = || {
+            [
+                "cuEventRecord",
+                "cuEventQuery",
+                "cuEventSynchronize",
+                "cuCtxSynchronize",
+                "cuMemFree_v2",
+                "cuMemUnmap",
+                "cuMemRelease",
+            ]
+            .iter()
+            .map(|symbol| double.call_count(symbol))
+            .sum::<u64>()
+        };
+        let capture = pool.capture().unwrap();
+        let before = forbidden();
+        let relaxed_before =
+            double.relaxed_call_count("cuMemAlloc_v2") + double.relaxed_call_count("cuMemCreate");
+        let kept = graph.alloc(3 << 20, capturing).unwrap();
+        let temporary = graph.alloc(2 << 20, capturing).unwrap();
+        temporary.record_stream(side).unwrap();
+        let temporary_ptr = temporary.device_ptr();
+        drop(temporary);
+        // Not reusable by anyone: its use on `side` has no event yet.
+        let other = pool.alloc(2 << 20, capturing).unwrap();
+        assert_ne!(other.device_ptr(), temporary_ptr, "{settings}");
+        assert!(matches!(
+            pool.empty_cache(),
+            Err(AllocError::CaptureUnderway { .. })
+        ));
+        assert_eq!(
+            forbidden(),
+            before,
+            "{settings}: a forbidden call during the capture"
+        );
+        assert!(
+            double.relaxed_call_count("cuMemAlloc_v2") + double.relaxed_call_count("cuMemCreate")
+                > relaxed_before,
+            "{settings}: memory made in relaxed capture mode"
+        );
+        drop(capture);
+        double.complete_all_events();
+        // After the capture the graph's freed memory is its pool's alone.
+        let again = graph.alloc(2 << 20, capturing).unwrap();
+        assert_eq!(again.device_ptr(), temporary_ptr, "{settings}");
+        drop((kept, again, other));
+        drop(graph);
+        pool.empty_cache().unwrap();
+        assert_eq!(double.live_bytes(), 0, "{settings}");
+        assert_eq!(pool.stats().reserved_bytes[0].current, 0, "{settings}");
+    }
+}
