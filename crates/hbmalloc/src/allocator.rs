@@ -213,11 +213,6 @@ impl<D: Device> Allocator<D> {
         dispatch!(mut self, p => p.set_capture_underway(dev, underway))
     }
 
-    /// Whether a CUDA graph capture is underway ([`Allocator::set_capture_underway`]).
-    pub fn capture_underway(&self) -> bool {
-        self.capture_underway
-    }
-
     /// The device.
     pub fn device(&self) -> &D {
         &self.device
