@@ -246,6 +246,11 @@ pub fn metrics_text(m: &Metrics) -> String {
     };
     let _ = writeln!(
         out,
+        "  steady_state_growth_floor  {} (fewest growths there for any allocator that meets the efficiency target wherever the trace might end)",
+        m.steady_state_growth_floor
+    );
+    let _ = writeln!(
+        out,
         "  simulated_driver_seconds   {:.6}",
         m.simulated_driver_seconds
     );

@@ -6,7 +6,10 @@ use hbmalloc::{BlockState, CallKind, LatencyModel, PolicyConfig, SimConfig, Snap
 use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op};
 use serde::Serialize;
 
-use crate::{Outcome, PreparedTrace, ReplayError, ReplayOptions, UNBOUNDED_CAPACITY_BYTES};
+use crate::{
+    steady_state_growth_floor, Outcome, PreparedTrace, ReplayError, ReplayOptions,
+    UNBOUNDED_CAPACITY_BYTES,
+};
 
 /// Bisection resolution for `min_capacity_bytes`: one device granule.
 pub const MIN_CAPACITY_RESOLUTION_BYTES: u64 = 2 << 20;
@@ -85,6 +88,12 @@ pub struct Metrics {
     /// were called): what the steady-state calls are made of; `None` as for
     /// `steady_state_device_calls`.
     pub steady_state_calls_by_kind: Option<BTreeMap<String, u64>>,
+    /// The fewest times any allocator must get new memory in the second half
+    /// of the trace if it meets the efficiency target wherever the trace
+    /// might have ended ([`steady_state_growth_floor`]): each is one driver
+    /// call at least (`cudaMalloc`), two through the virtual-memory API
+    /// (create and map). The same for every policy.
+    pub steady_state_growth_floor: u64,
     /// Driver time under the latency model.
     pub simulated_driver_seconds: f64,
     /// Allocator CPU time per malloc or free, measured in the replay loop.
@@ -241,6 +250,7 @@ pub fn evaluate(
         cache_hit_rate: ratio(run.cache_hits, run.mallocs),
         steady_state_device_calls: run.steady_state_calls.as_ref().map(|c| c.memory_calls()),
         steady_state_calls_by_kind: run.steady_state_calls.as_ref().map(by_kind),
+        steady_state_growth_floor: steady_state_growth_floor(&live_bytes_after_ops(trace)),
         simulated_driver_seconds: run.calls.simulated_ns as f64 / 1e9,
         ns_per_op: if ops == 0 {
             0.0
@@ -758,6 +768,28 @@ mod tests {
             assert_eq!(failed.steady_state_calls_by_kind, None, "{settings}");
             let completed = evaluate("peak.csv", &trace, &options(settings, None)).unwrap();
             assert!(completed.steady_state_device_calls.is_some(), "{settings}");
+        }
+    }
+
+    #[test]
+    fn every_policy_grows_at_least_as_often_as_the_floor_says() {
+        // Four 64 MiB tensors kept: the second half (ops 3 and 4) takes live
+        // memory past anything an efficient allocator could hold before.
+        let csv = format!(
+            "Thread,Time,Action,Pointer,Size,Stream\n\
+             1,0.1,allocate,0x1000,{size},0x0\n\
+             1,0.2,allocate,0x2000,{size},0x0\n\
+             1,0.3,allocate,0x3000,{size},0x0\n\
+             1,0.4,allocate,0x4000,{size},0x0\n",
+            size = 64 * MIB
+        );
+        let trace = hbmalloc_trace::parse_bytes("growing.csv", csv.as_bytes()).unwrap();
+        let trace = trace.devices.into_iter().next().unwrap();
+        for (settings, calls_per_growth) in [("policy:pytorch", 1), ("policy:hbm", 2)] {
+            let m = evaluate("growing.csv", &trace, &options(settings, None)).unwrap();
+            assert_eq!(m.steady_state_growth_floor, 2, "{settings}");
+            let calls = m.steady_state_device_calls.unwrap();
+            assert!(calls >= calls_per_growth * 2, "{settings}: {calls}");
         }
     }
 

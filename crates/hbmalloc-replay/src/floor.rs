@@ -1,0 +1,197 @@
+//! How few times any allocator can get new memory in the second half of a
+//! trace, if it is never less efficient than the `efficiency` target allows
+//! at any point where the program might have stopped: a lower bound on
+//! `steady_state_device_calls` that no policy can beat, from the live
+//! memory of the trace alone.
+//!
+//! Why every point: an allocator that decides online behaves on a trace's
+//! first `t` operations as on the whole trace, and a program that stopped
+//! after them (a shorter run, a held-out trace) is as real as this one. So
+//! for the efficiency target to hold on every trace, the memory held after
+//! any op `s` may not exceed what the target allows on any prefix that
+//! contains `s`: [`ceiling_bytes`] of each later prefix's peak live memory.
+//! That bound rises with time, live memory must fit under what is held, and
+//! each time live memory passes what is held the allocator must get memory
+//! from the driver: at least one call (`cudaMalloc`), or two through the
+//! virtual-memory API (`cuMemCreate` and `cuMemMap`; `cuMemSetAccess` is not
+//! counted by `steady_state_device_calls`).
+//!
+//! The bound ignores everything that only raises the true figure: requests
+//! rounded up, fragmentation, memory still pending on other streams, and
+//! `empty_cache` (which gives memory back that later must be got again).
+
+/// Peak live memory from which the stricter efficiency floor applies.
+pub const LARGE_HEAP_BYTES: u64 = 1 << 30;
+/// The `efficiency` target where peak live memory is at least
+/// [`LARGE_HEAP_BYTES`] (issue 3).
+pub const LARGE_HEAP_EFFICIENCY: f64 = 0.98;
+/// The `efficiency` target everywhere else (issue 3).
+pub const SMALL_HEAP_EFFICIENCY: f64 = 0.95;
+
+/// The most memory an allocator may hold on a trace whose live memory
+/// peaks at `peak_live_bytes` and still meet the efficiency target there.
+pub fn ceiling_bytes(peak_live_bytes: u64) -> u64 {
+    let floor = if peak_live_bytes >= LARGE_HEAP_BYTES {
+        LARGE_HEAP_EFFICIENCY
+    } else {
+        SMALL_HEAP_EFFICIENCY
+    };
+    (peak_live_bytes as f64 / floor) as u64
+}
+
+/// The fewest times an allocator that meets the efficiency target on every
+/// prefix of the trace must get new memory while it replays the second half
+/// (the ops from `ops / 2` on, where `steady_state_device_calls` counts).
+/// `live_after_ops[i]`: live bytes after `i` ops ([`crate::live_bytes_after_ops`]).
+///
+/// Greedy, and optimal: hold as much as allowed when the second half
+/// begins, and each time live memory passes what is held, grow to as much
+/// as allowed then. Any allowed schedule holds at most as much at every
+/// moment, so it must grow between any two of these growths (and before the
+/// first): it grows at least as often.
+pub fn steady_state_growth_floor(live_after_ops: &[u64]) -> u64 {
+    let Some(ops) = live_after_ops.len().checked_sub(1) else {
+        return 0;
+    };
+    // allowed[t]: the most that may be held after t ops, the least of the
+    // ceilings of the prefixes that end at t or later. Each prefix's own
+    // ceiling can fall as it gets longer (crossing LARGE_HEAP_BYTES
+    // tightens the floor), which is why later prefixes bound earlier ops.
+    let mut allowed = Vec::with_capacity(live_after_ops.len());
+    let mut peak = 0;
+    for &live in live_after_ops {
+        peak = peak.max(live);
+        allowed.push(ceiling_bytes(peak));
+    }
+    for t in (0..ops).rev() {
+        allowed[t] = allowed[t].min(allowed[t + 1]);
+    }
+    let half = ops / 2;
+    let mut held = allowed[half];
+    let mut growths = 0;
+    for t in half + 1..=ops {
+        if live_after_ops[t] > held {
+            held = allowed[t];
+            growths += 1;
+        }
+    }
+    growths
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn a_trace_that_holds_still_needs_no_growth() {
+        assert_eq!(steady_state_growth_floor(&[]), 0);
+        assert_eq!(steady_state_growth_floor(&[0]), 0);
+        let flat = [0, 100 * MIB, 50 * MIB, 100 * MIB, 50 * MIB, 100 * MIB, 0];
+        assert_eq!(steady_state_growth_floor(&flat), 0);
+    }
+
+    #[test]
+    fn growth_within_what_the_first_half_may_hold_needs_none() {
+        // 100 MiB live by the half: up to 105.26 MiB may be held, and the
+        // second half peaks at 105 MiB.
+        let live = [0, 100 * MIB, 100 * MIB, 105 * MIB, 105 * MIB];
+        assert_eq!(steady_state_growth_floor(&live), 0);
+        let live = [0, 100 * MIB, 100 * MIB, 106 * MIB, 106 * MIB];
+        assert_eq!(steady_state_growth_floor(&live), 1);
+    }
+
+    #[test]
+    fn each_step_past_the_ceiling_is_one_growth() {
+        // Live memory doubles at each op of the second half: each rise
+        // passes anything the ceiling allowed before it.
+        let live = [
+            0,
+            MIB,
+            2 * MIB,
+            4 * MIB,
+            8 * MIB,
+            16 * MIB,
+            32 * MIB,
+            64 * MIB,
+        ];
+        // ops = 7, half = 3: ops 4..=7 each grow.
+        assert_eq!(steady_state_growth_floor(&live), 4);
+    }
+
+    #[test]
+    fn a_later_stricter_floor_bounds_earlier_ops() {
+        // At the half live memory is 1000 MiB (ceiling 1052.6 MiB at 0.95),
+        // but the trace then crosses 1 GiB, where 0.98 allows at most
+        // 1,044.9 MiB for a peak of 1,024 MiB: holding 1,052 MiB at the half
+        // would break that prefix's target, so 1,050 MiB live later needs a
+        // growth (a ceiling taken from the half's prefix alone says none).
+        let live = [0, 1000 * MIB, 1000 * MIB, 1024 * MIB, 1050 * MIB];
+        assert_eq!(ceiling_bytes(1000 * MIB), 1_103_764_210);
+        assert_eq!(steady_state_growth_floor(&live), 1);
+    }
+
+    /// Live curves: a few dozen ops, each freeing up to 64 MiB or
+    /// allocating up to 128 MiB, so that live memory tends to grow, into
+    /// new peaks in the second half and across 1 GiB.
+    fn live_curves() -> impl Strategy<Value = Vec<u64>> {
+        prop::collection::vec(-64i64..128, 1..40).prop_map(|deltas| {
+            let mut live = 0i64;
+            std::iter::once(0)
+                .chain(deltas.into_iter().map(|d| {
+                    live = (live + d * MIB as i64).max(0);
+                    live as u64
+                }))
+                .collect()
+        })
+    }
+
+    proptest! {
+        /// No allowed schedule grows less often than the floor says, and one
+        /// grows exactly that often. A schedule that holds at least live
+        /// memory and never more than some prefix's target allows is drawn
+        /// at random (how much it holds at the half, and how much of the
+        /// allowed room each growth takes), and its second-half growths
+        /// counted.
+        #[test]
+        fn no_allowed_schedule_grows_less_often(
+            live in live_curves(),
+            shares in prop::collection::vec(0.0f64..=1.0, 41),
+        ) {
+            let ops = live.len() - 1;
+            let mut allowed: Vec<u64> = Vec::new();
+            let mut peak = 0;
+            for &l in &live {
+                peak = peak.max(l);
+                allowed.push(ceiling_bytes(peak));
+            }
+            for t in (0..ops).rev() {
+                allowed[t] = allowed[t].min(allowed[t + 1]);
+            }
+            let half = ops / 2;
+            let room = |t: usize, share: f64, held: u64| {
+                let low = live[t].max(held);
+                low + ((allowed[t].saturating_sub(low)) as f64 * share) as u64
+            };
+            let growths = |share: &dyn Fn(usize) -> f64| {
+                let mut held = room(half, share(0), live[half]);
+                let mut growths = 0;
+                for t in half + 1..=ops {
+                    if live[t] > held {
+                        held = room(t, share(t), held);
+                        growths += 1;
+                    }
+                    assert!(held >= live[t] && held <= allowed[t]);
+                }
+                growths
+            };
+            let floor = steady_state_growth_floor(&live);
+            prop_assert!(growths(&|t| shares[t]) >= floor);
+            // And the floor is reached: by the schedule that always takes
+            // all the room there is.
+            prop_assert_eq!(growths(&|_| 1.0), floor);
+        }
+    }
+}
