@@ -60,19 +60,7 @@ pub fn steady_state_growth_floor(live_after_ops: &[u64]) -> u64 {
     let Some(ops) = live_after_ops.len().checked_sub(1) else {
         return 0;
     };
-    // allowed[t]: the most that may be held after t ops, the least of the
-    // ceilings of the prefixes that end at t or later. Each prefix's own
-    // ceiling can fall as it gets longer (crossing LARGE_HEAP_BYTES
-    // tightens the floor), which is why later prefixes bound earlier ops.
-    let mut allowed = Vec::with_capacity(live_after_ops.len());
-    let mut peak = 0;
-    for &live in live_after_ops {
-        peak = peak.max(live);
-        allowed.push(ceiling_bytes(peak));
-    }
-    for t in (0..ops).rev() {
-        allowed[t] = allowed[t].min(allowed[t + 1]);
-    }
+    let allowed = allowed_after_ops(live_after_ops);
     let half = ops / 2;
     let mut held = allowed[half];
     let mut growths = 0;
@@ -83,6 +71,26 @@ pub fn steady_state_growth_floor(live_after_ops: &[u64]) -> u64 {
         }
     }
     growths
+}
+
+/// The most an allocator may hold after each op and still meet the
+/// efficiency target on every prefix that contains the op: the least of the
+/// ceilings of the prefixes that end there or later. A prefix's own ceiling
+/// can fall as it gets longer (crossing [`LARGE_HEAP_BYTES`] tightens the
+/// target), which is why later prefixes bound earlier ops.
+fn allowed_after_ops(live_after_ops: &[u64]) -> Vec<u64> {
+    let mut peak = 0;
+    let mut allowed: Vec<u64> = live_after_ops
+        .iter()
+        .map(|&live| {
+            peak = peak.max(live);
+            ceiling_bytes(peak)
+        })
+        .collect();
+    for t in (0..allowed.len().saturating_sub(1)).rev() {
+        allowed[t] = allowed[t].min(allowed[t + 1]);
+    }
+    allowed
 }
 
 #[cfg(test)]
@@ -168,15 +176,7 @@ mod tests {
             shares in prop::collection::vec(0.0f64..=1.0, 41),
         ) {
             let ops = live.len() - 1;
-            let mut allowed: Vec<u64> = Vec::new();
-            let mut peak = 0;
-            for &l in &live {
-                peak = peak.max(l);
-                allowed.push(ceiling_bytes(peak));
-            }
-            for t in (0..ops).rev() {
-                allowed[t] = allowed[t].min(allowed[t + 1]);
-            }
+            let allowed = allowed_after_ops(&live);
             let half = ops / 2;
             let room = |t: usize, share: f64, held: u64| {
                 let low = live[t].max(held);

@@ -216,7 +216,8 @@ pub fn evaluate(
     let replay = options.replay_options();
     let run = prepared.run(&replay)?;
 
-    let peak_live = peak_live_bytes(trace);
+    let live = live_bytes_after_ops(trace);
+    let peak_live = live.iter().copied().max().unwrap_or(0);
     let out_of_memory = match &run.outcome {
         Outcome::Completed => None,
         Outcome::OutOfMemory { op_index, report } => Some((*op_index, (**report).clone())),
@@ -250,7 +251,7 @@ pub fn evaluate(
         cache_hit_rate: ratio(run.cache_hits, run.mallocs),
         steady_state_device_calls: run.steady_state_calls.as_ref().map(|c| c.memory_calls()),
         steady_state_calls_by_kind: run.steady_state_calls.as_ref().map(by_kind),
-        steady_state_growth_floor: steady_state_growth_floor(&live_bytes_after_ops(trace)),
+        steady_state_growth_floor: steady_state_growth_floor(&live),
         simulated_driver_seconds: run.calls.simulated_ns as f64 / 1e9,
         ns_per_op: if ops == 0 {
             0.0
