@@ -28,16 +28,16 @@
 //! allocator that keeps to the target must: the floor speaks of the latter.
 
 /// Peak live memory from which the stricter efficiency floor applies.
-pub const LARGE_HEAP_BYTES: u64 = 1 << 30;
+const LARGE_HEAP_BYTES: u64 = 1 << 30;
 /// The `efficiency` target where peak live memory is at least
 /// [`LARGE_HEAP_BYTES`] (issue 3).
-pub const LARGE_HEAP_EFFICIENCY: f64 = 0.98;
+const LARGE_HEAP_EFFICIENCY: f64 = 0.98;
 /// The `efficiency` target everywhere else (issue 3).
-pub const SMALL_HEAP_EFFICIENCY: f64 = 0.95;
+const SMALL_HEAP_EFFICIENCY: f64 = 0.95;
 
 /// The most memory an allocator may hold on a trace whose live memory
 /// peaks at `peak_live_bytes` and still meet the efficiency target there.
-pub fn ceiling_bytes(peak_live_bytes: u64) -> u64 {
+fn ceiling_bytes(peak_live_bytes: u64) -> u64 {
     let floor = if peak_live_bytes >= LARGE_HEAP_BYTES {
         LARGE_HEAP_EFFICIENCY
     } else {

@@ -23,10 +23,7 @@ use hbmalloc_trace::{AllocId, DeviceTrace, InitialBlockState, Op, SegmentEventKi
 pub use fidelity::{
     fidelity, Divergence, FidelityReport, SegmentEvent, CONTEXT_AFTER, CONTEXT_BEFORE,
 };
-pub use floor::{
-    ceiling_bytes, steady_state_growth_floor, LARGE_HEAP_BYTES, LARGE_HEAP_EFFICIENCY,
-    SMALL_HEAP_EFFICIENCY,
-};
+pub use floor::steady_state_growth_floor;
 pub use metrics::{
     evaluate, live_bytes_after_ops, peak_live_bytes, snapshot, timeline, EvalOptions,
     FreeBreakdown, Metrics, RecordedMetrics, ReplaySnapshot, SnapshotMoment, Timeline,
