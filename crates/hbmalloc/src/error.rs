@@ -251,7 +251,8 @@ impl fmt::Display for AllocError {
             AllocError::UnknownPool { pool } => write!(
                 f,
                 "no private memory pool ({}, {}) on this device: create it first \
-                 (createOrIncrefPool), or it was released",
+                 (create_or_incref_pool, which PyTorch reaches when a MemPool is made or a \
+                 graph capture begins), or it was released",
                 pool.0, pool.1
             ),
         }
