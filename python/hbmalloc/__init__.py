@@ -126,7 +126,7 @@ def settings(device=0):
 
 
 def replay(
-    trace_path, policy="hbm", config="", capacity=None, find_min_capacity=True, whole_handle_maps=False
+    trace_path, policy="hbm", config="", capacity=None, find_min_capacity=True, part_handle_maps=False
 ):
     """Replays a recorded trace (PyTorch snapshot ``.pickle``, torch.profiler
     ``.json``/``.json.gz``, RMM ``.csv``) on a simulated GPU under ``policy``
@@ -138,9 +138,10 @@ def replay(
     ``hbmalloc replay --json`` (``peak_live_bytes``, ``peak_reserved_bytes``,
     ``efficiency``, ``min_capacity_bytes``, ``device_calls``, ...).
     ``find_min_capacity=False`` skips the bisection for ``min_capacity_bytes``.
-    ``whole_handle_maps=True`` simulates a driver that maps whole physical
-    handles only (``hbmalloc replay --whole-handle-maps``: CUDA documents the
-    offset of a map into a handle as zero); by default it also maps parts.
+    The simulated GPU behaves like a real one (whole-handle maps, driver
+    latencies measured on an H100); ``part_handle_maps=True`` is a what-if: a
+    driver that also maps part of a physical handle
+    (``hbmalloc replay --part-handle-maps``).
     """
     if capacity is not None:
         capacity = int(capacity)
@@ -153,7 +154,7 @@ def replay(
             config,
             capacity,
             bool(find_min_capacity),
-            bool(whole_handle_maps),
+            bool(part_handle_maps),
         )
     )
 

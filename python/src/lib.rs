@@ -61,7 +61,7 @@ fn empty_cache(device: i32) -> PyResult<()> {
 /// Replays a trace file on a simulated GPU; a JSON list with one metrics
 /// object per device of the trace.
 #[pyfunction]
-#[pyo3(signature = (trace_path, policy, config, capacity, find_min_capacity, whole_handle_maps))]
+#[pyo3(signature = (trace_path, policy, config, capacity, find_min_capacity, part_handle_maps))]
 fn replay_json(
     py: Python<'_>,
     trace_path: PathBuf,
@@ -69,7 +69,7 @@ fn replay_json(
     config: &str,
     capacity: Option<u64>,
     find_min_capacity: bool,
-    whole_handle_maps: bool,
+    part_handle_maps: bool,
 ) -> PyResult<String> {
     let policy =
         PolicyConfig::parse(policy, config).map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -78,11 +78,10 @@ fn replay_json(
         let trace =
             hbmalloc_trace::load(&trace_path).map_err(|e| PyOSError::new_err(e.to_string()))?;
         let options = EvalOptions {
-            policy,
             capacity_bytes: capacity,
             find_min_capacity,
-            reproduce_recorded_ooms: false,
-            maps_handle_parts: !whole_handle_maps,
+            maps_handle_parts: part_handle_maps,
+            ..EvalOptions::new(policy)
         };
         let mut rows = Vec::new();
         for device in &trace.devices {

@@ -8,7 +8,7 @@ use std::process::{self, ExitCode};
 
 use clap::{Args, Parser, Subcommand};
 use hbmalloc::format::format_bytes;
-use hbmalloc::PolicyConfig;
+use hbmalloc::{LatencyModel, PolicyConfig};
 use hbmalloc_replay::{
     evaluate, fidelity, plan_greedy_by_size, plan_last_step, snapshot, timeline, EvalOptions,
     Metrics, SnapshotMoment,
@@ -90,21 +90,54 @@ struct WhatIf {
     /// to the exact sizes recorded.
     #[arg(long, value_name = "SEED")]
     jitter_sizes: Option<u64>,
-    /// What if the driver mapped whole physical handles only: `cuMemMap`'s
-    /// documentation says its offset "currently must be zero" (the CUDA
-    /// backend asks the driver when it opens a device). Policy hbm then
-    /// creates handles of one granule (1/2048 of the most memory held once
-    /// that is 8 GiB), mapped whole; by default the simulated driver maps
-    /// any granule-aligned part of a handle.
+    /// What if the driver mapped part of a physical handle: real drivers
+    /// refuse a map at an offset into a handle (`cuMemMap`'s documentation
+    /// says the offset "currently must be zero"), and so does the simulated
+    /// one by default.
     #[arg(long)]
-    whole_handle_maps: bool,
+    part_handle_maps: bool,
+    /// What if every driver call were free: by default each costs what it
+    /// was measured to cost on an H100 (`docs/driver-latency.md`).
+    #[arg(long)]
+    zero_latency: bool,
+    /// What if a variable-length run went on for N steps: keep each trace up
+    /// to its first steady step, then draw N of its recorded steps at random
+    /// (seed: --draw-seed), as a data loader draws batches of other lengths.
+    /// Needs step marks (torch.profiler's ProfilerStep#N).
+    #[arg(long, value_name = "N", conflicts_with = "repeat_step")]
+    draw_steps: Option<usize>,
+    /// The seed of --draw-steps.
+    #[arg(
+        long,
+        value_name = "SEED",
+        default_value_t = 0,
+        requires = "draw_steps"
+    )]
+    draw_seed: u64,
 }
 
 impl WhatIf {
-    /// `traces` as the options change them: steps repeated, then sizes
-    /// jittered.
+    /// `traces` as the options change them: steps repeated or drawn, then
+    /// sizes jittered.
     fn apply(&self, traces: Vec<Trace>) -> Result<Vec<Trace>, String> {
         let mut traces = repeat_steps(traces, self.repeat_step)?;
+        if let Some(steps) = self.draw_steps {
+            for trace in &mut traces {
+                for device in &mut trace.devices {
+                    *device =
+                        hbmalloc_trace::draw_steps(device, steps, self.draw_seed).map_err(|e| {
+                            format!(
+                                "{} device {}: --draw-steps: {e}",
+                                trace.source, device.device
+                            )
+                        })?;
+                }
+                trace.source = format!(
+                    "{} ~{steps} steps drawn (seed {})",
+                    trace.source, self.draw_seed
+                );
+            }
+        }
         if let Some(seed) = self.jitter_sizes {
             for trace in &mut traces {
                 for device in &mut trace.devices {
@@ -113,12 +146,46 @@ impl WhatIf {
                 trace.source = format!("{} ~sizes{seed}", trace.source);
             }
         }
-        if self.whole_handle_maps {
-            for trace in &mut traces {
-                trace.source = format!("{} ~whole-handle-maps", trace.source);
+        for (asked, label) in [
+            (self.part_handle_maps, "part-handle-maps"),
+            (self.zero_latency, "zero-latency"),
+        ] {
+            if asked {
+                for trace in &mut traces {
+                    trace.source = format!("{} ~{label}", trace.source);
+                }
             }
         }
         Ok(traces)
+    }
+
+    /// One line saying which driver the replays simulated.
+    fn driver_description(&self) -> String {
+        let maps = if self.part_handle_maps {
+            "also maps part of a physical handle (what-if: --part-handle-maps)"
+        } else {
+            "maps whole physical handles only, as real drivers do"
+        };
+        let latency = if self.zero_latency {
+            "every call free (what-if: --zero-latency)"
+        } else {
+            "calls timed as measured on an H100"
+        };
+        format!("Replayed on a simulated GPU whose driver {maps}; {latency}.\n")
+    }
+
+    /// Evaluation options for `policy` on the simulated driver these
+    /// what-ifs ask for.
+    fn eval_options(&self, policy: PolicyConfig) -> EvalOptions {
+        EvalOptions {
+            maps_handle_parts: self.part_handle_maps,
+            latency: if self.zero_latency {
+                LatencyModel::zero()
+            } else {
+                LatencyModel::h100()
+            },
+            ..EvalOptions::new(policy)
+        }
     }
 }
 
@@ -316,11 +383,9 @@ fn run(command: Command) -> Result<(), String> {
                     let configurations: Vec<EvalOptions> = runs
                         .iter()
                         .map(|policy| EvalOptions {
-                            policy: policy.clone(),
                             capacity_bytes: capacity.map(|c| c.bytes(device)),
                             find_min_capacity: !no_min_capacity,
-                            reproduce_recorded_ooms: false,
-                            maps_handle_parts: !what_if.whole_handle_maps,
+                            ..what_if.eval_options(policy.clone())
                         })
                         .collect();
                     let mut metrics = Vec::new();
@@ -359,7 +424,7 @@ fn run(command: Command) -> Result<(), String> {
             if !json {
                 out!(
                     "{}",
-                    table::compare_table(&rows, &plans, what_if.whole_handle_maps)
+                    table::compare_table(&rows, &plans, &what_if.driver_description())
                 );
             }
             Ok(())
@@ -400,11 +465,10 @@ fn run(command: Command) -> Result<(), String> {
             for trace in what_if.apply(load_all(&traces)?)? {
                 for device in &trace.devices {
                     let options = EvalOptions {
-                        policy: policy.clone(),
                         capacity_bytes: capacity.map(|c| c.bytes(device)),
                         find_min_capacity: min_capacity,
                         reproduce_recorded_ooms: !ignore_recorded_ooms,
-                        maps_handle_parts: !what_if.whole_handle_maps,
+                        ..what_if.eval_options(policy.clone())
                     };
                     let m = evaluate(&trace.source, device, &options)
                         .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
@@ -613,11 +677,18 @@ fn parse_runs(runs: &[String]) -> Result<Vec<PolicyConfig>, String> {
         .collect()
 }
 
+/// Loads every trace, saying on stderr what an importer left out.
 fn load_all(paths: &[PathBuf]) -> Result<Vec<Trace>, String> {
-    paths
+    let traces: Vec<Trace> = paths
         .iter()
         .map(|p| hbmalloc_trace::load(p).map_err(|e| e.to_string()))
-        .collect()
+        .collect::<Result<_, _>>()?;
+    for trace in &traces {
+        for note in &trace.notes {
+            eprintln!("hbmalloc: {}: {note}", trace.source);
+        }
+    }
+    Ok(traces)
 }
 
 /// A count from 1 to `most`: anything else is refused with the range, not

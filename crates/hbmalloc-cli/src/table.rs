@@ -49,12 +49,8 @@ pub fn trace_name(source: &str) -> String {
 /// One row per trace and device; for each configuration its peak reserved,
 /// waste, efficiency, minimum capacity and memory-moving driver calls; and,
 /// where `plans` has one for the row, what the offline plan holds. The
-/// footer says which driver the replays simulated (`whole_handle_maps`).
-pub fn compare_table(
-    rows: &[Vec<Metrics>],
-    plans: &[Option<Plan>],
-    whole_handle_maps: bool,
-) -> String {
+/// footer says which driver the replays simulated (`driver`, one line).
+pub fn compare_table(rows: &[Vec<Metrics>], plans: &[Option<Plan>], driver: &str) -> String {
     let mut out = String::new();
     let Some(first) = rows.first() else {
         return "no trace had any device activity\n".into();
@@ -194,12 +190,7 @@ pub fn compare_table(
                 granules mapped only while a block lies on them (driver calls not counted): what\n\
                 foresight alone would save.\n";
     }
-    out += if whole_handle_maps {
-        "Replayed on a simulated GPU whose driver maps whole physical handles only.\n"
-    } else {
-        "Replayed on a simulated GPU whose driver also maps part of a physical handle; CUDA documents\n\
-         the offset of such a map as zero (--whole-handle-maps replays a driver that keeps to it).\n"
-    };
+    out += driver;
     out
 }
 

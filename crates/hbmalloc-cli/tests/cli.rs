@@ -529,33 +529,40 @@ fn jitter_sizes_replays_the_trace_with_other_sizes() {
     assert_ne!(live(&other), live(&jittered));
 }
 
-/// `--whole-handle-maps`: a driver whose `cuMemMap` maps whole handles only.
-/// Policy hbm replays the bundled trace without a refused map, creating a
-/// handle per granule (its heap stays under 8 GiB, where handles hold one
-/// granule: as many creates as granules mapped, so more than on a driver
-/// that maps parts), and the row says which driver it ran on.
+/// The simulated driver behaves like a real one unless a what-if is asked
+/// for: it maps whole handles only, so policy hbm creates a handle per
+/// granule (its heap stays under 8 GiB, where handles hold one granule), and
+/// calls cost what they cost on an H100. `--part-handle-maps` lets hbm map
+/// parts of larger handles (fewer creates); `--zero-latency` makes driver
+/// time 0 and changes no decision. The table says which driver it ran on.
 #[test]
-fn whole_handle_maps_replays_hbm_on_a_handle_per_granule() {
-    let parts = bundled_hbm_row(&[]);
-    let whole = bundled_hbm_row(&["--whole-handle-maps"]);
-    assert!(whole["trace"]
+fn the_simulated_driver_is_the_real_one_unless_a_what_if_is_asked() {
+    let real = bundled_hbm_row(&[]);
+    let parts = bundled_hbm_row(&["--part-handle-maps"]);
+    let free = bundled_hbm_row(&["--zero-latency"]);
+    assert!(parts["trace"]
         .as_str()
         .unwrap()
-        .ends_with("~whole-handle-maps"));
-    assert!(whole["out_of_memory"].is_null(), "{whole}");
+        .ends_with("~part-handle-maps"));
+    assert!(real["out_of_memory"].is_null(), "{real}");
     let creates = |r: &serde_json::Value| r["device_calls"]["physical_create"].as_u64().unwrap();
-    assert!(creates(&whole) > creates(&parts), "{whole} {parts}");
+    assert!(creates(&real) > creates(&parts), "{real} {parts}");
     // Every create is one granule: the peak held is at most that many granules.
-    let peak = whole["peak_reserved_bytes"].as_u64().unwrap();
-    assert!(creates(&whole) * (2 << 20) >= peak);
+    let peak = real["peak_reserved_bytes"].as_u64().unwrap();
+    assert!(creates(&real) * (2 << 20) >= peak);
+    assert!(real["simulated_driver_seconds"].as_f64().unwrap() > 0.0);
+    assert_eq!(free["simulated_driver_seconds"].as_f64().unwrap(), 0.0);
+    assert_eq!(free["device_calls"], real["device_calls"]);
+    assert_eq!(free["peak_reserved_bytes"], real["peak_reserved_bytes"]);
     // The table says which driver it simulated.
     let table = |extra: &[&str]| {
         let mut args = vec!["compare", "--run", "policy:hbm", "--no-min-capacity"];
         args.extend_from_slice(extra);
         String::from_utf8(hbmalloc(&args).stdout).unwrap()
     };
-    assert!(table(&[]).contains("also maps part of a physical handle"));
-    assert!(table(&["--whole-handle-maps"]).contains("maps whole physical handles only"));
+    assert!(table(&[]).contains("maps whole physical handles only"));
+    assert!(table(&["--part-handle-maps"]).contains("also maps part of a physical handle"));
+    assert!(table(&["--zero-latency"]).contains("every call free"));
 }
 
 /// X (2 MiB), then Y (4 MiB), X freed, then Z (4 MiB): Y and Z are the peak

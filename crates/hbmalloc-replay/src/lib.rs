@@ -43,9 +43,9 @@ pub struct ReplayOptions {
     pub capacity_bytes: u64,
     /// Latency charged per driver call (simulated time, never slept).
     pub latency: LatencyModel,
-    /// The simulated driver maps part of a physical handle
-    /// (`Device::maps_handle_parts`); false simulates one that maps whole
-    /// handles only, as `cuMemMap`'s documentation allows.
+    /// A what-if: the simulated driver maps part of a physical handle
+    /// (`Device::maps_handle_parts`). False, the default, maps whole handles
+    /// only, as real drivers do.
     pub maps_handle_parts: bool,
     /// Reproduce the recorded allocator's out-of-memory failures (`Op::Oom`)
     /// by making the simulated device report the same free memory at that
@@ -78,8 +78,8 @@ impl ReplayOptions {
         ReplayOptions {
             policy,
             capacity_bytes: UNBOUNDED_CAPACITY_BYTES,
-            latency: LatencyModel::realistic(),
-            maps_handle_parts: true,
+            latency: LatencyModel::h100(),
+            maps_handle_parts: false,
             emulate_recorded_ooms: false,
             record_history: false,
             use_recorded_addresses: false,
@@ -136,6 +136,9 @@ pub struct RunResult {
     /// Driver calls made during the second half of the ops; `None` when the
     /// replay stopped before it (out of memory, or a snapshot taken).
     pub steady_state_calls: Option<CallCounts>,
+    /// [`RunResult::peak_reserved_bytes`] over the first half of the ops
+    /// alone; `None` when the replay stopped before the second half.
+    pub peak_reserved_at_half: Option<u64>,
     /// `malloc` calls made.
     pub mallocs: u64,
     /// `free` calls made.
@@ -353,6 +356,7 @@ impl PreparedTrace {
             peak_reserved_bytes: 0,
             calls: CallCounts::default(),
             steady_state_calls: None,
+            peak_reserved_at_half: None,
             mallocs: 0,
             frees: 0,
             cache_hits: 0,
@@ -391,6 +395,9 @@ impl PreparedTrace {
         // The calls made before the second half of the trace; `None` until
         // the replay gets there.
         let mut calls_at_half = (half == 0).then(|| allocator.device().call_counts());
+        if half == 0 {
+            result.peak_reserved_at_half = Some(allocator.device().peak_used_bytes());
+        }
         let mut peak_reserved_between_ops = reserved_now(&allocator);
         if options.record_reserved_after_ops {
             result.reserved_after_ops.reserve(self.ops.len() + 1);
@@ -406,6 +413,7 @@ impl PreparedTrace {
             }
             if i == half {
                 calls_at_half = Some(allocator.device().call_counts());
+                result.peak_reserved_at_half = Some(allocator.device().peak_used_bytes());
             }
             let step = self.step(&mut allocator, &mut ptrs, (i, *op), options, &mut result);
             let reserved = reserved_now(&allocator);

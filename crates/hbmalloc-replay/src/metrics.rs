@@ -26,12 +26,34 @@ pub struct EvalOptions {
     /// Reproduce the out-of-memory errors the trace recorded (the device
     /// reports the free memory it reported then) and report them.
     pub reproduce_recorded_ooms: bool,
-    /// The simulated driver maps part of a physical handle (see
+    /// A what-if: the simulated driver maps part of a physical handle (see
     /// [`ReplayOptions::maps_handle_parts`]).
     pub maps_handle_parts: bool,
+    /// What each driver call costs (default: measured on an H100).
+    pub latency: LatencyModel,
+    /// The simulated driver hands out the recorded allocator's segment
+    /// addresses while the replay asks for the same sizes (see
+    /// [`ReplayOptions::use_recorded_addresses`]): best-fit ties between
+    /// equal blocks then break as they did for real.
+    pub use_recorded_addresses: bool,
 }
 
 impl EvalOptions {
+    /// Measure `policy` on an unbounded device that behaves like a real
+    /// one: whole-handle maps, measured latencies, recorded addresses; no
+    /// bisection for the smallest device.
+    pub fn new(policy: PolicyConfig) -> Self {
+        EvalOptions {
+            policy,
+            capacity_bytes: None,
+            find_min_capacity: false,
+            reproduce_recorded_ooms: false,
+            maps_handle_parts: false,
+            latency: LatencyModel::h100(),
+            use_recorded_addresses: true,
+        }
+    }
+
     /// The options of the main replay: this policy and capacity, and the
     /// recorded out-of-memory errors reproduced if asked.
     fn replay_options(&self) -> ReplayOptions {
@@ -39,6 +61,8 @@ impl EvalOptions {
         replay.capacity_bytes = self.capacity_bytes.unwrap_or(UNBOUNDED_CAPACITY_BYTES);
         replay.emulate_recorded_ooms = self.reproduce_recorded_ooms;
         replay.maps_handle_parts = self.maps_handle_parts;
+        replay.latency = self.latency.clone();
+        replay.use_recorded_addresses = self.use_recorded_addresses;
         replay
     }
 }
@@ -63,12 +87,19 @@ pub struct Metrics {
     pub settings: String,
     /// Mallocs plus frees replayed.
     pub ops: u64,
+    /// Steps the trace marks ([`DeviceTrace::step_starts`]; 0: unknown).
+    pub steps: usize,
     /// Max over time of the sum of live requested sizes: the physical floor.
     pub peak_live_bytes: u64,
     /// Max over time of device memory held (segments plus physical memory).
     pub peak_reserved_bytes: u64,
     /// `peak_live_bytes / peak_reserved_bytes`.
     pub efficiency: f64,
+    /// The same over the first half of the ops alone (peak live over peak
+    /// reserved, both up to the middle op): `efficiency` well below it is
+    /// drift, a cache that holds more the longer it runs. `None` when the
+    /// replay stopped before the middle.
+    pub efficiency_at_half: Option<f64>,
     /// `peak_reserved_bytes - peak_live_bytes`.
     pub waste_bytes: u64,
     /// Smallest capacity on which the whole trace runs without running out of memory.
@@ -96,6 +127,13 @@ pub struct Metrics {
     pub steady_state_growth_floor: u64,
     /// Driver time under the latency model.
     pub simulated_driver_seconds: f64,
+    /// Wall-clock time the recording spans ([`DeviceTrace::recorded_span_us`]),
+    /// where the trace has timestamps.
+    pub recorded_seconds: Option<f64>,
+    /// `simulated_driver_seconds / recorded_seconds`: the share of the run
+    /// the driver calls would take. `None` for memory recorded on a CPU
+    /// (device -1), whose wall time says nothing of a GPU's.
+    pub driver_time_fraction: Option<f64>,
     /// Allocator CPU time per malloc or free, measured in the replay loop.
     pub ns_per_op: f64,
     /// `None` when the trace completed; otherwise the op that ran out of
@@ -218,6 +256,13 @@ pub fn evaluate(
 
     let live = live_bytes_after_ops(trace);
     let peak_live = live.iter().copied().max().unwrap_or(0);
+    // `live[i]` is after `i` ops: the first half is `live[..=half]`.
+    let half = prepared.len() / 2;
+    let peak_live_at_half = live[..=half.min(live.len() - 1)]
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(0);
     let out_of_memory = match &run.outcome {
         Outcome::Completed => None,
         Outcome::OutOfMemory { op_index, report } => Some((*op_index, (**report).clone())),
@@ -228,6 +273,7 @@ pub fn evaluate(
         None
     };
     let ops = run.mallocs + run.frees;
+    let recorded_seconds = trace.recorded_span_us.map(|us| us as f64 / 1e6);
     let by_kind = |calls: &hbmalloc::sim::CallCounts| -> BTreeMap<String, u64> {
         CallKind::ALL
             .iter()
@@ -240,9 +286,13 @@ pub fn evaluate(
         device: trace.device,
         settings: options.policy.to_settings(),
         ops,
+        steps: trace.step_starts.len(),
         peak_live_bytes: peak_live,
         peak_reserved_bytes: run.peak_reserved_bytes,
         efficiency: ratio(peak_live, run.peak_reserved_bytes),
+        efficiency_at_half: run
+            .peak_reserved_at_half
+            .map(|reserved| ratio(peak_live_at_half, reserved)),
         waste_bytes: run.peak_reserved_bytes.saturating_sub(peak_live),
         min_capacity_bytes: min_capacity,
         min_capacity_resolution_bytes: MIN_CAPACITY_RESOLUTION_BYTES,
@@ -253,6 +303,10 @@ pub fn evaluate(
         steady_state_calls_by_kind: run.steady_state_calls.as_ref().map(by_kind),
         steady_state_growth_floor: steady_state_growth_floor(&live),
         simulated_driver_seconds: run.calls.simulated_ns as f64 / 1e9,
+        recorded_seconds,
+        driver_time_fraction: recorded_seconds
+            .filter(|&s| s > 0.0 && trace.device >= 0)
+            .map(|s| run.calls.simulated_ns as f64 / 1e9 / s),
         ns_per_op: if ops == 0 {
             0.0
         } else {
@@ -526,11 +580,8 @@ mod tests {
 
     fn options(settings: &str, capacity_bytes: Option<u64>) -> EvalOptions {
         EvalOptions {
-            policy: PolicyConfig::from_settings(settings).unwrap(),
             capacity_bytes,
-            find_min_capacity: false,
-            reproduce_recorded_ooms: false,
-            maps_handle_parts: true,
+            ..EvalOptions::new(PolicyConfig::from_settings(settings).unwrap())
         }
     }
 

@@ -84,6 +84,42 @@ fn pytorch_policy_reproduces_every_cuda_snapshot_exactly() {
     );
 }
 
+/// `compare`'s `pytorch` column is what PyTorch did: every CUDA snapshot
+/// (the GPU run in `gpu-h100/` too), evaluated as `compare` does under
+/// PyTorch's policy with the configuration it was recorded with, peaks at
+/// exactly the reserved memory PyTorch recorded. The simulated driver hands
+/// out the recorded addresses, so best-fit ties break as they did.
+#[test]
+fn pytorch_policy_peaks_at_the_recorded_reserved_memory() {
+    let Some(shared) = shared_traces() else {
+        return;
+    };
+    let mut checked = 0;
+    for dir in ["pytorch-snapshots", "gpu-h100"] {
+        for trace in load_dir(&shared.join(dir)) {
+            for device in trace.devices.iter().filter(|d| !d.foreign_allocator) {
+                let config = device.recorded_config.as_deref().unwrap_or("");
+                let policy = PolicyConfig::parse("pytorch", config).unwrap();
+                let m = evaluate(&trace.source, device, &EvalOptions::new(policy))
+                    .unwrap_or_else(|e| panic!("{}: {e}", trace.source));
+                let recorded = device.recorded.as_ref().and_then(|r| r.peak_reserved_bytes);
+                assert_eq!(
+                    Some(m.peak_reserved_bytes),
+                    recorded,
+                    "{} device {}",
+                    trace.source,
+                    device.device
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(
+        checked >= 15,
+        "expected at least 15 CUDA snapshot devices, checked {checked}"
+    );
+}
+
 /// Peak live bytes computed another way: sort all lifetime edges and sweep.
 fn independent_peak_live(trace: &DeviceTrace) -> u64 {
     let mut edges: Vec<(usize, i128)> = Vec::new();
@@ -137,13 +173,7 @@ fn compare_runs_on_every_trace_and_peak_live_is_exact() {
             for device in &trace.devices {
                 let expected = independent_peak_live(device);
                 for policy in &policies {
-                    let options = EvalOptions {
-                        policy: policy.clone(),
-                        capacity_bytes: None,
-                        find_min_capacity: false,
-                        reproduce_recorded_ooms: false,
-                        maps_handle_parts: true,
-                    };
+                    let options = EvalOptions::new(policy.clone());
                     let m = evaluate(&trace.source, device, &options)
                         .unwrap_or_else(|e| panic!("{}: {e}", trace.source));
                     assert_eq!(
@@ -231,11 +261,8 @@ fn min_capacity_is_tight() {
         &trace.source,
         device,
         &EvalOptions {
-            policy: policy.clone(),
-            capacity_bytes: None,
             find_min_capacity: true,
-            reproduce_recorded_ooms: false,
-            maps_handle_parts: true,
+            ..EvalOptions::new(policy.clone())
         },
     )
     .unwrap();
@@ -246,11 +273,8 @@ fn min_capacity_is_tight() {
             &trace.source,
             device,
             &EvalOptions {
-                policy: policy.clone(),
                 capacity_bytes: Some(capacity),
-                find_min_capacity: false,
-                reproduce_recorded_ooms: false,
-                maps_handle_parts: true,
+                ..EvalOptions::new(policy.clone())
             },
         )
         .unwrap()
@@ -277,11 +301,10 @@ fn the_recorded_oom_is_reproduced_and_explained() {
     .unwrap();
     let device = trace.devices.iter().find(|d| d.device == 1).unwrap();
     let options = EvalOptions {
-        policy: PolicyConfig::from_settings("policy:pytorch,expandable_segments:True").unwrap(),
-        capacity_bytes: None,
-        find_min_capacity: false,
         reproduce_recorded_ooms: true,
-        maps_handle_parts: true,
+        ..EvalOptions::new(
+            PolicyConfig::from_settings("policy:pytorch,expandable_segments:True").unwrap(),
+        )
     };
     let m = evaluate(&trace.source, device, &options).unwrap();
     assert_eq!(m.reproduced_ooms.len(), 1, "one recorded OOM, reproduced");

@@ -8,9 +8,12 @@
 //! knows nothing of segments or streams, so every op is on stream 0.
 //!
 //! Devices: a GPU run logs host (CPU) and device memory in the same file.
-//! CPU events become device `-1`; every other device type keeps its
-//! `Device Id` (a CUDA device 0 is device 0). Two device types sharing an id
-//! (rare) stay separate traces with the same number.
+//! Every device type but the CPU keeps its `Device Id` (a CUDA device 0 is
+//! device 0); two device types sharing an id (rare) stay separate traces with
+//! the same number. Host memory is no GPU's: where the file has device
+//! memory, CPU events are left out with a note (`Trace::notes`). A file with
+//! host memory only (a program profiled on a CPU, standing in for its GPU
+//! run) keeps it as device `-1`.
 //!
 //! The document is `{"traceEvents": [...], ...}` with any other keys
 //! (`deviceProperties`, `distributedInfo`, `baseTimeNanoseconds`, ...) or a
@@ -53,13 +56,20 @@ pub fn parse_chrome_trace(bytes: &[u8]) -> Result<Trace, TraceError> {
     };
 
     let mut memory_events = Vec::new();
+    let mut step_times = Vec::new();
     for (index, event) in events.iter().enumerate() {
         match event.get("name").and_then(Json::as_str) {
             Some("[memory]") => memory_events.push(MemoryEvent::parse(index, event, false)?),
             Some("[OutOfMemory]") => memory_events.push(MemoryEvent::parse(index, event, true)?),
+            Some(name) if name.starts_with("ProfilerStep#") => {
+                if let Some(ts) = event.get("ts").and_then(Json::as_f64) {
+                    step_times.push(ts);
+                }
+            }
             _ => {}
         }
     }
+    step_times.sort_by(f64::total_cmp);
     if memory_events.is_empty() {
         return Err(entry_error(
             "traceEvents",
@@ -79,11 +89,22 @@ pub fn parse_chrome_trace(bytes: &[u8]) -> Result<Trace, TraceError> {
         devices
             .entry((device, event.device_type))
             .or_insert_with(|| DeviceBuilder::new(device))
-            .apply(event);
+            .apply(event, &step_times);
+    }
+    let mut notes = Vec::new();
+    let has_accelerator = devices.keys().any(|&(_, kind)| kind != DEVICE_TYPE_CPU);
+    if has_accelerator {
+        if let Some(host) = devices.remove(&(-1, DEVICE_TYPE_CPU)) {
+            notes.push(format!(
+                "host (CPU) memory left out: {} allocations, not on a GPU",
+                host.next_id
+            ));
+        }
     }
     Ok(Trace {
         source: String::new(),
-        devices: devices.into_values().map(|d| d.trace).collect(),
+        devices: devices.into_values().map(DeviceBuilder::finish).collect(),
+        notes,
     })
 }
 
@@ -155,6 +176,10 @@ struct DeviceBuilder {
     trace: DeviceTrace,
     live: HashMap<u64, AllocId>,
     next_id: AllocId,
+    /// The first and last `ts` seen, in microseconds.
+    span: Option<(f64, f64)>,
+    /// Steps (of the file's sorted step start times) already begun.
+    steps_begun: usize,
 }
 
 impl DeviceBuilder {
@@ -166,14 +191,37 @@ impl DeviceBuilder {
             },
             live: HashMap::new(),
             next_id: 0,
+            span: None,
+            steps_begun: 0,
         }
+    }
+
+    fn finish(mut self) -> DeviceTrace {
+        self.trace.recorded_span_us = self
+            .span
+            .map(|(first, last)| (last - first).max(0.0).round() as u64);
+        self.trace
     }
 
     fn skip(&mut self, reason: &str) {
         *self.trace.skipped.entry(reason.to_string()).or_default() += 1;
     }
 
-    fn apply(&mut self, event: &MemoryEvent) {
+    /// Applies `event`; `step_times` are when the file's steps began, sorted.
+    fn apply(&mut self, event: &MemoryEvent, step_times: &[f64]) {
+        // A step begins at the first op at or after its start time; steps
+        // with no op of this device in them mark nothing.
+        let begun = step_times.partition_point(|&t| t <= event.ts);
+        if begun > self.steps_begun {
+            self.steps_begun = begun;
+            let at = self.trace.ops.len();
+            if self.trace.step_starts.last() != Some(&at) {
+                self.trace.step_starts.push(at);
+            }
+        }
+        let (first, _) = self.span.unwrap_or((event.ts, event.ts));
+        // Events arrive sorted by `ts`.
+        self.span = Some((first, event.ts));
         if event.out_of_memory {
             // The profiler logs no free device memory for an OOM.
             self.trace.ops.push(Op::Oom {

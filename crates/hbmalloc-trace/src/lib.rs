@@ -5,6 +5,7 @@
 //! [`Trace`] with [`load`] or [`parse_bytes`]. Replay lives in `hbmalloc-replay`.
 
 mod chrome;
+mod draw;
 mod error;
 mod import;
 mod jitter;
@@ -14,6 +15,7 @@ mod repeat;
 mod rmm;
 mod snapshot;
 
+pub use draw::draw_steps;
 pub use error::{Location, TraceError};
 pub use import::{load, parse_bytes, MAX_DECOMPRESSED_BYTES};
 pub use jitter::{jitter_sizes, JITTER_PERCENT};

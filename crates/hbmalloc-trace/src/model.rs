@@ -172,6 +172,17 @@ pub struct DeviceTrace {
     pub recorded_config: Option<String>,
     /// What the recorded allocator did, where known.
     pub recorded: Option<Recorded>,
+    /// Wall-clock time the recording spans, first to last event of this
+    /// device, in microseconds, where the source has timestamps (snapshots'
+    /// `time_us`, profiler traces' `ts`, RMM logs' `Time`). What-ifs that
+    /// lengthen a trace scale it by their ops.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recorded_span_us: Option<u64>,
+    /// Where each step of the program began (a training iteration), as the
+    /// index of its first op, ascending, where the source marks steps
+    /// (torch.profiler's `ProfilerStep#N`). Empty when unknown.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub step_starts: Vec<usize>,
     /// True when the source is a port of PyTorch's allocator for another
     /// accelerator (torch_npu): reported, not held to fidelity.
     pub foreign_allocator: bool,
@@ -189,4 +200,8 @@ pub struct Trace {
     pub source: String,
     /// One per device that has any activity, ordered by device index.
     pub devices: Vec<DeviceTrace>,
+    /// What the importer left out of `devices` and why, for the user to see
+    /// (e.g. host memory in a profiler trace that also has GPU memory).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
 }

@@ -248,12 +248,28 @@ pub fn repeat_last_step(
         ops.push(op);
     }
     check_lifetimes(initial_ids().collect(), &ops).map_err(error)?;
+    // The copies take as long as the step they copy: scale by ops.
+    let recorded_span_us = trace
+        .recorded_span_us
+        .map(|us| scale_by_ops(us, trace.ops.len(), ops.len()));
     let repeated = DeviceTrace {
         ops,
         recorded: None,
+        recorded_span_us,
+        // The copies' ops have moved: the recorded marks no longer apply.
+        step_starts: Vec::new(),
         ..trace.clone()
     };
     Ok((repeated, step))
+}
+
+/// `span` of a trace of `old_ops` ops, stretched to `new_ops` at the same
+/// time per op.
+pub(crate) fn scale_by_ops(span: u64, old_ops: usize, new_ops: usize) -> u64 {
+    if old_ops == 0 {
+        return span;
+    }
+    (span as f64 * new_ops as f64 / old_ops as f64).round() as u64
 }
 
 /// The allocation made `shift` operations after allocation `id`, for the

@@ -39,17 +39,19 @@ pub fn parse_rmm_csv(name: &str, bytes: &[u8]) -> Result<Trace, TraceError> {
     };
     let mut live: HashMap<u64, AllocId> = HashMap::new();
     let mut next_id: AllocId = 0;
+    let mut span = TimeSpan::default();
     for (index, line) in lines {
         if line.trim().is_empty() {
             continue;
         }
         let fields: Vec<&str> = line.split(',').map(str::trim).collect();
-        let [_thread, _time, action, pointer, size, stream] = fields[..] else {
+        let [_thread, time, action, pointer, size, stream] = fields[..] else {
             return Err(line_error(
                 index,
                 format!("expected 6 fields, found {}", fields.len()),
             ));
         };
+        span.add(time);
         let pointer = parse_hex(pointer)
             .ok_or_else(|| line_error(index, format!("bad pointer {pointer:?}")))?;
         let size: u64 = size
@@ -88,10 +90,54 @@ pub fn parse_rmm_csv(name: &str, bytes: &[u8]) -> Result<Trace, TraceError> {
             other => return Err(line_error(index, format!("unknown action {other:?}"))),
         }
     }
+    trace.recorded_span_us = span.micros;
     Ok(Trace {
         source: String::new(),
         devices: vec![trace],
+        notes: Vec::new(),
     })
+}
+
+/// The time a log spans, from its `HH:MM:SS.micros` stamps (time of day: a
+/// stamp earlier than the one before it is taken as the next day).
+#[derive(Default)]
+struct TimeSpan {
+    last: Option<u64>,
+    micros: Option<u64>,
+}
+
+impl TimeSpan {
+    fn add(&mut self, stamp: &str) {
+        const DAY_US: u64 = 86_400_000_000;
+        let Some(now) = time_of_day_us(stamp) else {
+            return;
+        };
+        if let Some(last) = self.last {
+            let step = if now >= last {
+                now - last
+            } else {
+                now + DAY_US - last
+            };
+            self.micros = Some(self.micros.unwrap_or(0) + step);
+        }
+        self.last = Some(now);
+    }
+}
+
+/// `HH:MM:SS.micros` (RMM also writes `HH:MM:SS:micros`) in microseconds
+/// since midnight; `None` for anything else.
+fn time_of_day_us(stamp: &str) -> Option<u64> {
+    let mut parts = stamp.splitn(4, [':', '.']);
+    let mut field = |max: u64| -> Option<u64> {
+        let value: u64 = parts.next()?.parse().ok()?;
+        (value < max).then_some(value)
+    };
+    let (h, m, s) = (field(24)?, field(60)?, field(61)?);
+    let fraction = parts.next().unwrap_or("0");
+    let digits = fraction.len().min(6);
+    let micros: u64 = fraction.get(..digits)?.parse().ok()?;
+    let micros = micros * 10u64.pow(6 - digits as u32);
+    Some(((h * 60 + m) * 60 + s) * 1_000_000 + micros)
 }
 
 /// `index` is 0-based; messages say the 1-based line.

@@ -107,13 +107,24 @@ pub fn snapshot_to_trace(doc: &Document) -> Result<Trace, TraceError> {
             let mut trace = rebuild_device(device, &device_segments, &entries);
             trace.recorded_config = recorded_config.clone();
             trace.foreign_allocator = foreign_allocator;
+            trace.recorded_span_us = time_span_us(&entries);
             trace
         })
         .collect();
     Ok(Trace {
         source: String::new(),
         devices,
+        notes: Vec::new(),
     })
+}
+
+/// Microseconds from the first to the last entry's `time_us`, where
+/// entries have one.
+fn time_span_us(entries: &[Entry]) -> Option<u64> {
+    let mut stamps = entries.iter().filter_map(|e| e.time_us);
+    let first = stamps.next()?;
+    let (low, high) = stamps.fold((first, first), |(lo, hi), t| (lo.min(t), hi.max(t)));
+    Some(high - low)
 }
 
 /// A segment of the dumped (end) state.
@@ -165,6 +176,8 @@ struct Entry {
     addr: u64,
     size: u64,
     stream: u64,
+    /// `time_us`, where the entry has it.
+    time_us: Option<u64>,
 }
 
 /// Typed access to a decoded pickle, with errors that say where.
@@ -401,6 +414,7 @@ impl Reader<'_> {
             addr,
             size,
             stream,
+            time_us: self.word_field(id, "time_us", path).ok().flatten(),
         })
     }
 
@@ -848,6 +862,8 @@ fn rebuild_device(device: i64, segments: &[&Segment], entries: &[Entry]) -> Devi
         }),
         foreign_allocator: false,
         skipped,
+        recorded_span_us: None,
+        step_starts: Vec::new(),
     }
 }
 

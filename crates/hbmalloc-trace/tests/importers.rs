@@ -727,16 +727,20 @@ fn memory_event(ts: f64, addr: u64, bytes: i64, device_type: i64, device_id: i64
     )
 }
 
+/// A program profiled on the CPU: its host memory is the trace (device
+/// -1), in timestamp order, with the time it spans and where its steps
+/// (`ProfilerStep#N`) begin.
 #[test]
-fn chrome_trace_orders_by_timestamp_and_splits_devices() {
+fn chrome_trace_orders_by_timestamp_and_marks_steps() {
     let events = [
         memory_event(5.0, 16, 100, 0, -1),
         memory_event(9.0, 16, -100, 0, -1),
         memory_event(1.0, 32, 50, 0, -1),
         memory_event(2.0, 99, -7, 0, -1), // allocated before profiling
-        memory_event(0.5, 16, 10, 1, 0),
         memory_event(5.0, 48, 30, 0, -1), // same ts as the first: file order
         r#"{"ph": "X", "name": "aten::add", "ts": 3}"#.to_string(),
+        r#"{"ph": "X", "name": "ProfilerStep#1", "ts": 6, "dur": 4}"#.to_string(),
+        r#"{"ph": "X", "name": "ProfilerStep#0", "ts": 4.5, "dur": 1}"#.to_string(),
     ];
     let json = format!(
         r#"{{"metadata": {{"workload": "test"}}, "traceEvents": [{}]}}"#,
@@ -744,8 +748,15 @@ fn chrome_trace_orders_by_timestamp_and_splits_devices() {
     );
     let trace = import("profile.json", json.as_bytes());
     let devices: Vec<i64> = trace.devices.iter().map(|d| d.device).collect();
-    assert_eq!(devices, vec![-1, 0]);
+    assert_eq!(devices, vec![-1]);
+    assert!(trace.notes.is_empty(), "{:?}", trace.notes);
     let cpu = &trace.devices[0];
+    assert_eq!(cpu.recorded_span_us, Some(8));
+    assert_eq!(
+        cpu.step_starts,
+        vec![1, 3],
+        "the first ops at or after 4.5 and 6"
+    );
     assert_eq!(
         cpu.ops,
         vec![
@@ -768,14 +779,6 @@ fn chrome_trace_orders_by_timestamp_and_splits_devices() {
         ]
     );
     assert_eq!(cpu.skipped.get("free of an unknown address"), Some(&1));
-    assert_eq!(
-        trace.devices[1].ops,
-        vec![Op::Alloc {
-            id: 0,
-            size: 10,
-            stream: 0
-        }]
-    );
 
     // The same trace gzipped reads the same.
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
@@ -810,9 +813,10 @@ fn chrome_trace_alloc_at_a_live_address_frees_the_old_one() {
     );
 }
 
-/// A GPU run: host and CUDA memory in one file (CPU → device -1, CUDA →
-/// its Device Id), an `[OutOfMemory]` event, Kineto's extra top-level keys,
-/// `Addr` written as a signed `intptr_t`, and a `ts` given as a string.
+/// A GPU run: host and CUDA memory in one file (host memory left out with a
+/// note, CUDA → its Device Id), an `[OutOfMemory]` event, Kineto's extra
+/// top-level keys, `Addr` written as a signed `intptr_t`, and a `ts` given as
+/// a string.
 #[test]
 fn chrome_trace_gpu_run_splits_devices_and_keeps_out_of_memory() {
     let events = [
@@ -829,15 +833,18 @@ fn chrome_trace_gpu_run_splits_devices_and_keeps_out_of_memory() {
     );
     let trace = import("gpu.json", json.as_bytes());
     let devices: Vec<i64> = trace.devices.iter().map(|d| d.device).collect();
-    assert_eq!(devices, vec![-1, 0, 1]);
+    assert_eq!(devices, vec![0, 1]);
+    assert_eq!(
+        trace.notes,
+        vec!["host (CPU) memory left out: 2 allocations, not on a GPU".to_string()]
+    );
     let alloc = |id, size| Op::Alloc {
         id,
         size,
         stream: 0,
     };
-    assert_eq!(trace.devices[0].ops, vec![alloc(0, 64), alloc(1, 16)]);
     assert_eq!(
-        trace.devices[1].ops,
+        trace.devices[0].ops,
         vec![
             alloc(0, 512),
             Op::Oom {
@@ -848,7 +855,8 @@ fn chrome_trace_gpu_run_splits_devices_and_keeps_out_of_memory() {
             Op::Free { id: 0 },
         ]
     );
-    assert_eq!(trace.devices[2].ops, vec![alloc(0, 1024)]);
+    assert_eq!(trace.devices[1].ops, vec![alloc(0, 1024)]);
+    assert_eq!(trace.devices[0].recorded_span_us, Some(4));
 
     let bad_ts = r#"[{"name": "[memory]", "ts": "soon", "args": {"Addr": 1, "Bytes": 8}}]"#;
     assert!(import_error(bad_ts.as_bytes()).contains("traceEvents[0]: ts is not a number"));

@@ -14,6 +14,7 @@ pub mod error;
 pub mod format;
 mod hbm;
 pub mod history;
+pub mod latency;
 mod pytorch;
 pub mod sim;
 pub mod simtest;
@@ -33,9 +34,8 @@ pub use device::{
 pub use error::{AllocError, OomReport, OomVerdict};
 pub use hbm::HbmConfig;
 pub use history::{Action, History, TraceEntry};
-pub use sim::{
-    CallCounts, Fault, LatencyModel, PendingUse, SimConfig, SimDevice, UseId, UseViolation,
-};
+pub use latency::{LatencyCurve, LatencyModel};
+pub use sim::{CallCounts, Fault, PendingUse, SimConfig, SimDevice, UseId, UseViolation};
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
 pub use stats::{DeviceStats, Stat, StatArray, StatType, PYTORCH_STAT_KEY_COUNT};
 pub use summary::{format_count, format_size, memory_summary};

@@ -3,7 +3,9 @@
 //! It models what the allocator can observe of a real device: a capacity,
 //! an address space, physical memory in granules, asynchronous streams whose
 //! events complete only when the *caller* says so, a latency for every call,
-//! a counter for every call, and injected faults. It never touches real
+//! a counter for every call, and injected faults. By default it behaves as a
+//! real driver does (whole-handle maps, measured latencies); kinder drivers
+//! are what-ifs a caller asks for in `SimConfig`. It never touches real
 //! memory, so a replay of an 80 GB training step runs on a laptop.
 //!
 //! Determinism: addresses come from a bump pointer, events from a counter,
@@ -16,63 +18,10 @@ use crate::device::{
     CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
     PhysicalHandle, StreamId,
 };
+use crate::latency::LatencyModel;
 use crate::FastMap;
 
 const MIB: u64 = 1 << 20;
-
-/// Simulated latency of each driver call, in nanoseconds.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LatencyModel {
-    /// Nanoseconds charged per call of each kind (indexed like [`CallKind::ALL`]).
-    pub ns: [u64; CallKind::ALL.len()],
-}
-
-impl LatencyModel {
-    /// Defaults from public measurements on recent NVIDIA GPUs: `cudaMalloc`
-    /// about 50 µs, `cudaFree` about 10 µs plus a device synchronization,
-    /// VMM map/unmap a few µs per granule, event calls well under a µs.
-    pub fn realistic() -> Self {
-        let mut model = LatencyModel::zero();
-        for kind in CallKind::ALL {
-            model.ns[kind as usize] = match kind {
-                CallKind::SegmentAlloc => 50_000,
-                CallKind::SegmentFree => 10_000,
-                CallKind::AddressReserve => 5_000,
-                CallKind::AddressFree => 5_000,
-                CallKind::PhysicalCreate => 20_000,
-                CallKind::PhysicalRelease => 10_000,
-                CallKind::Map => 3_000,
-                CallKind::SetAccess => 5_000,
-                CallKind::Unmap => 5_000,
-                CallKind::EventRecord => 500,
-                CallKind::EventQuery => 300,
-                CallKind::EventSynchronize => 1_000,
-                CallKind::DeviceSynchronize => 10_000,
-                CallKind::MemoryInfo => 1_000,
-                CallKind::Setup => 0,
-            };
-        }
-        model
-    }
-
-    /// Every call is free: for measuring the allocator's own CPU time.
-    pub fn zero() -> Self {
-        LatencyModel {
-            ns: [0; CallKind::ALL.len()],
-        }
-    }
-
-    /// The latency of one call of `kind`.
-    pub fn of(&self, kind: CallKind) -> u64 {
-        self.ns[kind as usize]
-    }
-}
-
-impl Default for LatencyModel {
-    fn default() -> Self {
-        LatencyModel::realistic()
-    }
-}
 
 /// A fault to inject: the `nth` call of `call` from now on (1-based) fails.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -94,11 +43,11 @@ pub struct SimConfig {
     pub capacity_bytes: u64,
     /// Virtual-memory granularity; `None` simulates a device without the VMM API.
     pub granularity: Option<u64>,
-    /// Latency charged for each call.
+    /// Latency charged for each call (default: measured on an H100).
     pub latency: LatencyModel,
-    /// `map` accepts part of a handle (see [`Device::maps_handle_parts`]);
-    /// false rejects a map at an offset or of fewer bytes than the handle,
-    /// as CUDA's documentation of `cuMemMap` allows.
+    /// `map` accepts part of a handle (see [`Device::maps_handle_parts`]): a
+    /// what-if. The default, false, refuses a map at an offset or of fewer
+    /// bytes than the handle, as a real driver does.
     pub maps_handle_parts: bool,
 }
 
@@ -107,8 +56,8 @@ impl Default for SimConfig {
         SimConfig {
             capacity_bytes: 80 * 1024 * MIB,
             granularity: Some(2 * MIB),
-            latency: LatencyModel::realistic(),
-            maps_handle_parts: true,
+            latency: LatencyModel::h100(),
+            maps_handle_parts: false,
         }
     }
 }
@@ -564,10 +513,11 @@ impl Default for SimDevice {
 }
 
 impl SimState {
-    /// Counts the call, charges its latency and applies any armed fault.
-    fn enter(&mut self, call: CallKind) -> DeviceResult<()> {
+    /// Counts the call, charges its latency for `bytes` and applies any
+    /// armed fault.
+    fn enter(&mut self, call: CallKind, bytes: u64) -> DeviceResult<()> {
         self.calls[call as usize] += 1;
-        self.simulated_ns += self.config.latency.of(call);
+        self.simulated_ns += self.config.latency.of(call, bytes);
         let count = self.calls[call as usize];
         for (fault, armed_at) in &self.faults {
             if fault.call != call {
@@ -757,7 +707,7 @@ impl Device for SimDevice {
 
     fn memory_info(&self) -> DeviceResult<MemoryInfo> {
         let mut state = self.lock();
-        state.enter(CallKind::MemoryInfo)?;
+        state.enter(CallKind::MemoryInfo, 0)?;
         Ok(MemoryInfo {
             free_bytes: state.free_bytes(),
             total_bytes: state.config.capacity_bytes,
@@ -766,7 +716,7 @@ impl Device for SimDevice {
 
     fn segment_alloc(&self, size: u64) -> DeviceResult<DevicePtr> {
         let mut state = self.lock();
-        state.enter(CallKind::SegmentAlloc)?;
+        state.enter(CallKind::SegmentAlloc, size)?;
         if size == 0 {
             return Err(invalid(CallKind::SegmentAlloc, "size 0".into()));
         }
@@ -794,7 +744,7 @@ impl Device for SimDevice {
 
     fn segment_free(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
         let mut state = self.lock();
-        state.enter(CallKind::SegmentFree)?;
+        state.enter(CallKind::SegmentFree, size)?;
         match state.segments.get(&ptr) {
             Some(&len) if len == size => {}
             Some(&len) => {
@@ -834,7 +784,7 @@ impl Device for SimDevice {
 
     fn address_reserve(&self, size: u64) -> DeviceResult<DevicePtr> {
         let mut state = self.lock();
-        state.enter(CallKind::AddressReserve)?;
+        state.enter(CallKind::AddressReserve, size)?;
         state.check_granular(CallKind::AddressReserve, size, "size")?;
         let base = state.take_address(size);
         state.reserved_ranges.insert(base, size);
@@ -843,7 +793,7 @@ impl Device for SimDevice {
 
     fn address_free(&self, base: DevicePtr, size: u64) -> DeviceResult<()> {
         let mut state = self.lock();
-        state.enter(CallKind::AddressFree)?;
+        state.enter(CallKind::AddressFree, size)?;
         if state.reserved_ranges.get(&base) != Some(&size) {
             return Err(invalid(
                 CallKind::AddressFree,
@@ -862,7 +812,7 @@ impl Device for SimDevice {
 
     fn physical_create(&self, size: u64) -> DeviceResult<PhysicalHandle> {
         let mut state = self.lock();
-        state.enter(CallKind::PhysicalCreate)?;
+        state.enter(CallKind::PhysicalCreate, size)?;
         state.check_granular(CallKind::PhysicalCreate, size, "size")?;
         let free = state.free_bytes();
         if size > free {
@@ -879,7 +829,8 @@ impl Device for SimDevice {
 
     fn physical_release(&self, handle: PhysicalHandle) -> DeviceResult<()> {
         let mut state = self.lock();
-        state.enter(CallKind::PhysicalRelease)?;
+        let bytes = state.physical.get(&handle.0).map_or(0, |m| m.size);
+        state.enter(CallKind::PhysicalRelease, bytes)?;
         let Some(mem) = state.physical.get(&handle.0) else {
             return Err(invalid(
                 CallKind::PhysicalRelease,
@@ -909,7 +860,7 @@ impl Device for SimDevice {
         offset: u64,
     ) -> DeviceResult<()> {
         let mut state = self.lock();
-        state.enter(CallKind::Map)?;
+        state.enter(CallKind::Map, size)?;
         state.check_granular(CallKind::Map, size, "size")?;
         if offset > 0 {
             state.check_granular(CallKind::Map, offset, "offset")?;
@@ -978,7 +929,7 @@ impl Device for SimDevice {
 
     fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
         let mut state = self.lock();
-        state.enter(CallKind::SetAccess)?;
+        state.enter(CallKind::SetAccess, size)?;
         let mut covered = 0;
         for (_, m) in state.mappings.range_mut(va..va + size) {
             m.accessible = true;
@@ -995,7 +946,7 @@ impl Device for SimDevice {
 
     fn unmap(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
         let mut state = self.lock();
-        state.enter(CallKind::Unmap)?;
+        state.enter(CallKind::Unmap, size)?;
         match state.mappings.get(&va) {
             Some(m) if m.size == size => {}
             _ => {
@@ -1016,7 +967,7 @@ impl Device for SimDevice {
 
     fn record_event(&self, stream: StreamId) -> DeviceResult<EventId> {
         let mut state = self.lock();
-        state.enter(CallKind::EventRecord)?;
+        state.enter(CallKind::EventRecord, 0)?;
         let s = state.streams.entry(stream).or_default();
         s.enqueued += 1;
         let sequence = s.enqueued;
@@ -1028,7 +979,7 @@ impl Device for SimDevice {
 
     fn query_event(&self, event: EventId) -> DeviceResult<bool> {
         let mut state = self.lock();
-        state.enter(CallKind::EventQuery)?;
+        state.enter(CallKind::EventQuery, 0)?;
         let Some(pending) = state.events.get(&event.0).cloned() else {
             return Err(invalid(
                 CallKind::EventQuery,
@@ -1047,7 +998,7 @@ impl Device for SimDevice {
 
     fn synchronize_event(&self, event: EventId) -> DeviceResult<()> {
         let mut state = self.lock();
-        state.enter(CallKind::EventSynchronize)?;
+        state.enter(CallKind::EventSynchronize, 0)?;
         let Some(pending) = state.events.remove(&event.0) else {
             return Err(invalid(
                 CallKind::EventSynchronize,
@@ -1061,7 +1012,7 @@ impl Device for SimDevice {
 
     fn synchronize_device(&self) -> DeviceResult<()> {
         let mut state = self.lock();
-        state.enter(CallKind::DeviceSynchronize)?;
+        state.enter(CallKind::DeviceSynchronize, 0)?;
         for s in state.streams.values_mut() {
             s.completed = s.enqueued;
         }
@@ -1198,7 +1149,7 @@ mod tests {
     #[test]
     fn latency_is_charged_per_call() {
         let dev = SimDevice::new();
-        dev.segment_alloc(MIB).unwrap();
-        assert_eq!(dev.call_counts().simulated_ns, 50_000);
+        dev.segment_alloc(2 * MIB).unwrap();
+        assert_eq!(dev.call_counts().simulated_ns, 52_700);
     }
 }

@@ -1,0 +1,349 @@
+//! What-if: a long run built from a trace's own steps, drawn at random.
+//!
+//! A variable-length training run never repeats a step exactly, so a longer
+//! run cannot be made by repeating one (`repeat.rs`). It can be made by
+//! drawing the recorded steps again in a random order, as a data loader
+//! would draw batches of other lengths: each step keeps its own ops, and the
+//! blocks that live across steps (weights, optimizer state) are handed from
+//! one drawn step to the next by size. That needs the trace's step marks
+//! ([`DeviceTrace::step_starts`]) and steps that begin and end with the same
+//! sizes alive (a training loop past its first step).
+
+use std::collections::BTreeMap;
+
+use crate::model::{AllocId, DeviceTrace, InitialBlockState, Op};
+use crate::repeat::scale_by_ops;
+
+/// The trace's ops up to its first steady step, then `steps` steps drawn
+/// uniformly (with replacement, from `seed`) from its steady steps: those
+/// that begin and end with the same multiset of live sizes as the first
+/// steady step begins with. Each drawn step's ops are its recorded ones with
+/// fresh ids for what it allocates; what it uses from before it is matched,
+/// by size and then by age, to what is alive when it begins.
+pub fn draw_steps(trace: &DeviceTrace, steps: usize, seed: u64) -> Result<DeviceTrace, String> {
+    let bounds = step_bounds(trace)?;
+    let alive = alive_at(trace, &bounds);
+    let live_at: Vec<Vec<u64>> = alive
+        .iter()
+        .map(|blocks| blocks.iter().map(|b| b.0).collect())
+        .collect();
+    let steady: Vec<usize> = (0..bounds.len() - 1)
+        .filter(|&i| live_at[i] == live_at[i + 1])
+        .collect();
+    let Some(&first) = steady.first() else {
+        return Err("no step begins and ends with the same sizes alive (no steady step)".into());
+    };
+    let steady: Vec<usize> = steady
+        .into_iter()
+        .filter(|&i| live_at[i] == live_at[first])
+        .collect();
+
+    let prefix_end = bounds[first];
+    let mut out = Builder::new(trace, prefix_end);
+    let mut rng = SplitMix(seed);
+    for _ in 0..steps {
+        let i = steady[(rng.next() % steady.len() as u64) as usize];
+        out.append_step(trace, &alive[i], bounds[i], bounds[i + 1])?;
+    }
+    let ops = out.ops;
+    let recorded_span_us = trace
+        .recorded_span_us
+        .map(|us| scale_by_ops(us, trace.ops.len(), ops.len()));
+    Ok(DeviceTrace {
+        ops,
+        recorded: None,
+        recorded_span_us,
+        step_starts: out.step_starts,
+        ..trace.clone()
+    })
+}
+
+/// The ops where each step begins, and the end of the last one: the trace's
+/// step marks, closed by the end of its ops.
+fn step_bounds(trace: &DeviceTrace) -> Result<Vec<usize>, String> {
+    if trace.step_starts.len() < 2 {
+        return Err(format!(
+            "the trace marks {} step(s); drawing steps needs at least 2 \
+             (torch.profiler's ProfilerStep#N marks)",
+            trace.step_starts.len()
+        ));
+    }
+    let mut bounds = trace.step_starts.clone();
+    if bounds.windows(2).any(|w| w[0] >= w[1]) || bounds.last() > Some(&trace.ops.len()) {
+        return Err("the trace's step marks are not ascending op indices".into());
+    }
+    if bounds.last() != Some(&trace.ops.len()) {
+        bounds.push(trace.ops.len());
+    }
+    Ok(bounds)
+}
+
+/// A block alive at some moment: (size, op index of its allocation, id).
+/// Sorted, a moment's blocks read by size, then oldest first.
+type Alive = (u64, usize, AllocId);
+
+/// The blocks alive at each of `bounds`, sorted.
+fn alive_at(trace: &DeviceTrace, bounds: &[usize]) -> Vec<Vec<Alive>> {
+    let mut live: BTreeMap<AllocId, (u64, usize)> = initial_live(trace)
+        .into_iter()
+        .map(|(id, size)| (id, (size, 0)))
+        .collect();
+    let mut out = Vec::with_capacity(bounds.len());
+    let mut next = 0;
+    for (at, op) in trace.ops.iter().enumerate() {
+        while next < bounds.len() && bounds[next] == at {
+            out.push(sorted(&live));
+            next += 1;
+        }
+        match *op {
+            Op::Alloc { id, size, .. } => {
+                live.insert(id, (size, at));
+            }
+            Op::Free { id } => {
+                live.remove(&id);
+            }
+            _ => {}
+        }
+    }
+    while out.len() < bounds.len() {
+        out.push(sorted(&live));
+    }
+    out
+}
+
+fn sorted(live: &BTreeMap<AllocId, (u64, usize)>) -> Vec<Alive> {
+    let mut blocks: Vec<Alive> = live
+        .iter()
+        .map(|(&id, &(size, at))| (size, at, id))
+        .collect();
+    blocks.sort_unstable();
+    blocks
+}
+
+fn initial_live(trace: &DeviceTrace) -> BTreeMap<AllocId, u64> {
+    let mut live = BTreeMap::new();
+    for block in trace.initial_segments.iter().flat_map(|s| &s.blocks) {
+        if let InitialBlockState::Allocated(id) = block.state {
+            live.insert(id, block.requested_size);
+        }
+    }
+    live
+}
+
+/// The ops of the run being built, and what is alive in it.
+struct Builder {
+    ops: Vec<Op>,
+    step_starts: Vec<usize>,
+    /// Alive now: id → (size, op index of its allocation; initial blocks
+    /// count as allocated before op 0, in id order).
+    live: BTreeMap<AllocId, (u64, usize)>,
+    next_id: AllocId,
+}
+
+impl Builder {
+    /// The run up to `prefix_end`, as recorded.
+    fn new(trace: &DeviceTrace, prefix_end: usize) -> Self {
+        let mut live: BTreeMap<AllocId, (u64, usize)> = initial_live(trace)
+            .into_iter()
+            .map(|(id, size)| (id, (size, 0)))
+            .collect();
+        let ops = trace.ops[..prefix_end].to_vec();
+        for (at, op) in ops.iter().enumerate() {
+            match *op {
+                Op::Alloc { id, size, .. } => {
+                    live.insert(id, (size, at));
+                }
+                Op::Free { id } => {
+                    live.remove(&id);
+                }
+                _ => {}
+            }
+        }
+        let initial_max = trace
+            .initial_segments
+            .iter()
+            .flat_map(|s| &s.blocks)
+            .filter_map(|b| match b.state {
+                InitialBlockState::Allocated(id) => Some(id),
+                InitialBlockState::Free => None,
+            })
+            .max();
+        let ops_max = trace.ops.iter().filter_map(|op| match *op {
+            Op::Alloc { id, .. } => Some(id),
+            _ => None,
+        });
+        let next_id = ops_max.chain(initial_max).max().map_or(0, |id| id + 1);
+        Builder {
+            step_starts: trace
+                .step_starts
+                .iter()
+                .copied()
+                .filter(|&s| s < prefix_end)
+                .collect(),
+            ops,
+            live,
+            next_id,
+        }
+    }
+
+    /// Appends the recorded step `[start, end)`, which found `theirs` alive,
+    /// its blocks from before it matched to the blocks alive now.
+    fn append_step(
+        &mut self,
+        trace: &DeviceTrace,
+        theirs: &[Alive],
+        start: usize,
+        end: usize,
+    ) -> Result<(), String> {
+        let ours = sorted(&self.live);
+        if theirs.len() != ours.len() || theirs.iter().zip(&ours).any(|(t, o)| t.0 != o.0) {
+            return Err(format!(
+                "the step at op {start} begins with other sizes alive than the run it joins"
+            ));
+        }
+        let mut rename: std::collections::HashMap<AllocId, AllocId> =
+            theirs.iter().zip(&ours).map(|(t, o)| (t.2, o.2)).collect();
+        self.step_starts.push(self.ops.len());
+        for op in &trace.ops[start..end] {
+            let renamed = |id: AllocId| -> Result<AllocId, String> {
+                rename
+                    .get(&id)
+                    .copied()
+                    .ok_or_else(|| format!("the step at op {start} uses block {id} it never made"))
+            };
+            let op = match *op {
+                Op::Alloc { id, size, stream } => {
+                    let fresh = self.next_id;
+                    self.next_id += 1;
+                    rename.insert(id, fresh);
+                    self.live.insert(fresh, (size, self.ops.len()));
+                    Op::Alloc {
+                        id: fresh,
+                        size,
+                        stream,
+                    }
+                }
+                Op::Free { id } => {
+                    let id = renamed(id)?;
+                    self.live.remove(&id);
+                    Op::Free { id }
+                }
+                Op::RecordStream { id, stream } => Op::RecordStream {
+                    id: renamed(id)?,
+                    stream,
+                },
+                ref other => other.clone(),
+            };
+            self.ops.push(op);
+        }
+        Ok(())
+    }
+}
+
+/// A small seeded generator (splitmix64): the same seed draws the same steps.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A training loop: a weight alive throughout, then steps whose
+    /// activations are `len` bytes each, with a gradient that replaces the
+    /// last step's (allocated in the step, freed in the next).
+    fn training(lens: &[u64]) -> DeviceTrace {
+        let mut ops = vec![Op::Alloc {
+            id: 0,
+            size: 1000,
+            stream: 0,
+        }];
+        let mut step_starts = Vec::new();
+        let mut id = 1;
+        let mut grad: Option<AllocId> = None;
+        for &len in lens {
+            step_starts.push(ops.len());
+            let act = id;
+            ops.push(Op::Alloc {
+                id: act,
+                size: len,
+                stream: 0,
+            });
+            if let Some(g) = grad {
+                ops.push(Op::Free { id: g });
+            }
+            ops.push(Op::Alloc {
+                id: act + 1,
+                size: 100,
+                stream: 0,
+            });
+            ops.push(Op::Free { id: act });
+            grad = Some(act + 1);
+            id += 2;
+        }
+        DeviceTrace {
+            ops,
+            step_starts,
+            recorded_span_us: Some(1_000),
+            ..DeviceTrace::default()
+        }
+    }
+
+    fn check_lifetimes(trace: &DeviceTrace) {
+        let mut live = std::collections::BTreeSet::new();
+        for op in &trace.ops {
+            match *op {
+                Op::Alloc { id, .. } => assert!(live.insert(id), "id {id} made twice"),
+                Op::Free { id } => assert!(live.remove(&id), "id {id} freed while not alive"),
+                _ => {}
+            }
+        }
+    }
+
+    #[test]
+    fn a_long_run_draws_steady_steps_and_keeps_every_lifetime_whole() {
+        // The first step allocates the gradient the others replace: not steady.
+        let trace = training(&[10, 20, 30, 40]);
+        let long = draw_steps(&trace, 1_000, 7).unwrap();
+        check_lifetimes(&long);
+        assert_eq!(
+            long.step_starts.len(),
+            1 + 1_000,
+            "the prefix's step, then the drawn ones"
+        );
+        // Every drawn step is a recorded steady one (activation 20, 30 or 40).
+        let mut seen = std::collections::BTreeSet::new();
+        for op in &long.ops[long.step_starts[1]..] {
+            if let Op::Alloc { size, .. } = *op {
+                assert!([20, 30, 40, 100].contains(&size), "{size}");
+                seen.insert(size);
+            }
+        }
+        assert_eq!(seen.len(), 4, "all three steady steps were drawn");
+        assert_eq!(
+            long.recorded_span_us,
+            Some(1_000 * long.ops.len() as u64 / trace.ops.len() as u64)
+        );
+        // Deterministic in the seed; another seed draws another order.
+        assert_eq!(draw_steps(&trace, 1_000, 7).unwrap(), long);
+        assert_ne!(draw_steps(&trace, 1_000, 8).unwrap().ops, long.ops);
+    }
+
+    #[test]
+    fn a_trace_without_steady_steps_or_marks_is_refused() {
+        let mut trace = training(&[10]);
+        assert!(draw_steps(&trace, 5, 0).unwrap_err().contains("step"));
+        trace.step_starts.clear();
+        assert!(draw_steps(&trace, 5, 0)
+            .unwrap_err()
+            .contains("marks 0 step"));
+    }
+}
