@@ -5,7 +5,7 @@
 //! (and fails under `CI=true`).
 
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use hbmalloc_trace::{load, DeviceTrace, InitialBlockState, Op};
 

@@ -499,13 +499,7 @@ impl HbmConfig {
                         })?)
                     }
                 }
-                _ => {
-                    return Err(ConfigError::new(
-                        key,
-                        value,
-                        format!("one of the keys {}", Self::KEYS.join(", ")),
-                    ))
-                }
+                _ => return Err(unknown_key(key)),
             }
         }
         Ok(config)
@@ -531,6 +525,21 @@ impl HbmConfig {
             parts.push(format!("whole_handle_granules:{granules}"));
         }
         parts.join(",")
+    }
+}
+
+/// The error for a key policy hbm does not take: the key is the culprit, and
+/// a key of policy pytorch says so.
+fn unknown_key(key: &str) -> ConfigError {
+    let error = ConfigError::new(
+        key,
+        key,
+        format!("a policy hbm key ({})", HbmConfig::KEYS.join(", ")),
+    );
+    if crate::config::KNOWN_KEYS.contains(&key) {
+        error.with_hint("a policy pytorch key, which policy hbm does not take")
+    } else {
+        error
     }
 }
 

@@ -25,7 +25,7 @@ pub use allocator::{
     Allocator, AllocatorConfig, BlockImage, PolicyConfig, SegmentImage, MAX_REQUEST_BYTES,
 };
 pub use concurrent::{PoolId, SharedAllocator, ThreadSafeAllocator};
-pub use config::{Backend, ConfigError, PytorchConfig, ReserveSpec};
+pub use config::{ConfigError, PytorchConfig, ReserveSpec};
 pub use device::{
     CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
     PhysicalHandle, StreamId,

@@ -996,11 +996,13 @@ impl PytorchPolicy {
         } else {
             self.config.large_segment_size
         };
-        // Address space for 9/8 of the device, as PyTorch reserves, so pages
-        // can be unmapped early and remapped at the end. PyTorch computes
-        // `total + total / 8` (`find_expandable_block`); `total / 8 * 9` drops
-        // `total % 8` bytes and can come out one page short.
-        let wanted = self.device_total + self.device_total / 8;
+        // By default address space for 9/8 of the device, as PyTorch reserves,
+        // so pages can be unmapped early and remapped at the end. PyTorch
+        // computes `total + total / 8`; `total / 8 * 9` can come out a page short.
+        let wanted = match self.config.expandable_segments_reserve {
+            Some(spec) => spec.bytes(self.device_total),
+            None => self.device_total + self.device_total / 8,
+        };
         let pages = wanted.div_ceil(page_size).max(1);
         let reserved_size = pages * page_size;
         let base = dev.address_reserve(reserved_size)?;

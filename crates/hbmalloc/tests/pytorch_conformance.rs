@@ -893,6 +893,30 @@ fn expandable_segment_is_per_stream_and_reserves_nine_eighths() {
     consistent(&a);
 }
 
+/// `expandable_segments_reserve` sets the address space each segment
+/// reserves, as a fraction of the device or in GiB.
+#[test]
+fn expandable_segments_reserve_sets_each_segments_address_space() {
+    for (conf, pages) in [
+        ("expandable_segments:True", 58),
+        (
+            "expandable_segments:True,expandable_segments_reserve:0.5",
+            26,
+        ),
+        (
+            "expandable_segments:True,expandable_segments_reserve:2G",
+            103,
+        ),
+    ] {
+        let mut a = allocator(conf, GIB);
+        let p = a.malloc(2 * MIB, S0).unwrap();
+        let q = a.malloc(2 * MIB, S1).unwrap();
+        // The simulator leaves a 2 MiB gap after each reservation.
+        assert_eq!(q - p, pages * 20 * MIB + 2 * MIB, "{conf}");
+        consistent(&a);
+    }
+}
+
 #[test]
 fn expandable_empty_cache_unmaps_free_pages_and_regrows_at_lowest_address() {
     let mut a = allocator("expandable_segments:True", GIB);
