@@ -40,12 +40,12 @@ use crate::allocator::{Allocator, AllocatorConfig, PolicyConfig};
 use crate::config::PytorchConfig;
 use crate::device::{
     CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
-    PhysicalHandle, StreamId,
+    PhysicalHandle, PoolId, StreamId,
 };
 use crate::error::AllocError;
+use crate::fastmap::{FastMap, PointerHasher};
 use crate::snapshot::Snapshot;
 use crate::stats::{DeviceStats, Stat};
-use crate::{FastMap, PointerHasher};
 
 /// The calls a thread-safe allocator offers. Implemented by
 /// [`SharedAllocator`] and by `Mutex<Allocator<D>>` (the single-lock baseline
@@ -330,11 +330,6 @@ const OWNER_SHARDS: usize = 64;
 
 /// One engine shard: an allocator over the shared, limited device.
 type Shard<D> = Mutex<Allocator<Arc<LimitedDevice<D>>>>;
-
-/// A private memory pool's id: PyTorch's `MempoolId_t`, a pair (a graph
-/// capture's pool is `(capture id, 0)`, a `torch.cuda.MemPool`'s `(0, id)`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PoolId(pub u64, pub u64);
 
 /// A private memory pool: its engine and how many hold it.
 struct PrivatePool<D: Device> {

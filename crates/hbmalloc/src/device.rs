@@ -19,6 +19,11 @@ pub type DevicePtr = u64;
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct StreamId(pub u64);
 
+/// A private memory pool's id: PyTorch's `MempoolId_t`, a pair (a graph
+/// capture's pool is `(capture id, 0)`, a `torch.cuda.MemPool`'s `(0, id)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PoolId(pub u64, pub u64);
+
 /// An event recorded on a stream by [`Device::record_event`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct EventId(pub u64);

@@ -198,9 +198,10 @@ use std::ops::ControlFlow;
 use crate::config::ConfigError;
 use crate::device::{Device, DevicePtr, EventId, PhysicalHandle, StreamId};
 use crate::error::{AllocError, OomReport, OomVerdict};
+use crate::fastmap::{FastMap, PointerHasher};
 use crate::history::{Action, History};
+use crate::snapshot::SegmentImage;
 use crate::stats::{decrease_pool, increase_pool, DeviceStats, StatArray};
-use crate::{FastMap, PointerHasher, SegmentImage};
 
 mod alias;
 mod backing;

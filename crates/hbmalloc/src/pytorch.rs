@@ -27,10 +27,11 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use crate::config::PytorchConfig;
 use crate::device::{Device, DevicePtr, EventId, PhysicalHandle, StreamId};
 use crate::error::{AllocError, OomReport, OomVerdict};
+use crate::fastmap::FastMap;
 use crate::history::{Action, History};
+use crate::snapshot::SegmentImage;
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 use crate::stats::{decrease_pool, increase_pool, pool_rows, DeviceStats, Stat};
-use crate::{FastMap, SegmentImage};
 
 /// Deliberately broken behaviour, for proving that the simulation harness
 /// catches it (test builds only).

@@ -16,7 +16,7 @@ use crate::device::{
     CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
     PhysicalHandle, StreamId,
 };
-use crate::FastMap;
+use crate::fastmap::FastMap;
 
 const MIB: u64 = 1 << 20;
 
