@@ -1,7 +1,7 @@
 //! `Allocator<D>`: the public face of the engine. It owns a [`Device`] and one
 //! policy's state, and forwards each call to the policy chosen at creation.
 
-use crate::capture::CaptureSafeDevice;
+use crate::adaptor::CaptureSafeDevice;
 use crate::config::{ConfigError, PytorchConfig};
 use crate::device::{Device, DevicePtr, StreamId};
 use crate::error::{AllocError, MAX_REQUEST_BYTES};

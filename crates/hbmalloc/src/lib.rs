@@ -7,6 +7,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod adaptor;
 pub mod allocator;
 pub mod capture;
 pub mod concurrent;
@@ -23,7 +24,9 @@ pub mod simtest;
 pub mod snapshot;
 pub mod stats;
 pub mod summary;
+mod sync;
 
+pub use adaptor::DeviceAdaptor;
 pub use allocator::{Allocator, AllocatorConfig, PolicyConfig};
 pub use concurrent::{SharedAllocator, ThreadSafeAllocator};
 pub use config::{ConfigError, PytorchConfig, ReserveSpec};
