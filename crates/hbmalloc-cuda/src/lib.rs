@@ -31,9 +31,11 @@
 //! runs [`exercise::exercise_device`] and [`byte_check::byte_program`] on a
 //! real GPU.
 
+#[cfg(feature = "harness")]
 pub mod byte_check;
 mod device;
 mod driver;
+#[cfg(feature = "harness")]
 pub mod exercise;
 mod ffi;
 mod pool;

@@ -228,7 +228,7 @@ pub fn evaluate(
         None
     };
     let ops = run.mallocs + run.frees;
-    let by_kind = |calls: &hbmalloc::sim::CallCounts| -> BTreeMap<String, u64> {
+    let by_kind = |calls: &hbmalloc::CallCounts| -> BTreeMap<String, u64> {
         CallKind::ALL
             .iter()
             .filter(|k| calls.get(**k) > 0)

@@ -2,8 +2,10 @@
 //!
 //! The engine is a deterministic state machine over a [`Device`]: the same
 //! code serves a real GPU through `hbmalloc-cuda` and the simulated one,
-//! [`SimDevice`], that replay and tests run on. See `ARCHITECTURE.md` at the
-//! repository root for the code map.
+//! `SimDevice`, that replay and tests run on. The simulator and the
+//! simulation harness (`sim`, `simtest`) are test equipment behind the
+//! `sim` feature, out of the library a program links. See
+//! `ARCHITECTURE.md` at the repository root for the code map.
 
 #![forbid(unsafe_code)]
 
@@ -19,7 +21,9 @@ pub mod format;
 mod hbm;
 pub mod history;
 mod pytorch;
+#[cfg(any(test, feature = "sim"))]
 pub mod sim;
+#[cfg(any(test, feature = "sim"))]
 pub mod simtest;
 pub mod snapshot;
 pub mod stats;
@@ -31,15 +35,14 @@ pub use allocator::{Allocator, AllocatorConfig, PolicyConfig};
 pub use concurrent::{SharedAllocator, ThreadSafeAllocator};
 pub use config::{ConfigError, PytorchConfig, ReserveSpec};
 pub use device::{
-    CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
-    PhysicalHandle, PoolId, StreamId,
+    CallCounts, CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId,
+    MemoryInfo, PhysicalHandle, PoolId, StreamId,
 };
 pub use error::{AllocError, OomReport, OomVerdict, MAX_REQUEST_BYTES};
 pub use hbm::HbmConfig;
 pub use history::{Action, History, TraceEntry};
-pub use sim::{
-    CallCounts, Fault, LatencyModel, PendingUse, SimConfig, SimDevice, UseId, UseViolation,
-};
+#[cfg(any(test, feature = "sim"))]
+pub use sim::{Fault, LatencyModel, PendingUse, SimConfig, SimDevice, UseId, UseViolation};
 pub use snapshot::{
     BlockImage, BlockSnapshot, BlockState, SegmentImage, SegmentSnapshot, Snapshot,
 };
