@@ -37,7 +37,7 @@ mod device;
 mod driver;
 #[cfg(feature = "harness")]
 pub mod exercise;
-mod ffi;
+pub mod ffi;
 mod pool;
 
 pub use device::CudaDevice;
