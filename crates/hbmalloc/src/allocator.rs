@@ -320,7 +320,7 @@ impl<D: Device> Allocator<D> {
         dispatch!(mut self, p => p.restore_segment(dev, image))
     }
 
-    /// Checks the invariants of DESIGN.md; the error says which one broke.
+    /// Checks the policy's invariants (`ARCHITECTURE.md`); the error says which one broke.
     pub fn check_invariants(&self) -> Result<(), String> {
         dispatch!(self, p => p.check_invariants())
     }

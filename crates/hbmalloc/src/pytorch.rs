@@ -1480,7 +1480,7 @@ impl PytorchPolicy {
             .map(|(i, b)| (i as BlockId, b))
     }
 
-    /// Checks every invariant of DESIGN.md that this policy can see.
+    /// Checks every invariant of its state that this policy can see.
     pub(crate) fn check_invariants(&self) -> Result<(), String> {
         let mut mapped_total = 0u64;
         let mut allocated_total = 0u64;

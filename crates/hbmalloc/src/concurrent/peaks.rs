@@ -61,22 +61,9 @@ pub(super) fn exact_stats(stats: &mut DeviceStats) -> [&mut Stat; EXACT_PEAKS] {
 /// second shard allocates, every shard operation adds its change of the
 /// statistics here, under its shard's lock, and the peak is the highest sum
 /// seen. A few atomic adds per operation, paid only by programs that
-/// allocate on several shards. Measured with `hbmalloc bench-threads`
-/// (medians of 3 interleaved runs, the build of e08343f against this one, on a
-/// 2-core machine), sharded, in millions of operations per second: traces
-/// 7.60 / 7.49 / 9.00 -> 8.05 / 7.64 / 7.78 with 2 / 4 / 8 threads,
-/// small-block churn 5.54 / 6.23 / 5.80 -> 6.25 / 5.78 / 5.26: noise at 2
-/// and 4 threads, about 10% at 8, still above one lock per device (2.7 to
-/// 5.7 in the same runs). Without the read before `fetch_max`, the 2-thread
-/// figures halved; without the read before the first-shard
-/// compare-exchange (a write on every malloc), churn lost 10-25%.
-///
-/// Why only these four: the same tracking for every statistic (the 29 with
-/// a peak: counts, and each pool) or for the 9 aggregate ones made the
-/// sharded allocator 3.5 and 2 times slower at 2 to 8 threads, below one
-/// lock per device (`hbmalloc bench-threads`, stop 23: traces 6.4-7.5 ->
-/// 1.7-1.9 and 2.8 Mops/s); their atomics span several cache lines that
-/// every shard writes on every call. Those peaks stay sums of the shards'.
+/// allocate on several shards; only these four, because tracking every
+/// statistic puts atomics on several cache lines that every shard writes on
+/// every call (measurements: `docs/engine-notes.md`).
 pub(super) struct CombinedPeaks {
     /// The first shard that allocated (`usize::MAX`: none yet).
     pub(super) first_shard: AtomicUsize,

@@ -101,7 +101,7 @@ impl HbmPolicy {
         segments
     }
 
-    /// Checks every invariant of DESIGN.md that this policy can see.
+    /// Checks every invariant of its state that this policy can see.
     pub(crate) fn check_invariants(&self) -> Result<(), String> {
         // Per region: live and free blocks tile it exactly (so nothing
         // overlaps), free ranges are coalesced, live blocks are mapped.
