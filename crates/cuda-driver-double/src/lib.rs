@@ -53,132 +53,7 @@ use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, MutexGuard};
 
-/// The driver's status code (`CUresult`).
-pub type CUresult = c_int;
-/// A device ordinal (`CUdevice`).
-pub type CUdevice = c_int;
-/// A device address (`CUdeviceptr`, 64 bits on every supported platform).
-pub type CUdeviceptr = c_ulonglong;
-/// Physical memory from `cuMemCreate` (`CUmemGenericAllocationHandle`).
-pub type CUmemGenericAllocationHandle = c_ulonglong;
-/// A context handle (`CUcontext`).
-pub type CUcontext = *mut c_void;
-/// An event handle (`CUevent`).
-pub type CUevent = *mut c_void;
-/// A stream handle (`CUstream`).
-pub type CUstream = *mut c_void;
-/// A thread's stream-capture interaction mode (`CUstreamCaptureMode`).
-pub type CUstreamCaptureMode = c_uint;
-
-/// `CU_STREAM_CAPTURE_MODE_GLOBAL`: every thread's mode until it changes it.
-pub const CU_STREAM_CAPTURE_MODE_GLOBAL: CUstreamCaptureMode = 0;
-/// `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`.
-pub const CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: CUstreamCaptureMode = 1;
-/// `CU_STREAM_CAPTURE_MODE_RELAXED`: potentially unsafe calls such as
-/// `cuMemAlloc` are allowed during a capture.
-pub const CU_STREAM_CAPTURE_MODE_RELAXED: CUstreamCaptureMode = 2;
-
-// The C types below are declared again here, not shared with
-// `hbmalloc-cuda`'s own declarations, on purpose: the double stands in for
-// `cuda.h`, so a layout mistake in the code under test must not be copied
-// into the double that is meant to catch it. Both sides pin their sizes and
-// offsets against `cuda.h` in unit tests.
-
-/// `CUmemLocation`, laid out as in `cuda.h`.
-#[repr(C)]
-#[derive(Copy, Clone, Debug)]
-pub struct CUmemLocation {
-    /// `CUmemLocationType` (1 = device).
-    pub location_type: c_uint,
-    /// The device ordinal.
-    pub id: c_int,
-}
-
-/// The `allocFlags` member of `CUmemAllocationProp`.
-#[repr(C)]
-#[derive(Copy, Clone, Debug)]
-pub struct CUmemAllocationPropFlags {
-    /// `CUmemAllocationCompType`.
-    pub compression_type: u8,
-    /// Non-zero to request GPUDirect RDMA capable memory.
-    pub gpu_direct_rdma_capable: u8,
-    /// `CUmemCreateUsage` bits.
-    pub usage: u16,
-    /// Must be zero.
-    pub reserved: [u8; 4],
-}
-
-/// `CUmemAllocationProp`, laid out as in `cuda.h`.
-#[repr(C)]
-#[derive(Copy, Clone, Debug)]
-pub struct CUmemAllocationProp {
-    /// `CUmemAllocationType` (1 = pinned).
-    pub allocation_type: c_uint,
-    /// `CUmemAllocationHandleType` bits.
-    pub requested_handle_types: c_uint,
-    /// Where the memory lives.
-    pub location: CUmemLocation,
-    /// Windows IPC metadata; null here.
-    pub win32_handle_meta_data: *mut c_void,
-    /// Compression, RDMA and usage flags.
-    pub alloc_flags: CUmemAllocationPropFlags,
-}
-
-/// `CUmemAccessDesc`, laid out as in `cuda.h`.
-#[repr(C)]
-#[derive(Copy, Clone, Debug)]
-pub struct CUmemAccessDesc {
-    /// Who gets access.
-    pub location: CUmemLocation,
-    /// `CUmemAccess_flags` (0 none, 1 read, 3 read-write).
-    pub flags: c_uint,
-}
-
-/// `CUDA_SUCCESS`.
-pub const CUDA_SUCCESS: CUresult = 0;
-/// `CUDA_ERROR_INVALID_VALUE`.
-pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
-/// `CUDA_ERROR_OUT_OF_MEMORY`.
-pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
-/// `CUDA_ERROR_NOT_INITIALIZED`.
-pub const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
-/// `CUDA_ERROR_NO_DEVICE`.
-pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;
-/// `CUDA_ERROR_INVALID_DEVICE`.
-pub const CUDA_ERROR_INVALID_DEVICE: CUresult = 101;
-/// `CUDA_ERROR_INVALID_CONTEXT`.
-pub const CUDA_ERROR_INVALID_CONTEXT: CUresult = 201;
-/// `CUDA_ERROR_INVALID_HANDLE`.
-pub const CUDA_ERROR_INVALID_HANDLE: CUresult = 400;
-/// `CUDA_ERROR_NOT_READY`.
-pub const CUDA_ERROR_NOT_READY: CUresult = 600;
-/// `CUDA_ERROR_ILLEGAL_ADDRESS`.
-pub const CUDA_ERROR_ILLEGAL_ADDRESS: CUresult = 700;
-/// `CUDA_ERROR_UNKNOWN`.
-pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
-
-/// Every status code the double knows a name for, as `cuGetErrorName` gives it.
-const ERROR_NAMES: &[(CUresult, &CStr)] = &[
-    (0, c"CUDA_SUCCESS"),
-    (1, c"CUDA_ERROR_INVALID_VALUE"),
-    (2, c"CUDA_ERROR_OUT_OF_MEMORY"),
-    (3, c"CUDA_ERROR_NOT_INITIALIZED"),
-    (4, c"CUDA_ERROR_DEINITIALIZED"),
-    (100, c"CUDA_ERROR_NO_DEVICE"),
-    (101, c"CUDA_ERROR_INVALID_DEVICE"),
-    (201, c"CUDA_ERROR_INVALID_CONTEXT"),
-    (208, c"CUDA_ERROR_ALREADY_MAPPED"),
-    (211, c"CUDA_ERROR_NOT_MAPPED"),
-    (217, c"CUDA_ERROR_PEER_ACCESS_UNSUPPORTED"),
-    (400, c"CUDA_ERROR_INVALID_HANDLE"),
-    (500, c"CUDA_ERROR_NOT_FOUND"),
-    (600, c"CUDA_ERROR_NOT_READY"),
-    (700, c"CUDA_ERROR_ILLEGAL_ADDRESS"),
-    (801, c"CUDA_ERROR_NOT_SUPPORTED"),
-    (900, c"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"),
-    (901, c"CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"),
-    (999, c"CUDA_ERROR_UNKNOWN"),
-];
+pub use hbmalloc_cuda::ffi::*;
 
 /// Devices the double pretends to have.
 pub const DEVICE_COUNT: usize = 2;
@@ -1157,7 +1032,7 @@ pub extern "C" fn cuEventDestroy_v2(event: CUevent) -> CUresult {
 pub unsafe extern "C" fn cuGetErrorName(error: CUresult, name: *mut *const c_char) -> CUresult {
     let result = driver_call("cuGetErrorName", |_| {
         non_null(name)?;
-        ERROR_NAMES
+        KNOWN_ERROR_NAMES
             .iter()
             .find(|(code, _)| *code == error)
             .map(|(_, text)| text.as_ptr())
@@ -1412,19 +1287,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn layouts_match_cuda_h() {
-        assert_eq!(std::mem::size_of::<CUmemLocation>(), 8);
-        assert_eq!(std::mem::size_of::<CUmemAccessDesc>(), 12);
-        assert_eq!(std::mem::size_of::<CUmemAllocationProp>(), 32);
-        assert_eq!(std::mem::offset_of!(CUmemAllocationProp, location), 8);
-        assert_eq!(
-            std::mem::offset_of!(CUmemAllocationProp, win32_handle_meta_data),
-            16
-        );
-        assert_eq!(std::mem::offset_of!(CUmemAllocationProp, alloc_flags), 24);
-    }
-
-    #[test]
     fn capture_mode_is_exchanged_per_thread_and_relaxed_calls_are_counted() {
         // The other unit tests do not touch the driver state, so one reset
         // here is enough.
@@ -1473,12 +1335,5 @@ mod tests {
         hbm_double_reset();
         assert_eq!(hbm_double_capture_mode(), CU_STREAM_CAPTURE_MODE_GLOBAL);
         assert_eq!(relaxed(c"cuInit"), 0);
-    }
-
-    #[test]
-    fn error_names_are_unique() {
-        for (i, (code, _)) in ERROR_NAMES.iter().enumerate() {
-            assert!(ERROR_NAMES[i + 1..].iter().all(|(c, _)| c != code));
-        }
     }
 }

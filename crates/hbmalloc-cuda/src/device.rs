@@ -664,6 +664,7 @@ impl Drop for CudaDevice {
     }
 }
 
+#[cfg(feature = "harness")]
 /// Device memory through this device's driver (`cuMemsetD8_v2`,
 /// `cuMemcpyDtoH_v2` on the legacy default stream, the context made current
 /// for the call): what [`crate::byte_check::byte_program`] checks with.

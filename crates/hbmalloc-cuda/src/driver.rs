@@ -254,7 +254,10 @@ impl CudaDriver {
         KNOWN_ERROR_NAMES
             .iter()
             .find(|(known, _)| *known == code)
-            .map_or_else(|| format!("CUDA_ERROR_{code}"), |(_, n)| n.to_string())
+            .map_or_else(
+                || format!("CUDA_ERROR_{code}"),
+                |(_, n)| n.to_string_lossy().into_owned(),
+            )
     }
 
     /// `OutOfMemory` for `CUDA_ERROR_OUT_OF_MEMORY`, else the driver's name.

@@ -1,9 +1,11 @@
-//! C types and constants of the CUDA driver API, declared by hand.
+//! C types and constants of the CUDA driver API, declared by hand: the one
+//! declaration `CudaDevice` and `cuda-driver-double` both use.
 //!
-//! Only what `CudaDevice` uses. Layouts match `cuda.h` (CUDA 11.x to 12.x,
-//! 64-bit platforms); the unit tests pin sizes and offsets.
+//! Only what they use. Layouts match `cuda.h` (CUDA 11.x to 12.x, 64-bit
+//! platforms); the unit tests pin sizes and offsets against it, so a layout
+//! mistake fails there rather than being shared unseen.
 
-use std::ffi::{c_int, c_uint, c_ulonglong, c_void};
+use std::ffi::{c_int, c_uint, c_ulonglong, c_void, CStr};
 
 /// `CUresult`: a driver status code.
 pub type CUresult = c_int;
@@ -76,12 +78,28 @@ pub struct CUmemAccessDesc {
 
 /// `CUDA_SUCCESS`.
 pub const CUDA_SUCCESS: CUresult = 0;
+/// `CUDA_ERROR_INVALID_VALUE`.
+pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
 /// `CUDA_ERROR_OUT_OF_MEMORY`.
 pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
+/// `CUDA_ERROR_NOT_INITIALIZED`.
+pub const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
+/// `CUDA_ERROR_NO_DEVICE`.
+pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;
+/// `CUDA_ERROR_INVALID_DEVICE`.
+pub const CUDA_ERROR_INVALID_DEVICE: CUresult = 101;
+/// `CUDA_ERROR_INVALID_CONTEXT`.
+pub const CUDA_ERROR_INVALID_CONTEXT: CUresult = 201;
+/// `CUDA_ERROR_INVALID_HANDLE`.
+pub const CUDA_ERROR_INVALID_HANDLE: CUresult = 400;
 /// `CUDA_ERROR_NOT_READY`: an event or stream query whose work is pending.
 pub const CUDA_ERROR_NOT_READY: CUresult = 600;
+/// `CUDA_ERROR_ILLEGAL_ADDRESS`.
+pub const CUDA_ERROR_ILLEGAL_ADDRESS: CUresult = 700;
 /// `CUDA_ERROR_NOT_SUPPORTED`.
 pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
+/// `CUDA_ERROR_UNKNOWN`.
+pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
 
 /// `CU_MEM_ALLOCATION_TYPE_PINNED`.
 pub const CU_MEM_ALLOCATION_TYPE_PINNED: c_uint = 0x1;
@@ -97,6 +115,10 @@ pub const CU_MEM_ALLOC_GRANULARITY_RECOMMENDED: c_uint = 0x1;
 /// `CU_EVENT_DISABLE_TIMING`: cheaper events, enough for ordering.
 pub const CU_EVENT_DISABLE_TIMING: c_uint = 0x2;
 
+/// `CU_STREAM_CAPTURE_MODE_GLOBAL`: every thread's mode until it changes it.
+pub const CU_STREAM_CAPTURE_MODE_GLOBAL: CUstreamCaptureMode = 0;
+/// `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`.
+pub const CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: CUstreamCaptureMode = 1;
 /// `CU_STREAM_CAPTURE_MODE_RELAXED`: the thread's potentially unsafe calls
 /// are never refused for a capture (what PyTorch's allocator switches to
 /// around `cudaMalloc`). The others are `CU_STREAM_CAPTURE_MODE_GLOBAL` (0,
@@ -106,29 +128,30 @@ pub const CU_EVENT_DISABLE_TIMING: c_uint = 0x2;
 /// runs one). Captures begun in relaxed mode refuse nothing.
 pub const CU_STREAM_CAPTURE_MODE_RELAXED: CUstreamCaptureMode = 2;
 
-/// Names of the status codes most likely to reach us, used when
+/// Names of the status codes most likely to reach us: what the double's
+/// `cuGetErrorName` answers, and what `CudaDevice` says when the driver's
 /// `cuGetErrorName` itself fails.
-pub const KNOWN_ERROR_NAMES: &[(CUresult, &str)] = &[
-    (0, "CUDA_SUCCESS"),
-    (1, "CUDA_ERROR_INVALID_VALUE"),
-    (2, "CUDA_ERROR_OUT_OF_MEMORY"),
-    (3, "CUDA_ERROR_NOT_INITIALIZED"),
-    (4, "CUDA_ERROR_DEINITIALIZED"),
-    (34, "CUDA_ERROR_STUB_LIBRARY"),
-    (100, "CUDA_ERROR_NO_DEVICE"),
-    (101, "CUDA_ERROR_INVALID_DEVICE"),
-    (201, "CUDA_ERROR_INVALID_CONTEXT"),
-    (208, "CUDA_ERROR_ALREADY_MAPPED"),
-    (211, "CUDA_ERROR_NOT_MAPPED"),
-    (217, "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED"),
-    (400, "CUDA_ERROR_INVALID_HANDLE"),
-    (500, "CUDA_ERROR_NOT_FOUND"),
-    (600, "CUDA_ERROR_NOT_READY"),
-    (700, "CUDA_ERROR_ILLEGAL_ADDRESS"),
-    (801, "CUDA_ERROR_NOT_SUPPORTED"),
-    (900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"),
-    (901, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"),
-    (999, "CUDA_ERROR_UNKNOWN"),
+pub const KNOWN_ERROR_NAMES: &[(CUresult, &CStr)] = &[
+    (0, c"CUDA_SUCCESS"),
+    (1, c"CUDA_ERROR_INVALID_VALUE"),
+    (2, c"CUDA_ERROR_OUT_OF_MEMORY"),
+    (3, c"CUDA_ERROR_NOT_INITIALIZED"),
+    (4, c"CUDA_ERROR_DEINITIALIZED"),
+    (34, c"CUDA_ERROR_STUB_LIBRARY"),
+    (100, c"CUDA_ERROR_NO_DEVICE"),
+    (101, c"CUDA_ERROR_INVALID_DEVICE"),
+    (201, c"CUDA_ERROR_INVALID_CONTEXT"),
+    (208, c"CUDA_ERROR_ALREADY_MAPPED"),
+    (211, c"CUDA_ERROR_NOT_MAPPED"),
+    (217, c"CUDA_ERROR_PEER_ACCESS_UNSUPPORTED"),
+    (400, c"CUDA_ERROR_INVALID_HANDLE"),
+    (500, c"CUDA_ERROR_NOT_FOUND"),
+    (600, c"CUDA_ERROR_NOT_READY"),
+    (700, c"CUDA_ERROR_ILLEGAL_ADDRESS"),
+    (801, c"CUDA_ERROR_NOT_SUPPORTED"),
+    (900, c"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"),
+    (901, c"CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"),
+    (999, c"CUDA_ERROR_UNKNOWN"),
 ];
 
 #[cfg(test)]
@@ -147,5 +170,12 @@ mod tests {
         assert_eq!(offset_of!(CUmemAllocationProp, location), 8);
         assert_eq!(offset_of!(CUmemAllocationProp, win32_handle_meta_data), 16);
         assert_eq!(offset_of!(CUmemAllocationProp, alloc_flags), 24);
+    }
+
+    #[test]
+    fn error_names_are_unique() {
+        for (i, (code, _)) in KNOWN_ERROR_NAMES.iter().enumerate() {
+            assert!(KNOWN_ERROR_NAMES[i + 1..].iter().all(|(c, _)| c != code));
+        }
     }
 }

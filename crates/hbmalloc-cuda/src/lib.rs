@@ -31,11 +31,13 @@
 //! runs [`exercise::exercise_device`] and [`byte_check::byte_program`] on a
 //! real GPU.
 
+#[cfg(feature = "harness")]
 pub mod byte_check;
 mod device;
 mod driver;
+#[cfg(feature = "harness")]
 pub mod exercise;
-mod ffi;
+pub mod ffi;
 mod pool;
 
 pub use device::CudaDevice;

@@ -274,7 +274,7 @@ pub fn evaluate(
     };
     let ops = run.mallocs + run.frees;
     let recorded_seconds = trace.recorded_span_us.map(|us| us as f64 / 1e6);
-    let by_kind = |calls: &hbmalloc::sim::CallCounts| -> BTreeMap<String, u64> {
+    let by_kind = |calls: &hbmalloc::CallCounts| -> BTreeMap<String, u64> {
         CallKind::ALL
             .iter()
             .filter(|k| calls.get(**k) > 0)

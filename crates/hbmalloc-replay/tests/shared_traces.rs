@@ -11,21 +11,12 @@ use hbmalloc_replay::{
 };
 use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op, Trace};
 
-/// `shared/traces` beside the repository. CI always has it; elsewhere the
-/// tests say so and pass vacuously.
+#[path = "../../hbmalloc-trace/tests/common/shared.rs"]
+mod common_shared;
+
+/// `shared/traces` beside the repository (see `common/shared.rs`).
 fn shared_traces() -> Option<PathBuf> {
-    let found = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .map(|dir| dir.join("shared/traces"))
-        .find(|dir| dir.is_dir());
-    if found.is_none() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI must have ../shared/traces"
-        );
-        eprintln!("note: no shared/traces found; skipping");
-    }
-    found
+    common_shared::shared_traces(env!("CARGO_MANIFEST_DIR"))
 }
 
 fn load_dir(dir: &Path) -> Vec<Trace> {

@@ -590,10 +590,42 @@ fn add_range(ranges: &mut BTreeMap<u64, Range>, mut start: u64, range: Range) {
 
 /// Rebuilds the window-start state of one device and turns its history into ops.
 fn rebuild_device(device: i64, segments: &[&Segment], entries: &[Entry]) -> DeviceTrace {
-    let mut skipped: BTreeMap<String, u64> = BTreeMap::new();
-    let mut skip = |reason: &str| *skipped.entry(reason.to_string()).or_default() += 1;
+    let (mut ranges, mut live) = dumped_state(segments);
+    let mut rebuild = Rebuild::default();
+    undo_history(entries, &mut ranges, &mut live, &mut rebuild.skipped);
+    let initial_segments = rebuild.lay_out(&ranges, &live);
+    let initial_reserved_bytes: u64 = initial_segments.iter().map(|s| s.total_size()).sum();
+    let (segment_events, peak_reserved) = rebuild.replay(entries, initial_reserved_bytes);
+    DeviceTrace {
+        device,
+        initial_segments,
+        ops: rebuild.ops,
+        recorded_config: None,
+        recorded: Some(Recorded {
+            peak_reserved_bytes: Some(peak_reserved),
+            initial_reserved_bytes,
+            segment_events,
+        }),
+        foreign_allocator: false,
+        skipped: rebuild.skipped.0,
+        recorded_span_us: None,
+        step_starts: Vec::new(),
+    }
+}
 
-    // The dumped state.
+/// Entries the rebuild could not use, counted by reason.
+#[derive(Default)]
+struct Skipped(BTreeMap<String, u64>);
+
+impl Skipped {
+    fn skip(&mut self, reason: &str) {
+        *self.0.entry(reason.to_string()).or_default() += 1;
+    }
+}
+
+/// The dumped state: its address ranges (segments, adjacent ones joined)
+/// and the blocks live in them.
+fn dumped_state(segments: &[&Segment]) -> (BTreeMap<u64, Range>, BTreeMap<u64, LiveBlock>) {
     let mut ranges: BTreeMap<u64, Range> = BTreeMap::new();
     let mut live: BTreeMap<u64, LiveBlock> = BTreeMap::new();
     for segment in segments {
@@ -618,14 +650,23 @@ fn rebuild_device(device: i64, segments: &[&Segment], entries: &[Entry]) -> Devi
             );
         }
     }
+    (ranges, live)
+}
 
-    // Walk the history backwards, undoing each entry.
+/// Walks the history backwards, undoing each entry, so that `ranges` and
+/// `live` become the state when the window began.
+fn undo_history(
+    entries: &[Entry],
+    ranges: &mut BTreeMap<u64, Range>,
+    live: &mut BTreeMap<u64, LiveBlock>,
+    skipped: &mut Skipped,
+) {
     for entry in entries.iter().rev() {
         let end = entry.addr.saturating_add(entry.size);
         match entry.action {
             Action::Alloc => {
                 if live.remove(&entry.addr).is_none() {
-                    skip("alloc of a block the dump does not show");
+                    skipped.skip("alloc of a block the dump does not show");
                 }
             }
             Action::Free | Action::FreeRequested => {
@@ -645,7 +686,7 @@ fn rebuild_device(device: i64, segments: &[&Segment], entries: &[Entry]) -> Devi
                 });
             }
             Action::Segment(SegmentEventKind::Alloc | SegmentEventKind::Map) => {
-                remove_range(&mut ranges, entry.addr, end);
+                remove_range(ranges, entry.addr, end);
             }
             Action::Segment(kind) => {
                 // A range reappears. Unmapped pages belong to the expandable
@@ -662,7 +703,7 @@ fn rebuild_device(device: i64, segments: &[&Segment], entries: &[Entry]) -> Devi
                     _ => entry.size == SMALL_SEGMENT_SIZE,
                 };
                 add_range(
-                    &mut ranges,
+                    ranges,
                     entry.addr,
                     Range {
                         end,
@@ -675,195 +716,207 @@ fn rebuild_device(device: i64, segments: &[&Segment], entries: &[Entry]) -> Devi
             Action::Oom | Action::Marker | Action::Unknown => {}
         }
     }
+}
 
-    // Lay the surviving allocations out in the surviving ranges.
-    let mut next_id: AllocId = 0;
-    let mut addr_to_id: HashMap<u64, AllocId> = HashMap::new();
-    let mut pending_streams: HashMap<u64, u64> = HashMap::new();
-    let mut ops = Vec::new();
-    let mut initial_segments = Vec::new();
-    let mut placed: BTreeSet<u64> = BTreeSet::new();
-    for (&start, range) in &ranges {
-        let mut blocks = Vec::new();
-        let mut cursor = start;
-        let inside: Vec<(u64, &LiveBlock)> =
-            live.range(start..range.end).map(|(&a, b)| (a, b)).collect();
-        for (i, &(addr, block)) in inside.iter().enumerate() {
-            let limit = inside.get(i + 1).map_or(range.end, |&(next, _)| next);
-            let size = block.size.min(limit - addr);
-            if addr > cursor {
-                blocks.push(free_block(addr - cursor));
+/// The ops of a device being rebuilt, and the ids given out so far.
+#[derive(Default)]
+struct Rebuild {
+    skipped: Skipped,
+    next_id: AllocId,
+    addr_to_id: HashMap<u64, AllocId>,
+    pending_streams: HashMap<u64, u64>,
+    ops: Vec<Op>,
+}
+
+impl Rebuild {
+    fn skip(&mut self, reason: &str) {
+        self.skipped.skip(reason);
+    }
+
+    /// Lays the allocations live at the window start out in the ranges
+    /// then, as initial segments, each allocation registered under an id.
+    fn lay_out(
+        &mut self,
+        ranges: &BTreeMap<u64, Range>,
+        live: &BTreeMap<u64, LiveBlock>,
+    ) -> Vec<InitialSegment> {
+        let mut initial_segments = Vec::new();
+        let mut placed: BTreeSet<u64> = BTreeSet::new();
+        for (&start, range) in ranges {
+            let mut blocks = Vec::new();
+            let mut cursor = start;
+            let inside: Vec<(u64, &LiveBlock)> =
+                live.range(start..range.end).map(|(&a, b)| (a, b)).collect();
+            for (i, &(addr, block)) in inside.iter().enumerate() {
+                let limit = inside.get(i + 1).map_or(range.end, |&(next, _)| next);
+                let size = block.size.min(limit - addr);
+                if addr > cursor {
+                    blocks.push(free_block(addr - cursor));
+                }
+                let id = self.next_id;
+                self.next_id += 1;
+                blocks.push(InitialBlock {
+                    size,
+                    requested_size: block.requested_size,
+                    state: InitialBlockState::Allocated(id),
+                });
+                register_initial(
+                    id,
+                    addr,
+                    block,
+                    &mut self.addr_to_id,
+                    &mut self.pending_streams,
+                    &mut self.ops,
+                );
+                placed.insert(addr);
+                cursor = addr + size;
             }
-            let id = next_id;
-            next_id += 1;
-            blocks.push(InitialBlock {
-                size,
-                requested_size: block.requested_size,
-                state: InitialBlockState::Allocated(id),
+            if range.end > cursor {
+                blocks.push(free_block(range.end - cursor));
+            }
+            if !blocks.is_empty() {
+                initial_segments.push(InitialSegment {
+                    address: start,
+                    stream: range.stream,
+                    small_pool: range.small_pool,
+                    expandable: range.expandable,
+                    blocks,
+                });
+            }
+        }
+        // Allocations outside every segment mean the history and the dump
+        // disagree; keep them (in a segment of their own) so their frees resolve.
+        for (&addr, block) in live.iter().filter(|(a, _)| !placed.contains(a)) {
+            self.skip("live block outside every segment (given its own segment)");
+            let id = self.next_id;
+            self.next_id += 1;
+            initial_segments.push(InitialSegment {
+                address: addr,
+                stream: 0,
+                small_pool: block.size <= SMALL_SEGMENT_SIZE,
+                expandable: false,
+                blocks: vec![InitialBlock {
+                    size: block.size,
+                    requested_size: block.requested_size,
+                    state: InitialBlockState::Allocated(id),
+                }],
             });
             register_initial(
                 id,
                 addr,
                 block,
-                &mut addr_to_id,
-                &mut pending_streams,
-                &mut ops,
+                &mut self.addr_to_id,
+                &mut self.pending_streams,
+                &mut self.ops,
             );
-            placed.insert(addr);
-            cursor = addr + size;
         }
-        if range.end > cursor {
-            blocks.push(free_block(range.end - cursor));
-        }
-        if !blocks.is_empty() {
-            initial_segments.push(InitialSegment {
-                address: start,
-                stream: range.stream,
-                small_pool: range.small_pool,
-                expandable: range.expandable,
-                blocks,
-            });
-        }
-    }
-    // Allocations outside every segment mean the history and the dump
-    // disagree; keep them (in a segment of their own) so their frees resolve.
-    for (&addr, block) in live.iter().filter(|(a, _)| !placed.contains(a)) {
-        skip("live block outside every segment (given its own segment)");
-        let id = next_id;
-        next_id += 1;
-        initial_segments.push(InitialSegment {
-            address: addr,
-            stream: 0,
-            small_pool: block.size <= SMALL_SEGMENT_SIZE,
-            expandable: false,
-            blocks: vec![InitialBlock {
-                size: block.size,
-                requested_size: block.requested_size,
-                state: InitialBlockState::Allocated(id),
-            }],
-        });
-        register_initial(
-            id,
-            addr,
-            block,
-            &mut addr_to_id,
-            &mut pending_streams,
-            &mut ops,
-        );
+
+        initial_segments
     }
 
-    // A segment free is explained by an OOM retry when an `oom` entry follows
-    // it before any further alloc.
-    let mut explained_by_oom = vec![false; entries.len()];
-    let mut oom_ahead = false;
-    for (i, entry) in entries.iter().enumerate().rev() {
-        match entry.action {
-            Action::Oom => oom_ahead = true,
-            Action::Alloc => oom_ahead = false,
-            _ => {}
-        }
-        explained_by_oom[i] = oom_ahead;
-    }
-
-    let initial_reserved_bytes: u64 = initial_segments.iter().map(|s| s.total_size()).sum();
-    let mut reserved = initial_reserved_bytes;
-    let mut peak_reserved = reserved;
-    let mut segment_events = Vec::new();
-    let mut in_empty_cache = false;
-    let mut i = 0;
-    while i < entries.len() {
-        let entry = &entries[i];
-        match entry.action {
-            Action::Alloc => {
-                in_empty_cache = false;
-                if addr_to_id.contains_key(&entry.addr) {
-                    skip("alloc at a live address (old allocation dropped)");
-                }
-                let id = next_id;
-                next_id += 1;
-                addr_to_id.insert(entry.addr, id);
-                ops.push(Op::Alloc {
-                    id,
-                    size: entry.size,
-                    stream: entry.stream,
-                });
+    /// Turns the history into ops, forwards: returns the segment events it
+    /// recorded (each at the op it belongs to) and the peak reserved bytes.
+    fn replay(
+        &mut self,
+        entries: &[Entry],
+        initial_reserved_bytes: u64,
+    ) -> (Vec<RecordedSegmentEvent>, u64) {
+        let mut explained_by_oom = vec![false; entries.len()];
+        let mut oom_ahead = false;
+        for (i, entry) in entries.iter().enumerate().rev() {
+            match entry.action {
+                Action::Oom => oom_ahead = true,
+                Action::Alloc => oom_ahead = false,
+                _ => {}
             }
-            Action::Free | Action::FreeRequested => match addr_to_id.remove(&entry.addr) {
-                Some(id) => {
-                    // A `free_requested` whose `free_completed` follows at
-                    // once is a `free` (taken together with it).
-                    let completed_next = entry.action == Action::FreeRequested
-                        && entries.get(i + 1).is_some_and(|next| {
-                            next.action == Action::FreeCompleted && next.addr == entry.addr
-                        });
-                    if entry.action == Action::Free || completed_next {
-                        ops.push(Op::Free { id });
-                        i += usize::from(completed_next);
+            explained_by_oom[i] = oom_ahead;
+        }
+
+        let mut reserved = initial_reserved_bytes;
+        let mut peak_reserved = reserved;
+        let mut segment_events = Vec::new();
+        let mut in_empty_cache = false;
+        let mut i = 0;
+        while i < entries.len() {
+            let entry = &entries[i];
+            match entry.action {
+                Action::Alloc => {
+                    in_empty_cache = false;
+                    if self.addr_to_id.contains_key(&entry.addr) {
+                        self.skip("alloc at a live address (old allocation dropped)");
+                    }
+                    let id = self.next_id;
+                    self.next_id += 1;
+                    self.addr_to_id.insert(entry.addr, id);
+                    self.ops.push(Op::Alloc {
+                        id,
+                        size: entry.size,
+                        stream: entry.stream,
+                    });
+                }
+                Action::Free | Action::FreeRequested => match self.addr_to_id.remove(&entry.addr) {
+                    Some(id) => {
+                        // A `free_requested` whose `free_completed` follows at
+                        // once is a `free` (taken together with it).
+                        let completed_next = entry.action == Action::FreeRequested
+                            && entries.get(i + 1).is_some_and(|next| {
+                                next.action == Action::FreeCompleted && next.addr == entry.addr
+                            });
+                        if entry.action == Action::Free || completed_next {
+                            self.ops.push(Op::Free { id });
+                            i += usize::from(completed_next);
+                        } else {
+                            let stream = DEFERRED_FREE_STREAM_BASE | id;
+                            self.ops.push(Op::RecordStream { id, stream });
+                            self.ops.push(Op::Free { id });
+                            self.pending_streams.insert(entry.addr, stream);
+                        }
+                    }
+                    None => self.skip("free of an unknown address"),
+                },
+                Action::FreeCompleted => match self.pending_streams.remove(&entry.addr) {
+                    Some(stream) => self.ops.push(Op::StreamComplete { stream }),
+                    None => self.skip("free_completed without a pending free"),
+                },
+                Action::Segment(kind) => {
+                    let grows = matches!(kind, SegmentEventKind::Alloc | SegmentEventKind::Map);
+                    if grows {
+                        reserved = reserved.saturating_add(entry.size);
+                        peak_reserved = peak_reserved.max(reserved);
                     } else {
-                        let stream = DEFERRED_FREE_STREAM_BASE | id;
-                        ops.push(Op::RecordStream { id, stream });
-                        ops.push(Op::Free { id });
-                        pending_streams.insert(entry.addr, stream);
+                        reserved = reserved.saturating_sub(entry.size);
+                        // PyTorch returns segments only on empty_cache(), an OOM
+                        // retry or GC; unexplained runs replay as empty_cache().
+                        if !explained_by_oom[i] && !in_empty_cache {
+                            self.ops.push(Op::EmptyCache);
+                            in_empty_cache = true;
+                        }
                     }
+                    let op_index = if in_empty_cache && !grows {
+                        self.ops.len() - 1
+                    } else {
+                        self.ops.len()
+                    };
+                    segment_events.push(RecordedSegmentEvent {
+                        kind,
+                        size: entry.size,
+                        stream: entry.stream,
+                        address: entry.addr,
+                        op_index,
+                    });
                 }
-                None => skip("free of an unknown address"),
-            },
-            Action::FreeCompleted => match pending_streams.remove(&entry.addr) {
-                Some(stream) => ops.push(Op::StreamComplete { stream }),
-                None => skip("free_completed without a pending free"),
-            },
-            Action::Segment(kind) => {
-                let grows = matches!(kind, SegmentEventKind::Alloc | SegmentEventKind::Map);
-                if grows {
-                    reserved = reserved.saturating_add(entry.size);
-                    peak_reserved = peak_reserved.max(reserved);
-                } else {
-                    reserved = reserved.saturating_sub(entry.size);
-                    // PyTorch returns segments only on empty_cache(), an OOM
-                    // retry or GC; unexplained runs replay as empty_cache().
-                    if !explained_by_oom[i] && !in_empty_cache {
-                        ops.push(Op::EmptyCache);
-                        in_empty_cache = true;
-                    }
-                }
-                let op_index = if in_empty_cache && !grows {
-                    ops.len() - 1
-                } else {
-                    ops.len()
-                };
-                segment_events.push(RecordedSegmentEvent {
-                    kind,
+                Action::Oom => self.ops.push(Op::Oom {
                     size: entry.size,
                     stream: entry.stream,
-                    address: entry.addr,
-                    op_index,
-                });
+                    device_free: entry.addr,
+                }),
+                Action::Marker => {}
+                Action::Unknown => self.skip(&format!("unknown action '{}'", entry.name)),
             }
-            Action::Oom => ops.push(Op::Oom {
-                size: entry.size,
-                stream: entry.stream,
-                device_free: entry.addr,
-            }),
-            Action::Marker => {}
-            Action::Unknown => skip(&format!("unknown action '{}'", entry.name)),
+            i += 1;
         }
-        i += 1;
-    }
 
-    DeviceTrace {
-        device,
-        initial_segments,
-        ops,
-        recorded_config: None,
-        recorded: Some(Recorded {
-            peak_reserved_bytes: Some(peak_reserved),
-            initial_reserved_bytes,
-            segment_events,
-        }),
-        foreign_allocator: false,
-        skipped,
-        recorded_span_us: None,
-        step_starts: Vec::new(),
+        (segment_events, peak_reserved)
     }
 }
 

@@ -1,12 +1,16 @@
 //! Loads every real trace in `shared/traces` and checks it against MANIFEST.md.
 //!
 //! The traces are third-party files that must not be committed, so they are
-//! looked for beside the repository; without them the test says so and passes.
+//! looked for beside the repository; without them the test says so and passes
+//! (and fails under `CI=true`).
 
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use hbmalloc_trace::{load, DeviceTrace, InitialBlockState, Op};
+
+#[path = "common/shared.rs"]
+mod common_shared;
 
 const MIB: f64 = (1u64 << 20) as f64;
 
@@ -172,12 +176,9 @@ const PROFILES: &[(&str, u64, f64)] = &[
     ("t5_varlen_train.json.gz", 47758, 2332.),
 ];
 
-/// Walks up from the crate until a directory holding `shared/traces` appears.
+/// `shared/traces` above this crate (see `common/shared.rs`).
 fn shared_traces() -> Option<PathBuf> {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .map(|dir| dir.join("shared/traces"))
-        .find(|dir| dir.is_dir())
+    common_shared::shared_traces(env!("CARGO_MANIFEST_DIR"))
 }
 
 /// What the test measures on one device.
@@ -244,7 +245,6 @@ fn assert_close_mib(file: &str, what: &str, bytes: u64, expected_mib: f64) {
 #[test]
 fn snapshots_match_the_manifest() {
     let Some(root) = shared_traces() else {
-        eprintln!("note: no shared/traces found above the crate; skipping");
         return;
     };
     for expected in SNAPSHOTS {
@@ -340,7 +340,6 @@ fn snapshots_match_the_manifest() {
 #[test]
 fn profiler_traces_match_the_manifest() {
     let Some(root) = shared_traces() else {
-        eprintln!("note: no shared/traces found above the crate; skipping");
         return;
     };
     for &(file, events, peak_live_mib) in PROFILES {

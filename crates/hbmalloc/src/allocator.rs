@@ -1,19 +1,15 @@
 //! `Allocator<D>`: the public face of the engine. It owns a [`Device`] and one
 //! policy's state, and forwards each call to the policy chosen at creation.
 
-use crate::capture::CaptureSafeDevice;
+use crate::adaptor::CaptureSafeDevice;
 use crate::config::{ConfigError, PytorchConfig};
 use crate::device::{Device, DevicePtr, StreamId};
-use crate::error::AllocError;
+use crate::error::{AllocError, MAX_REQUEST_BYTES};
 use crate::hbm::{HbmConfig, HbmPolicy};
 use crate::history::History;
 use crate::pytorch::PytorchPolicy;
-use crate::snapshot::Snapshot;
+use crate::snapshot::{SegmentImage, Snapshot};
 use crate::stats::DeviceStats;
-
-/// The largest request accepted (1 PiB): anything larger is a caller's bug,
-/// and rejecting it keeps all size arithmetic far from overflow.
-pub const MAX_REQUEST_BYTES: u64 = 1 << 50;
 
 /// Which policy decides where requests go, and its configuration.
 // Built once per allocator: the size difference does not matter.
@@ -113,30 +109,6 @@ impl Default for AllocatorConfig {
             history_entries: 0,
         }
     }
-}
-
-/// A segment as it stood when a recorded trace window began.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SegmentImage {
-    /// The stream that owns it.
-    pub stream: StreamId,
-    /// True for the small pool.
-    pub small_pool: bool,
-    /// True for (a mapped range of) an expandable segment.
-    pub expandable: bool,
-    /// Its blocks in address order.
-    pub blocks: Vec<BlockImage>,
-}
-
-/// One block of a [`SegmentImage`].
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BlockImage {
-    /// Bytes (a multiple of 512).
-    pub size: u64,
-    /// Bytes the program asked for.
-    pub requested_size: u64,
-    /// True when the program holds it.
-    pub allocated: bool,
 }
 
 // One per allocator, and every call dispatches through it: boxing the
@@ -348,7 +320,7 @@ impl<D: Device> Allocator<D> {
         dispatch!(mut self, p => p.restore_segment(dev, image))
     }
 
-    /// Checks the invariants of DESIGN.md; the error says which one broke.
+    /// Checks the policy's invariants (`ARCHITECTURE.md`); the error says which one broke.
     pub fn check_invariants(&self) -> Result<(), String> {
         dispatch!(self, p => p.check_invariants())
     }

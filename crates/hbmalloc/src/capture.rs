@@ -24,17 +24,14 @@
 //!   mapped (no unmap) and gets access again before the next request is
 //!   served.
 //!
-//! [`CaptureSafeDevice`] makes the rule hold on every path: it answers those
+//! [`crate::adaptor::CaptureSafeDevice`] makes the rule hold on every path: it answers those
 //! calls with [`DeviceErrorKind::CaptureUnderway`] instead of passing them to
 //! the driver, so a path missed here would be a clear error for one request,
 //! never a broken capture. The simulation tests (`simtest.rs`) begin and end
 //! captures at random, with driver faults injected, and fail on any such
 //! refusal and on any such call reaching the device.
 
-use crate::device::{
-    CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
-    PhysicalHandle, StreamId,
-};
+use crate::device::CallKind;
 use crate::error::AllocError;
 
 /// The calls a capture forbids: they wait, or give memory back.
@@ -64,79 +61,6 @@ pub(crate) fn record_deferred<T>(
         }
     }
     first_error
-}
-
-/// A device seen through an ongoing CUDA graph capture: calls that create or
-/// map memory pass, calls that wait or give memory back are refused with
-/// [`DeviceErrorKind::CaptureUnderway`].
-pub struct CaptureSafeDevice<'a>(pub &'a dyn Device);
-
-fn refused<T>(call: CallKind) -> DeviceResult<T> {
-    Err(DeviceError::new(
-        call,
-        DeviceErrorKind::CaptureUnderway,
-        "the driver would invalidate the capture; this happens after the capture ends".to_string(),
-    ))
-}
-
-impl Device for CaptureSafeDevice<'_> {
-    fn name(&self) -> String {
-        self.0.name()
-    }
-    fn memory_info(&self) -> DeviceResult<MemoryInfo> {
-        self.0.memory_info()
-    }
-    fn segment_alloc(&self, size: u64) -> DeviceResult<DevicePtr> {
-        self.0.segment_alloc(size)
-    }
-    fn segment_free(&self, _ptr: DevicePtr, _size: u64) -> DeviceResult<()> {
-        refused(CallKind::SegmentFree)
-    }
-    fn granularity(&self) -> Option<u64> {
-        self.0.granularity()
-    }
-    fn address_reserve(&self, size: u64) -> DeviceResult<DevicePtr> {
-        self.0.address_reserve(size)
-    }
-    fn address_free(&self, _base: DevicePtr, _size: u64) -> DeviceResult<()> {
-        refused(CallKind::AddressFree)
-    }
-    fn physical_create(&self, size: u64) -> DeviceResult<PhysicalHandle> {
-        self.0.physical_create(size)
-    }
-    fn physical_release(&self, _handle: PhysicalHandle) -> DeviceResult<()> {
-        refused(CallKind::PhysicalRelease)
-    }
-    fn map(
-        &self,
-        va: DevicePtr,
-        size: u64,
-        handle: PhysicalHandle,
-        offset: u64,
-    ) -> DeviceResult<()> {
-        self.0.map(va, size, handle, offset)
-    }
-    fn maps_handle_parts(&self) -> bool {
-        self.0.maps_handle_parts()
-    }
-    fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
-        self.0.set_access(va, size)
-    }
-    fn unmap(&self, _va: DevicePtr, _size: u64) -> DeviceResult<()> {
-        refused(CallKind::Unmap)
-    }
-    fn record_event(&self, _stream: StreamId) -> DeviceResult<EventId> {
-        refused(CallKind::EventRecord)
-    }
-    fn query_event(&self, _event: EventId) -> DeviceResult<bool> {
-        refused(CallKind::EventQuery)
-    }
-    fn synchronize_event(&self, _event: EventId) -> DeviceResult<()> {
-        refused(CallKind::EventSynchronize)
-    }
-    fn synchronize_device(&self) -> DeviceResult<()> {
-        refused(CallKind::DeviceSynchronize)
-    }
 }
 
 #[cfg(test)]
@@ -249,7 +173,7 @@ mod tests {
     fn the_capture_safe_device_refuses_what_would_break_a_capture() {
         use crate::device::Device;
         let device = SimDevice::new();
-        let safe = super::CaptureSafeDevice(&device);
+        let safe = crate::adaptor::CaptureSafeDevice(&device);
         let ptr = safe.segment_alloc(2 * MIB).unwrap();
         let err = safe.segment_free(ptr, 2 * MIB).unwrap_err();
         assert_eq!(err.kind, DeviceErrorKind::CaptureUnderway);

@@ -18,7 +18,6 @@
 //! - PyTorch reads reals with `std::stod` (trailing garbage ignored); here the whole token
 //!   must be a number.
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
 
@@ -45,26 +44,6 @@ pub const MAX_PINNED_REGISTER_THREADS: u64 = 128;
 
 /// The environment variable named in error messages.
 const ENV_NAME: &str = "PYTORCH_CUDA_ALLOC_CONF";
-
-/// Which allocator backend PyTorch uses (`backend:`).
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
-pub enum Backend {
-    /// PyTorch's own caching allocator, the one hbmalloc reproduces.
-    #[default]
-    Native,
-    /// CUDA's stream-ordered allocator (`cudaMallocAsync`); it ignores most other keys.
-    CudaMallocAsync,
-}
-
-impl Backend {
-    /// The value spelled in the configuration string.
-    pub fn conf_name(self) -> &'static str {
-        match self {
-            Backend::Native => "native",
-            Backend::CudaMallocAsync => "cudaMallocAsync",
-        }
-    }
-}
 
 /// How much virtual address space an expandable segment reserves
 /// (`expandable_segments_reserve`), PyTorch's `ExpandableSegmentReserveSpec`.
@@ -93,6 +72,14 @@ impl ReserveSpec {
         } else {
             ReserveSpec::FractionOfDevice(value)
         })
+    }
+
+    /// The address space to reserve on a device of `device_total` bytes.
+    pub fn bytes(self, device_total: u64) -> u64 {
+        match self {
+            ReserveSpec::FractionOfDevice(fraction) => (device_total as f64 * fraction) as u64,
+            ReserveSpec::Gib(gib) => (gib * (1u64 << 30) as f64) as u64,
+        }
     }
 
     /// The value as written in a configuration string; [`ReserveSpec::parse`] reads it back.
@@ -142,7 +129,7 @@ impl ConfigError {
         self
     }
 
-    fn with_hint(mut self, hint: impl Into<String>) -> Self {
+    pub(crate) fn with_hint(mut self, hint: impl Into<String>) -> Self {
         self.hint = Some(hint.into());
         self
     }
@@ -168,7 +155,17 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
-/// PyTorch's allocator configuration, every key the CUDA build accepts.
+/// PyTorch's allocator configuration: every key the CUDA build accepts, in three kinds.
+///
+/// - Device-allocator keys, which policy `pytorch` follows: `large_segment_size_mb`,
+///   `max_split_size_mb`, `max_non_split_rounding_mb`, `roundup_power2_divisions`,
+///   `garbage_collection_threshold`, `expandable_segments`, `expandable_segments_reserve`,
+///   `per_process_memory_fraction`.
+/// - Keys of the parts of PyTorch hbmalloc does not replace (the pinned host allocator,
+///   the lock around `cudaMalloc`): validated, carried into settings and exported
+///   snapshots, deciding nothing ([`PASSED_THROUGH_KEYS`]).
+/// - Device-allocator features hbmalloc does not implement: accepted only at their
+///   default, any other value refused naming the key ([`UNIMPLEMENTED_KEYS`]).
 ///
 /// Byte sizes are stored in bytes even where the key is in MiB, as PyTorch stores them.
 #[derive(Clone, Debug, PartialEq)]
@@ -192,19 +189,13 @@ pub struct PytorchConfig {
     pub expandable_segments: bool,
     /// `per_process_memory_fraction`, in [0, 1]; default 1.0.
     pub per_process_memory_fraction: f64,
-    /// `backend`.
-    pub backend: Backend,
-    /// `release_lock_on_cudamalloc` (alias `release_lock_on_hipmalloc`).
-    pub release_lock_on_cudamalloc: bool,
-    /// `throw_on_cudamalloc_oom`: refuse an allocation that would exceed the memory fraction
-    /// before calling the driver.
-    pub throw_on_cudamalloc_oom: bool,
-    /// `graph_capture_record_stream_reuse`.
-    pub graph_capture_record_stream_reuse: bool,
-    /// `expandable_segments_reserve`; `None` keeps the historical 9/8 of device memory.
+    /// `expandable_segments_reserve`: the address space each expandable segment
+    /// reserves; `None` keeps PyTorch's default, 9/8 of device memory.
     pub expandable_segments_reserve: Option<ReserveSpec>,
-    /// `expandable_segments_reserve_by_class:[name:value,...]`.
-    pub expandable_segments_reserve_by_class: BTreeMap<String, ReserveSpec>,
+    /// `release_lock_on_cudamalloc` (alias `release_lock_on_hipmalloc`). Inert: whether
+    /// PyTorch holds its lock across `cudaMalloc` decides nothing here; kept so that
+    /// recorded snapshots replay and exported ones carry it.
+    pub release_lock_on_cudamalloc: bool,
     /// `pinned_use_cuda_host_register` (alias `pinned_use_hip_host_register`).
     pub pinned_use_cuda_host_register: bool,
     /// `pinned_num_register_threads`: a power of two, at most 128; default 1.
@@ -232,12 +223,8 @@ impl Default for PytorchConfig {
             garbage_collection_threshold: 0.0,
             expandable_segments: false,
             per_process_memory_fraction: 1.0,
-            backend: Backend::Native,
-            release_lock_on_cudamalloc: false,
-            throw_on_cudamalloc_oom: false,
-            graph_capture_record_stream_reuse: false,
             expandable_segments_reserve: None,
-            expandable_segments_reserve_by_class: BTreeMap::new(),
+            release_lock_on_cudamalloc: false,
             pinned_use_cuda_host_register: false,
             pinned_num_register_threads: 1,
             pinned_use_background_threads: false,
@@ -453,6 +440,30 @@ fn parse_power_of_two_or_zero(key: &str, token: &str) -> Result<u64, ConfigError
     Ok(value)
 }
 
+/// Keys read by PyTorch's host allocator or its locking, which stay PyTorch's when
+/// hbmalloc is the device allocator: accepted and carried along, deciding nothing here.
+pub const PASSED_THROUGH_KEYS: &[&str] = &[
+    "release_lock_on_cudamalloc",
+    "release_lock_on_hipmalloc",
+    "pinned_use_cuda_host_register",
+    "pinned_use_hip_host_register",
+    "pinned_num_register_threads",
+    "pinned_use_background_threads",
+    "pinned_reserve_segment_size_mb",
+    "pinned_max_round_threshold_mb",
+    "pinned_max_cached_size_mb",
+    "pinned_free_catch_all",
+];
+
+/// Device-allocator keys hbmalloc does not implement, each with the only value it
+/// accepts (PyTorch's default); any other value is refused with an error naming the key.
+pub const UNIMPLEMENTED_KEYS: &[(&str, &str)] = &[
+    ("backend", "native"),
+    ("throw_on_cudamalloc_oom", "False"),
+    ("graph_capture_record_stream_reuse", "False"),
+    ("expandable_segments_reserve_by_class", "[]"),
+];
+
 /// The keys a CUDA build of PyTorch accepts: the common `AcceleratorAllocatorConfig` keys,
 /// then `CUDAAllocatorConfig`'s, then the pinned-memory size keys.
 pub const KNOWN_KEYS: &[&str] = &[
@@ -564,11 +575,11 @@ impl PytorchConfig {
             "backend" => {
                 // `hipMallocAsync` is accepted only by ROCm builds.
                 let expected = "native or cudaMallocAsync";
-                self.backend = match entry.token(expected)? {
-                    "native" => Backend::Native,
-                    "cudaMallocAsync" => Backend::CudaMallocAsync,
+                match entry.token(expected)? {
+                    "native" => {}
+                    "cudaMallocAsync" => return Err(unimplemented(key, "cudaMallocAsync")),
                     other => return Err(ConfigError::new(key, other, expected)),
-                };
+                }
             }
             "release_lock_on_cudamalloc" | "release_lock_on_hipmalloc" => {
                 self.release_lock_on_cudamalloc = bool_value()?;
@@ -603,8 +614,10 @@ impl PytorchConfig {
                     self.pinned_max_cached_size_mb = Some(megabytes);
                 }
             }
-            "graph_capture_record_stream_reuse" => {
-                self.graph_capture_record_stream_reuse = bool_value()?;
+            "graph_capture_record_stream_reuse" | "throw_on_cudamalloc_oom" => {
+                if bool_value()? {
+                    return Err(unimplemented(key, "True"));
+                }
             }
             "per_process_memory_fraction" => {
                 let expected = "a number between 0 and 1 inclusive";
@@ -616,7 +629,6 @@ impl PytorchConfig {
                 self.per_process_memory_fraction = value;
             }
             "pinned_free_catch_all" => self.pinned_free_catch_all = bool_value()?,
-            "throw_on_cudamalloc_oom" => self.throw_on_cudamalloc_oom = bool_value()?,
             "expandable_segments_reserve" => {
                 // PyTorch logs a malformed reserve and keeps the previous value instead of
                 // failing; so do we.
@@ -627,11 +639,9 @@ impl PytorchConfig {
             }
             "expandable_segments_reserve_by_class" => {
                 let items = entry.list("a list [name:value,...]")?;
-                // Malformed items are skipped, as in PyTorch; the list replaces the old one.
-                self.expandable_segments_reserve_by_class = items
-                    .iter()
-                    .filter_map(|(name, value)| Some((name.clone(), ReserveSpec::parse(value)?)))
-                    .collect();
+                if let Some((name, value)) = items.first() {
+                    return Err(unimplemented(key, &format!("[{name}:{value}...]")));
+                }
             }
             unknown => {
                 return Err(ConfigError::new(
@@ -730,9 +740,6 @@ impl PytorchConfig {
     pub fn to_conf_string(&self) -> String {
         let defaults = PytorchConfig::default();
         let mut parts: Vec<String> = Vec::new();
-        if self.backend != defaults.backend {
-            parts.push(format!("backend:{}", self.backend.conf_name()));
-        }
         if self.large_segment_size != defaults.large_segment_size {
             parts.push(format!(
                 "large_segment_size_mb:{}",
@@ -777,33 +784,10 @@ impl PytorchConfig {
             self.release_lock_on_cudamalloc,
             defaults.release_lock_on_cudamalloc,
         );
-        push_bool(
-            &mut parts,
-            "throw_on_cudamalloc_oom",
-            self.throw_on_cudamalloc_oom,
-            defaults.throw_on_cudamalloc_oom,
-        );
-        push_bool(
-            &mut parts,
-            "graph_capture_record_stream_reuse",
-            self.graph_capture_record_stream_reuse,
-            defaults.graph_capture_record_stream_reuse,
-        );
         if let Some(spec) = self.expandable_segments_reserve {
             parts.push(format!(
                 "expandable_segments_reserve:{}",
                 spec.to_conf_value()
-            ));
-        }
-        if !self.expandable_segments_reserve_by_class.is_empty() {
-            let items: Vec<String> = self
-                .expandable_segments_reserve_by_class
-                .iter()
-                .map(|(name, spec)| format!("{name}:{}", spec.to_conf_value()))
-                .collect();
-            parts.push(format!(
-                "expandable_segments_reserve_by_class:[{}]",
-                items.join(",")
             ));
         }
         push_bool(
@@ -870,6 +854,19 @@ impl FromStr for PytorchConfig {
     }
 }
 
+/// The error for a non-default `value` of one of [`UNIMPLEMENTED_KEYS`].
+fn unimplemented(key: &str, value: &str) -> ConfigError {
+    let default = UNIMPLEMENTED_KEYS
+        .iter()
+        .find(|(name, _)| *name == key)
+        .map_or("its default", |(_, default)| default);
+    ConfigError::new(
+        key,
+        value,
+        format!("{default} (hbmalloc does not implement {key})"),
+    )
+}
+
 /// Appends `key:True`/`key:False` when `value` is not the default.
 fn push_bool(parts: &mut Vec<String>, key: &str, value: bool, default: bool) {
     if value != default {
@@ -929,25 +926,22 @@ mod tests {
         assert_eq!(defaults.large_segment_size, 20 * MIB);
         assert_eq!(defaults.per_process_memory_fraction, 1.0);
         assert_eq!(defaults.pinned_num_register_threads, 1);
-        assert_eq!(defaults.backend, Backend::Native);
         assert_eq!("".parse::<PytorchConfig>(), Ok(defaults));
     }
 
     #[test]
-    fn every_key_is_accepted() {
+    fn every_implemented_and_passed_through_key_is_accepted() {
         let config = parse(
-            "backend:cudaMallocAsync,large_segment_size_mb:32,max_split_size_mb:64,\
+            "large_segment_size_mb:32,max_split_size_mb:64,\
              max_non_split_rounding_mb:40,roundup_power2_divisions:[256:1,512:2,>:8],\
              garbage_collection_threshold:0.6,expandable_segments:True,\
              pinned_use_background_threads:True,release_lock_on_cudamalloc:True,\
              pinned_use_cuda_host_register:True,pinned_num_register_threads:8,\
-             pinned_reserve_segment_size_mb:64,graph_capture_record_stream_reuse:True,\
+             pinned_reserve_segment_size_mb:64,\
              per_process_memory_fraction:0.5,pinned_free_catch_all:True,\
-             throw_on_cudamalloc_oom:True,expandable_segments_reserve:40G,\
-             expandable_segments_reserve_by_class:[decode:0.25,prefill:8g],\
+             expandable_segments_reserve:40G,\
              pinned_max_round_threshold_mb:128,pinned_max_cached_size_mb:0",
         );
-        assert_eq!(config.backend, Backend::CudaMallocAsync);
         assert_eq!(config.large_segment_size, 32 * MIB);
         assert_eq!(config.max_split_size, 64 * MIB);
         assert_eq!(config.max_non_split_rounding, 40 * MIB);
@@ -958,27 +952,55 @@ mod tests {
         assert!(config.pinned_use_cuda_host_register);
         assert_eq!(config.pinned_num_register_threads, 8);
         assert_eq!(config.pinned_reserve_segment_size_mb, 64);
-        assert!(config.graph_capture_record_stream_reuse);
         assert_eq!(config.per_process_memory_fraction, 0.5);
         assert!(config.pinned_free_catch_all);
-        assert!(config.throw_on_cudamalloc_oom);
         assert_eq!(
             config.expandable_segments_reserve,
             Some(ReserveSpec::Gib(40.0))
         );
-        assert_eq!(
-            config.expandable_segments_reserve_by_class,
-            BTreeMap::from([
-                ("decode".to_owned(), ReserveSpec::FractionOfDevice(0.25)),
-                ("prefill".to_owned(), ReserveSpec::Gib(8.0)),
-            ])
-        );
         assert_eq!(config.pinned_max_round_threshold_mb, Some(128));
         assert_eq!(config.pinned_max_cached_size_mb, Some(0));
-        // Every known key appears above, so the list and the parser agree.
+        // Every known key is implemented (above), passed through (above) or
+        // unimplemented (below), so the lists and the parser agree.
         for key in KNOWN_KEYS {
             let aliased = key.contains("hip");
-            assert!(aliased || config.to_conf_string().contains(key), "{key}");
+            let unimplemented = UNIMPLEMENTED_KEYS.iter().any(|(name, _)| name == key);
+            assert!(
+                aliased || unimplemented || config.to_conf_string().contains(key),
+                "{key}"
+            );
+        }
+        for key in PASSED_THROUGH_KEYS {
+            assert!(KNOWN_KEYS.contains(key), "{key}");
+        }
+    }
+
+    #[test]
+    fn unimplemented_keys_take_only_their_default_and_name_the_key_otherwise() {
+        for (key, default) in UNIMPLEMENTED_KEYS {
+            assert!(KNOWN_KEYS.contains(key), "{key}");
+            assert_eq!(parse(&format!("{key}:{default}")), PytorchConfig::default());
+        }
+        for (conf, key) in [
+            ("backend:cudaMallocAsync", "backend"),
+            ("throw_on_cudamalloc_oom:True", "throw_on_cudamalloc_oom"),
+            (
+                "graph_capture_record_stream_reuse:True",
+                "graph_capture_record_stream_reuse",
+            ),
+            (
+                "expandable_segments_reserve_by_class:[decode:0.25,prefill:8g]",
+                "expandable_segments_reserve_by_class",
+            ),
+        ] {
+            let refused = error(conf);
+            assert_eq!(refused.key, key);
+            assert!(
+                refused
+                    .to_string()
+                    .contains(&format!("hbmalloc does not implement {key}")),
+                "{refused}"
+            );
         }
     }
 
@@ -1163,11 +1185,7 @@ mod tests {
 
     #[test]
     fn backend_values() {
-        assert_eq!(parse("backend:native").backend, Backend::Native);
-        assert_eq!(
-            parse("backend:cudaMallocAsync").backend,
-            Backend::CudaMallocAsync
-        );
+        assert_eq!(parse("backend:native"), PytorchConfig::default());
         assert_eq!(
             error("backend:cudamallocasync").to_string(),
             "PYTORCH_CUDA_ALLOC_CONF: backend: expected native or cudaMallocAsync, got 'cudamallocasync'"
@@ -1189,13 +1207,6 @@ mod tests {
                 "{conf}"
             );
         }
-        let by_class = parse("expandable_segments_reserve_by_class:[a:0.5,b:nope,c:2G]")
-            .expandable_segments_reserve_by_class;
-        assert_eq!(by_class.len(), 2);
-        assert_eq!(by_class["c"], ReserveSpec::Gib(2.0));
-        assert!(parse("expandable_segments_reserve_by_class:[]")
-            .expandable_segments_reserve_by_class
-            .is_empty());
         error("expandable_segments_reserve_by_class:0.5");
     }
 
@@ -1314,7 +1325,7 @@ mod tests {
             "roundup_power2_divisions:4"
         );
         for conf in [
-            "backend:cudaMallocAsync",
+            "backend:native",
             "large_segment_size_mb:64",
             "large_segment_size_mb:64,max_non_split_rounding_mb:64",
             "large_segment_size_mb:30,max_non_split_rounding_mb:31,max_split_size_mb:30",
@@ -1328,11 +1339,11 @@ mod tests {
             "per_process_memory_fraction:0",
             "per_process_memory_fraction:-0",
             "per_process_memory_fraction:0.333333333333333314829616256247",
-            "expandable_segments_reserve:1e-7,expandable_segments_reserve_by_class:[x:3G,y:0.5]",
+            "expandable_segments_reserve:1e-7,expandable_segments_reserve_by_class:[]",
             "pinned_num_register_threads:128,pinned_reserve_segment_size_mb:3",
             "pinned_max_round_threshold_mb:0,pinned_max_cached_size_mb:18446744073709551615",
             "release_lock_on_hipmalloc:True,pinned_use_hip_host_register:True",
-            "throw_on_cudamalloc_oom:True,graph_capture_record_stream_reuse:True",
+            "throw_on_cudamalloc_oom:False,graph_capture_record_stream_reuse:False",
             "pinned_free_catch_all:True,pinned_use_background_threads:True,expandable_segments:True",
         ] {
             let config = match PytorchConfig::parse(conf) {

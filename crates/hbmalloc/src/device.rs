@@ -19,6 +19,11 @@ pub type DevicePtr = u64;
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct StreamId(pub u64);
 
+/// A private memory pool's id: PyTorch's `MempoolId_t`, a pair (a graph
+/// capture's pool is `(capture id, 0)`, a `torch.cuda.MemPool`'s `(0, id)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PoolId(pub u64, pub u64);
+
 /// An event recorded on a stream by [`Device::record_event`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct EventId(pub u64);
@@ -206,6 +211,42 @@ impl std::error::Error for DeviceError {}
 /// The result of a driver call.
 pub type DeviceResult<T> = Result<T, DeviceError>;
 
+/// Counts of driver calls by kind, and the simulated time they took (0 on a
+/// real device).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CallCounts {
+    /// Calls of each kind, indexed like [`CallKind::ALL`].
+    pub by_kind: [u64; CallKind::ALL.len()],
+    /// Simulated driver time in nanoseconds.
+    pub simulated_ns: u64,
+}
+
+impl CallCounts {
+    /// Calls of one kind.
+    pub fn get(&self, kind: CallKind) -> u64 {
+        self.by_kind[kind as usize]
+    }
+
+    /// Calls that change what memory the device holds (see [`CallKind::moves_memory`]).
+    pub fn memory_calls(&self) -> u64 {
+        CallKind::ALL
+            .iter()
+            .filter(|k| k.moves_memory())
+            .map(|k| self.get(*k))
+            .sum()
+    }
+
+    /// `self - earlier`, kind by kind.
+    pub fn since(&self, earlier: &CallCounts) -> CallCounts {
+        let mut out = CallCounts::default();
+        for i in 0..self.by_kind.len() {
+            out.by_kind[i] = self.by_kind[i] - earlier.by_kind[i];
+        }
+        out.simulated_ns = self.simulated_ns - earlier.simulated_ns;
+        out
+    }
+}
+
 /// The only door from the engine to a driver.
 ///
 /// Implementations: [`crate::SimDevice`] (deterministic simulated GPU),
@@ -281,66 +322,4 @@ pub trait Device: Send + Sync {
 
     /// Blocks until all work on the device has completed.
     fn synchronize_device(&self) -> DeviceResult<()>;
-}
-
-/// A shared device: several allocators (the shards of a
-/// [`crate::SharedAllocator`]) use one driver.
-impl<D: Device + ?Sized> Device for std::sync::Arc<D> {
-    fn name(&self) -> String {
-        (**self).name()
-    }
-    fn memory_info(&self) -> DeviceResult<MemoryInfo> {
-        (**self).memory_info()
-    }
-    fn segment_alloc(&self, size: u64) -> DeviceResult<DevicePtr> {
-        (**self).segment_alloc(size)
-    }
-    fn segment_free(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
-        (**self).segment_free(ptr, size)
-    }
-    fn granularity(&self) -> Option<u64> {
-        (**self).granularity()
-    }
-    fn address_reserve(&self, size: u64) -> DeviceResult<DevicePtr> {
-        (**self).address_reserve(size)
-    }
-    fn address_free(&self, base: DevicePtr, size: u64) -> DeviceResult<()> {
-        (**self).address_free(base, size)
-    }
-    fn physical_create(&self, size: u64) -> DeviceResult<PhysicalHandle> {
-        (**self).physical_create(size)
-    }
-    fn physical_release(&self, handle: PhysicalHandle) -> DeviceResult<()> {
-        (**self).physical_release(handle)
-    }
-    fn map(
-        &self,
-        va: DevicePtr,
-        size: u64,
-        handle: PhysicalHandle,
-        offset: u64,
-    ) -> DeviceResult<()> {
-        (**self).map(va, size, handle, offset)
-    }
-    fn maps_handle_parts(&self) -> bool {
-        (**self).maps_handle_parts()
-    }
-    fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
-        (**self).set_access(va, size)
-    }
-    fn unmap(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
-        (**self).unmap(va, size)
-    }
-    fn record_event(&self, stream: StreamId) -> DeviceResult<EventId> {
-        (**self).record_event(stream)
-    }
-    fn query_event(&self, event: EventId) -> DeviceResult<bool> {
-        (**self).query_event(event)
-    }
-    fn synchronize_event(&self, event: EventId) -> DeviceResult<()> {
-        (**self).synchronize_event(event)
-    }
-    fn synchronize_device(&self) -> DeviceResult<()> {
-        (**self).synchronize_device()
-    }
 }

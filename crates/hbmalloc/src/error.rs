@@ -2,8 +2,12 @@
 
 use std::fmt;
 
-use crate::device::{DeviceError, DevicePtr, StreamId};
+use crate::device::{DeviceError, DevicePtr, PoolId, StreamId};
 use crate::format::format_bytes;
+
+/// The largest request accepted (1 PiB): anything larger is a caller's bug,
+/// and rejecting it keeps all size arithmetic far from overflow.
+pub const MAX_REQUEST_BYTES: u64 = 1 << 50;
 
 /// Why memory ran out, as far as the allocator can tell at the moment it failed.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -217,7 +221,7 @@ pub enum AllocError {
     /// [`crate::SharedAllocator::create_or_incref_pool`]).
     UnknownPool {
         /// The pool's id.
-        pool: crate::concurrent::PoolId,
+        pool: PoolId,
     },
 }
 
@@ -231,7 +235,7 @@ impl fmt::Display for AllocError {
             AllocError::InvalidSize { size } => write!(
                 f,
                 "invalid allocation size {size}: must be between 1 and {} bytes",
-                crate::MAX_REQUEST_BYTES
+                MAX_REQUEST_BYTES
             ),
             AllocError::UnknownPointer { ptr } => write!(
                 f,

@@ -1,195 +1,23 @@
 //! Policy `hbm`: hbmalloc's own policy. Reserved memory tracks live memory,
 //! and a repeating workload makes no driver calls once warm.
 //!
-//! # Design
+//! Each stream places blocks by address-ordered best fit in a large virtual
+//! reservation of its own; physical memory is created in granules, mapped
+//! under the blocks that need it, and kept mapped under free ranges as the
+//! cache. Past `max_waste_percent` over peak demand, idle granules are
+//! mapped a second time where they are needed (stitched, [`AliasGroup`])
+//! instead of new memory created, so a step that needs memory in one place
+//! early and another later finds both mapped next time round. The design,
+//! the order a miss gets memory in, and the measurements behind each rule
+//! are in `docs/hbm-design.md`.
 //!
-//! * **Address space is cheap, physical memory is not.** Each stream gets a
-//!   large virtual reservation (a *region*, twice the device's capacity; more
-//!   are reserved if one fills up). Inside its regions, a stream's requests are
-//!   placed by address-ordered best fit over byte ranges rounded to 512 bytes,
-//!   with free ranges coalesced (blocks and free ranges are linked to their
-//!   neighbours, as PyTorch's blocks are). Small requests are therefore
-//!   packed densely next to large ones: there is no segment rounding and no
-//!   small/large pool split to waste memory on. Near the peak, a block whose
-//!   size has mostly been a temporary goes at the end of a small hole
-//!   instead of its front, keeping the front whole for longer-lived blocks.
-//! * **Physical memory comes in granules** (`Device::granularity()`, 2 MiB).
-//!   A miss creates one `physical_create` handle for each unmapped run under
-//!   the block and maps it whole (a *chunk*: create, map, set access). When
-//!   the heap grows at the top, the run is extended ahead (at most 1% of
-//!   peak demand, within the allowance below) so that small requests do not
-//!   map granule by granule; a request that takes demand to a new peak maps
-//!   at least 12 MiB ahead (4% of demand while demand is small) even past
-//!   the allowance, since a growing heap is where the driver calls are. Free
-//!   ranges keep their mappings: that is the cache.
-//! * **Drivers that map whole handles only.** Stitching maps granules of a
-//!   handle on their own (`map` at an offset into it). CUDA documents
-//!   `cuMemMap`'s offset as one that "currently must be zero", so the
-//!   device is asked ([`Device::maps_handle_parts`]; the CUDA backend probes
-//!   the driver). Where it refuses, only whole handles move: a donor or a
-//!   spare is a whole handle that fits, never cut. A handle then holds
-//!   1/2048 of the most memory held so far, at least one granule
-//!   (`whole_handle_granules:auto`; a number fixes it): a granule each on
-//!   heaps under 8 GiB, where a granule per handle loses no memory to
-//!   handle size, and larger handles on large heaps, whose targets are
-//!   relative to their size. Over the shared traces (21 rows, `hbmalloc
-//!   compare --whole-handle-maps`) that is 206,804 driver calls and 2.09 s
-//!   of simulated driver time (548,939 and 5.22 s with a granule per
-//!   handle; with parts of handles, 12,498 and 139 ms; `pytorch`: 270 ms),
-//!   at 1.34 GiB of waste (1.03 with a granule per handle, 1.05 with
-//!   parts). See [`WHOLE_HANDLE_HEAP_DIVISOR`].
-//! * **Stitching by aliasing** (GMLake's idea, kept online). When the memory
-//!   held would exceed `max_waste_percent` over the peak demand seen so far,
-//!   a run is backed instead by granules lying idle under free ranges
-//!   elsewhere, *mapped a second time* at the new address ([`AliasGroup`]).
-//!   The old mapping stays. Each group of aliased granules may be in use at
-//!   one view at a time: a block is placed only where no group under it is
-//!   in use elsewhere (and no group is under it twice), so no two live
-//!   blocks ever share memory. A training step that needs memory at one
-//!   place early and at another later finds both still mapped the next time
-//!   round and makes no driver call, where moving the memory (unmap, map)
-//!   paid calls every step. Measured on `gpt2_train` with `hbmalloc compare
-//!   --json` (`steady_state_device_calls`, `efficiency`): 115 driver calls in
-//!   the second half of the trace and 0.980 with moving (commit 62ca423), 0
-//!   and 0.990 with aliasing. A group a freed block leaves in use by other
-//!   blocks sheds the granules now wholly free at its front or end into an
-//!   idle group: kept in the busy group, they stayed lent at every other
-//!   view, idle memory that nothing could use or stitch elsewhere
-//!   (`HbmPolicy::cut_unused`; measured with `scripts/compare-builds` on the
-//!   builds of commit 2fff2a3's parent and of 2fff2a3, sizes jittered with
-//!   seeds 1-5 over the shared traces, 105 rows: waste 7.43 -> 7.28 GiB).
-//! * **On a miss** (best fit lands on unmapped granules) a request first
-//!   goes where a block of its size and stream was freed a few
-//!   allocations ago, if that place is still free, mapped and not in use
-//!   at another view: memory just given back is reused before more is
-//!   mapped elsewhere ([`RECENT_FREE_ALLOCATIONS`]). Otherwise it stays at
-//!   best fit, and a run gets physical memory from, in order: spare pieces
-//!   (held, unmapped; the smallest that covers the run, else the largest,
-//!   split as needed); one new handle within the allowance; idle memory,
-//!   aliased; wholly free chunks *stolen* (unmapped, highest address first,
-//!   their unaliased granules stitched in here); and only then one new
-//!   handle beyond the allowance. Below the peak of demand, idle memory
-//!   comes before a new handle that would take the memory held past its
-//!   peak, when twice what the run needs lies idle: the allowance is for
-//!   growth, not for holding memory twice. Granules mapped ahead take spares or a
-//!   new handle only, never idle or stolen memory. A stream taking over
-//!   memory another stream used last first waits for that stream through an
-//!   event. A chunk partly under a live block is never unmapped. (We
-//!   measured *unpinning* such chunks — unmap, map the live part back —
-//!   under memory pressure: it unmaps live memory for a moment, which on a
-//!   real GPU faults any kernel another host thread launches meanwhile, and
-//!   a failed re-map loses the tensor. A production allocator must not take
-//!   either risk.)
-//! * **Streams.** A stream only ever reuses free ranges of its own regions.
-//!   Blocks used on other streams (`record_stream`) stay out of the free set
-//!   until events recorded on those streams complete, as in PyTorch.
-//! * **Out of memory:** synchronize pending events (their blocks become
-//!   free), unmap every wholly free chunk (its memory becomes spare unless
-//!   it is still mapped at another view), search again with no allowance,
-//!   and only then raise
-//!   `AllocError::OutOfMemory` with a judged `OomReport`.
-//! * **No virtual-memory API** (`granularity() == None`): regions become plain
-//!   segments (`segment_alloc`, 2 MiB for requests up to 1 MiB, otherwise the
-//!   request rounded up to 2 MiB), always fully backed; best fit and
-//!   coalescing still apply inside them, and wholly free segments are freed by
-//!   `empty_cache` or an out-of-memory retry.
-//!
-//! Measured figures: `hbmalloc compare ../shared/traces/pytorch-snapshots/*
-//! ../shared/traces/profiler-cpu/* --json` (release build).
-//!
-//! Hot path (a cache hit): one lookup for best fit in the stream's size
-//! index (size bins, each a short sorted vector keyed by size, then
-//! address; see `hbm/size_index.rs`; the first fit is one binary search of
-//! one bin), a remove and an insert there to split, one hash insert, and a
-//! bitmap test that the granules are mapped and one that none is aliased
-//! (granules found by shifting: the granularity is a power of two; if some
-//! are aliased, the groups under the block read from a per-granule map,
-//! and a counter per group). Blocks and free ranges are [`Span`]s linked to
-//! their neighbours, so a free finds what to merge with through the links
-//! (no search) and makes the size-index updates; a block placed on plain
-//! memory skips the alias groups. No device call, `O(log n)`. Measured with
-//! `scripts/bench-instructions` (callgrind, replayed operations only): on
-//! `gpt2_train` 943 instructions per malloc or free against 1,014 for
-//! policy `pytorch`, misses included (1,396 with one ordered map of every
-//! range, 1,124 with a B-tree per bin); most of the rest is the alias
-//! checks and misses that stitch memory.
-//!
-//! # Where the waste left lies
-//!
-//! `hbmalloc replay TRACE --snapshot-at-peak PATH` splits the free memory at
-//! the peak into idle granules, the edges of mapped ranges and holes between
-//! live blocks. Summed over the shared traces (21 rows, each at its own
-//! peak): 774 MiB idle, 378 MiB at edges, 196 MiB in holes. (That is the
-//! free memory when reserved memory first peaks; live memory may be below
-//! its own peak then, so the sum exceeds the waste, 1.05 GiB.)
-//!
-//! Idle memory is the allowance (`max_waste_percent`) at work, on large
-//! heaps: 654 of the 774 MiB lie on three rows with 21 to 51 GiB live. At a
-//! new peak of demand a run gets a new handle within the allowance before
-//! idle memory is stitched in. Stitching first there too, measured with
-//! `scripts/compare-builds`: waste 1.07 -> 0.96 GiB on the 21 rows, but on
-//! the 105 jittered rows more misses in every target (efficiency 7 -> 8,
-//! min capacity 4 -> 6, waste 18 -> 19, steady-state calls 71 -> 76, driver
-//! time 36 -> 37, 1.03x 21 -> 22). On `cs336_kkaitlyn111` ctx128 (51 GiB
-//! live), 436 of the 517 MiB free at the peak are idle. That memory is not
-//! lost: under a limit, misses stitch it, and the trace's min capacity is
-//! 1.0015 times its live peak. With `max_waste_percent:0.25` nothing is idle
-//! at the peak, but the free memory moves to the edges (126 MiB across 123
-//! ranges, against 48 MiB across 25), and steady-state driver calls go from
-//! 392 to 2,178.
-//!
-//! The rest is memory in granules that a live block also lies on: the holes
-//! between live blocks (resnet, silmont forward), and, where memory moved a
-//! lot, the free parts of the granules at the two edges of each mapped
-//! range. With sizes jittered (`--jitter-sizes 5`) on Wedsonlin training,
-//! 228.85 of 265.56 MiB lie at the edges of 140 ranges: a block of 4.02 MiB
-//! alone in its range holds 3 granules. Each stitch takes a hole's whole
-//! granules and leaves its two partial ones to the live blocks beside it;
-//! only requests that fit in what is left of a granule can use it there.
-//! Groups are lent a granule at a time. Sharing a granule between two views
-//! byte by byte (a block at one view, another at the other, on disjoint
-//! bytes) was prototyped twice (`docs/hbm-experiments.md`): at the
-//! out-of-memory retry it gave nothing on the rows that miss 1.03x; on a
-//! miss it gave some of that memory back (jittered waste 6.80 -> 6.70 GiB)
-//! but cost repeating steps their settled state (each step borrowed and
-//! gave back again), and borrows kept across steps stranded more memory
-//! than they saved.
-//!
-//! A layout planned offline, knowing the whole trace (`hbmalloc compare
-//! --planned`), wastes 80 MiB over the same rows against this policy's
-//! 1.05 GiB: most of what is left is the price of deciding online.
-//!
-//! Ideas measured against this design and not adopted (growth and
-//! map-ahead sizes, allowance caps and floors, donor and victim orders,
-//! placement rules, lazy merging, ...) are listed with the figures that
-//! decided them in `docs/hbm-experiments.md`.
-//!
-//! # Code map
-//!
-//! This file holds the state (the types below) and the entry points:
-//! malloc and placement, free and stream events, giving memory back, out of
-//! memory, restoring a recorded state. The rest, each an `impl HbmPolicy`
-//! block over the same state:
-//!
-//! - `hbm/spans.rs`: blocks and free ranges linked to their neighbours,
-//!   split and merged, and the free-range indexes kept in step;
-//! - `hbm/size_index.rs`: a stream's free ranges in best-fit order;
-//! - `hbm/backing.rs`: physical memory under a placed block (the order
-//!   above), mapping ahead, spares, stealing;
-//! - `hbm/alias.rs`: alias groups, from placement checks to donations;
-//! - `hbm/bitmap.rs`: the per-granule bitmaps of a region;
-//! - `hbm/inspect.rs`: the snapshot and the invariant checks.
-//!
-//! Statistics keep PyTorch's meanings where they carry over: `reserved_bytes`
-//! is physical memory held (every handle, mapped once or more, or spare; or
-//! segments). A snapshot shows each mapped address range as a segment,
-//! with each aliased granule only where it is in use (or was last used), so
-//! segments add up to the memory mapped, never more than `reserved_bytes`;
-//! `segment` counts regions (virtual reservations or fallback segments),
-//! `num_device_alloc`/`num_device_free` count creates and maps / releases and
-//! unmaps. Everything is reported in the large pool except allocations of at
-//! most 1 MiB, which count as small as in PyTorch. `inactive_split*` stays 0:
-//! `hbm` has no segments to split.
+//! This file holds the state and the entry points (malloc and placement,
+//! free and stream events, giving memory back, out of memory, restoring a
+//! recorded state); `hbm/` holds the rest, each an `impl HbmPolicy` block
+//! over the same state: `spans.rs` (blocks and free ranges linked to their
+//! neighbours), `size_index.rs` (best-fit order), `backing.rs` (physical
+//! memory under a placed block), `alias.rs` (alias groups), `bitmap.rs`
+//! (per-granule bitmaps), `inspect.rs` (snapshot and invariant checks).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::hash::{BuildHasher, BuildHasherDefault};
@@ -198,9 +26,10 @@ use std::ops::ControlFlow;
 use crate::config::ConfigError;
 use crate::device::{Device, DevicePtr, EventId, PhysicalHandle, StreamId};
 use crate::error::{AllocError, OomReport, OomVerdict};
+use crate::fastmap::{FastMap, PointerHasher};
 use crate::history::{Action, History};
+use crate::snapshot::SegmentImage;
 use crate::stats::{decrease_pool, increase_pool, DeviceStats, StatArray};
-use crate::{FastMap, PointerHasher, SegmentImage};
 
 mod alias;
 mod backing;
@@ -242,11 +71,7 @@ const DEFAULT_MAX_WASTE_PERCENT: f64 = 1.0;
 /// in it, so larger chunks trade efficiency for fewer calls.
 const MAX_MAP_AHEAD_PERCENT: f64 = 2.0;
 /// A request that takes demand to a new peak maps at least this much ahead,
-/// even past the allowance. Measured with `hbmalloc compare` over the shared
-/// traces (21 rows), against not mapping past the allowance: 15,885 ->
-/// 13,728 driver calls, 174 -> 144 ms of simulated driver time, 1.20 -> 1.24
-/// GiB of waste. 8 MiB: 14,582 calls; 16 MiB: 1.30 GiB of waste; 20 MiB:
-/// vit_train's efficiency under 0.98.
+/// even past the allowance: a growing heap is where the driver calls are.
 const GROWTH_CHUNK_BYTES: u64 = 12 * MIB;
 /// ... but no more than this many times `max_waste_percent` of peak demand,
 /// so that a small heap's overshoot stays small (and `max_waste_percent:0`
@@ -255,136 +80,36 @@ const GROWTH_CHUNK_WASTE_FACTOR: f64 = 4.0;
 /// Below the peak of demand, a run is backed by idle memory before a new
 /// handle that would take the memory held past its peak, when at least this
 /// many times the run's granules lie idle: stitching then leaves at least as
-/// much idle as it takes, so the program's next requests still find idle
-/// memory where they free it. Measured with `hbmalloc compare` over the
-/// shared traces (21 rows) when it came in (commit e519594), against
-/// creating within the allowance first:
-/// 1.24 -> 1.08 GiB of waste, 13,728 -> 13,487 driver calls (gpt2_train
-/// 26.7 -> 10.7 MiB, select_n_ec5be11 199 -> 11 MiB). 1: 16,621 calls (the
-/// idle memory is stitched away and recreated); 3: select_n's waste 4.6 ->
-/// 70.6 MiB.
+/// much idle as it takes, for the program's next requests.
 const STITCH_BEFORE_PEAK_FACTOR: u64 = 2;
 /// A block freed within this many allocations of its own counts as
 /// short-lived (a temporary).
 const SHORT_LIVED_ALLOCATIONS: u64 = 8;
 /// A request that best fit would place on unmapped memory first tries the
 /// place where a block of its size and stream was freed within this many
-/// allocations, if that place is still free, mapped and not in use at
-/// another view. A program that frees a tensor and soon asks for one of the
-/// same size (a step's activations, an optimizer's temporaries) then reuses
-/// the mapped memory it just gave back: the freed block merged into a
-/// larger free range, and best fit prefers a smaller one whose granules are
-/// unmapped, so it mapped (or stitched) memory that was not needed.
-///
-/// Measured with `scripts/compare-builds OLD NEW`, OLD the build of the
-/// commit before this rule (21 rows as recorded; 105 with sizes jittered,
-/// seeds 1-5; the long run: the 15 traces with a repeating step, each step
-/// run 6 more times, as recorded and jittered):
-///
-/// | | driver calls | steady-state calls | waste | targets missed |
-/// |---|---|---|---|---|
-/// | recorded | 12,979 -> 12,498 | 3,675 -> 3,127 | 1.068 -> 1.053 GiB | same |
-/// | jittered | 82,225 -> 67,543 | 26,521 -> 19,462 | 6.77 -> 6.80 GiB | driver time 36 -> 35, the rest the same |
-/// | whole handles, recorded | 211,819 -> 206,804 | 69,163 -> 67,723 | 1.26 -> 1.34 GiB | 1.03x 1 -> 0 (resnet) |
-/// | whole handles, jittered | 1,084,668 -> 1,054,480 | 361,206 -> 354,346 | 8.50 -> 8.64 GiB | steady 83 -> 82, 1.03x 21 -> 22 |
-/// | long run, recorded | 5,755 -> 5,782 | 1,291 -> 1,333 | | rows that settle 6 -> 6 |
-/// | long run, jittered | 43,507 -> 36,613 | 14,274 -> 11,186 | | rows that settle 29 -> 28 |
-///
-/// As recorded: resnet's waste 43.1 -> 39.1 MiB (min capacity 1.048 ->
-/// 1.043 times peak live); steady-state calls select_n_ec5be11 2,472 ->
-/// 1,904, resnet 30 -> 24, select_n 80 -> 108, the other rows within 2.
-/// The jittered calls fall most on Constructor dev 0 (13,269 -> 8,079) and
-/// select_n_ec5be11 (26,768 -> 18,055). The cost, in the long run: a few
-/// rows settle later (resnet with seed 3 makes no call from 12 more steps
-/// instead of 6; select_n's 60-operation tail step with seed 4 makes 447
-/// calls in all instead of 386), none stops settling. In CPU,
-/// `scripts/bench-instructions` on gpt2_train 918 -> 943 instructions per
-/// operation (a slot written per free, a mapped test per malloc).
-///
-/// The bound: with none, gpt2_train's steady-state calls go 0 -> 9 (a 98 MiB
-/// block freed 746 allocations earlier takes memory a later request
-/// needed); 30 or 1,000: one more jittered waste miss, or gpt2 again; 4:
-/// jittered waste 6.86 GiB. Not adopted either: the place tried before best
-/// fit even on a hit, within 8 allocations (recorded misses rise in every
-/// target). With no bound, each also worse than a slot per size: several
-/// places per size (2, 4, 8); only places at the front or end of their
-/// free range, or in a range at most 2 or 4 times the request (fewer calls
-/// saved; at 4, two more jittered waste misses); the last 1-16 frees of any
-/// size (1: more calls than best fit alone; 16: one more jittered 1.03x
-/// miss).
+/// allocations, if still free, mapped and not in use at another view: memory
+/// just given back is reused before more is mapped elsewhere.
 const RECENT_FREE_ALLOCATIONS: u64 = 8;
 /// Slots in the table of recent frees, direct-mapped by size and stream: a
 /// collision only forgets a place, and the table never grows (48 KiB).
-/// 1,024 decide as one entry per size and stream would, on every row of
-/// `scripts/compare-builds`; 256 forget places that matter (resnet's long
-/// run, recorded, settles 6 steps later).
 const RECENT_FREE_SLOTS: usize = 1024;
-/// Near the peak, a block smaller than a granule whose size has mostly
-/// been short-lived goes at the *end* of its best-fit range when the range
-/// is mapped there (a hole between live blocks; the heap's top is not
-/// mapped to its end): the front of the hole, next to the live block before
-/// it, stays whole for longer-lived blocks, and the temporary's space
-/// coalesces with what follows when it is freed. Holes between long-lived
-/// blocks are what `hbm` wastes at its peak (`replay --snapshot-at-peak`).
-/// "Near" is demand within this share of its peak: only there do holes cost
-/// memory, and a block at the end of a range costs the hot path one more
-/// free range to index. Measured with `hbmalloc compare` over the shared
-/// traces (21 rows), against the rule off (this set above 100): 1.07 ->
-/// 1.06 GiB of waste, 13,235 -> 13,197 driver calls; silmont forward 26.3 ->
-/// 20.3 MiB, resnet 41.1 -> 37.1 MiB; `scripts/bench-instructions` on resnet
-/// 1,545 -> 1,689 instructions per op. At any demand (0 here): resnet 31.1
-/// MiB but 13,543 calls and 1,825 instructions per op. Temporaries of 4 or
-/// 64 allocations instead of 8: the same waste on both rows.
+/// Near the peak (demand within this share of it), a block smaller than a
+/// granule whose size has mostly been short-lived goes at the *end* of its
+/// best-fit range when that is mapped, keeping the front of a hole whole for
+/// longer-lived blocks; only near the peak do holes cost memory.
 const SHORT_LIVED_NEAR_PEAK_PERCENT: u64 = 90;
 /// Most addresses one physical granule is mapped at: each alias costs a map
 /// call once and a page-table entry for good, so a granule that has moved
-/// this often is moved (unmapped) rather than mapped once more. Idle memory
-/// in groups at the cap cannot be stitched until a wholly free chunk under
-/// one of its views is stolen, and where none is, a miss creates memory
-/// beside it. Measured with `scripts/compare-builds B B --old-hbm
-/// policy:hbm,max_views:4 [--new-hbm policy:hbm,max_views:N]` (`B` the
-/// release build), sizes jittered with seeds 1-5 over the shared traces (105
-/// rows), against 4: waste 7.28 -> 6.77 GiB, driver calls 87,941 -> 82,225,
-/// efficiency misses 9 -> 7 (select_n's jittered copies 0.89 and 0.91 ->
-/// 0.999); 8: 6.74 GiB, 84,848 calls; 32: 6.82 GiB, 80,606 calls. The traces
-/// as recorded reach 4 views only on ec5be11 (12,862 -> 12,979 calls over
-/// the 21 rows, all of them there); instructions per op unchanged there and
-/// on gpt2.
+/// this often is moved (unmapped) rather than mapped once more.
 /// Configurable (`max_views`), so that tests can reach the cap.
 const DEFAULT_MAX_VIEWS: usize = 16;
 /// The `max_views` a configuration may set: a group is two views at least.
 const MAX_VIEWS_RANGE: std::ops::RangeInclusive<u64> = 2..=64;
 /// On a device that maps whole handles only, and unless
 /// `whole_handle_granules` fixes it, a new handle holds the most memory held
-/// so far divided by this, in whole granules rounded down (at least 1, at
-/// most 512): one granule until the heap has held 8 GiB (4,096 granules), 2
-/// from there, 19 (38 MiB) on an 80 GB heap. See `whole_handle_granules` in
-/// `hbm/backing.rs`. There only whole handles move (stitched, stolen,
-/// spare), so larger handles trade memory for driver calls; a heap's
-/// targets are relative to its size, so a large heap can take larger
-/// handles for the same share of waste. The most memory held never shrinks
-/// (unlike the memory held, which `empty_cache` drops), so a heap regrowing
-/// after `empty_cache` takes large handles at once.
-///
-/// Measured with `scripts/compare-builds --whole-handle-maps` (21 rows as
-/// recorded; 105 with sizes jittered, seeds 1-5), each divisor a build with
-/// this constant changed, against one granule per handle
-/// (`--old-hbm policy:hbm,whole_handle_granules:1` on this build) (waste 1.04 GiB and 564,450 driver calls as recorded; 6.62 GiB
-/// and 2,889,288 calls jittered):
-///
-/// | divisor | waste | calls | jittered waste | targets missed more often (jittered) |
-/// |---|---|---|---|---|
-/// | 1024 | 1.89 GiB | 131,535 | 10.66 GiB | efficiency and min capacity 2 -> 6, waste 18 -> 19, 1.03x 21 -> 23 |
-/// | 1536 | 1.57 GiB | 171,141 | 10.04 GiB | efficiency, min capacity, waste and 1.03x, 1 more each |
-/// | 2048 | 1.26 GiB | 211,819 | 8.50 GiB | none |
-/// | 3072 | 1.20 GiB | 270,337 | 7.67 GiB | none |
-/// | 4096 | 1.06 GiB | 340,220 | 7.26 GiB | none |
-///
-/// 1536's extra misses are Wedsonlin training (6.5 GiB live) in 2-granule
-/// handles. A fixed size misses more for the same calls, as a small heap's
-/// handles grow as much as a large one's: `whole_handle_granules:2` gives
-/// 1.05 GiB and 281,372 calls, but misses efficiency on vit_train (0.974)
-/// and waste on 2 more rows.
+/// so far divided by this, in whole granules (1 to 512): there only whole
+/// handles move, and a heap's targets are relative to its size, so a large
+/// heap can take larger handles for the same share of waste.
 const WHOLE_HANDLE_HEAP_DIVISOR: u64 = 2048;
 /// The `whole_handle_granules` a configuration may set.
 const WHOLE_HANDLE_GRANULES_RANGE: std::ops::RangeInclusive<u64> = 1..=512;
@@ -499,13 +224,7 @@ impl HbmConfig {
                         })?)
                     }
                 }
-                _ => {
-                    return Err(ConfigError::new(
-                        key,
-                        value,
-                        format!("one of the keys {}", Self::KEYS.join(", ")),
-                    ))
-                }
+                _ => return Err(unknown_key(key)),
             }
         }
         Ok(config)
@@ -531,6 +250,21 @@ impl HbmConfig {
             parts.push(format!("whole_handle_granules:{granules}"));
         }
         parts.join(",")
+    }
+}
+
+/// The error for a key policy hbm does not take: the key is the culprit, and
+/// a key of policy pytorch says so.
+fn unknown_key(key: &str) -> ConfigError {
+    let error = ConfigError::new(
+        key,
+        key,
+        format!("a policy hbm key ({})", HbmConfig::KEYS.join(", ")),
+    );
+    if crate::config::KNOWN_KEYS.contains(&key) {
+        error.with_hint("a policy pytorch key, which policy hbm does not take")
+    } else {
+        error
     }
 }
 
@@ -632,10 +366,9 @@ struct Region {
     /// may be stitched together from several chunks.
     chunks: BTreeMap<u64, Chunk>,
     /// The first granule of each chunk, kept with `chunks`: a run of mapped
-    /// granules lies in one chunk when no chunk starts inside it. One bitmap
-    /// test where idle alias groups may merge; a search of `chunks` there
-    /// cost 6% more instructions on select_n and 3.5% on Wedsonlin
-    /// inference (callgrind).
+    /// granules lies in one chunk when no chunk starts inside it: one bitmap
+    /// test where idle alias groups may merge, instead of a search of
+    /// `chunks` on a path hot enough to show in instruction counts.
     chunk_starts: Bitmap,
     /// Mapped granules. Lets the hot path test a whole block's granules 64
     /// at a time.

@@ -2,68 +2,53 @@
 //!
 //! The engine is a deterministic state machine over a [`Device`]: the same
 //! code serves a real GPU through `hbmalloc-cuda` and the simulated one,
-//! [`SimDevice`], that replay and tests run on. See `ARCHITECTURE.md` at the
-//! repository root for the code map.
+//! `SimDevice`, that replay and tests run on. The simulator and the
+//! simulation harness (`sim`, `simtest`) are test equipment behind the
+//! `sim` feature, out of the library a program links. See
+//! `ARCHITECTURE.md` at the repository root for the code map.
 
+#![forbid(unsafe_code)]
+
+pub mod adaptor;
 pub mod allocator;
 pub mod capture;
 pub mod concurrent;
 pub mod config;
 pub mod device;
 pub mod error;
+mod fastmap;
 pub mod format;
 mod hbm;
 pub mod history;
+#[cfg(any(test, feature = "sim"))]
 pub mod latency;
 mod pytorch;
+#[cfg(any(test, feature = "sim"))]
 pub mod sim;
+#[cfg(any(test, feature = "sim"))]
 pub mod simtest;
 pub mod snapshot;
 pub mod stats;
 pub mod summary;
+mod sync;
 
-pub use allocator::{
-    Allocator, AllocatorConfig, BlockImage, PolicyConfig, SegmentImage, MAX_REQUEST_BYTES,
-};
-pub use concurrent::{PoolId, SharedAllocator, ThreadSafeAllocator};
-pub use config::{Backend, ConfigError, PytorchConfig, ReserveSpec};
+pub use adaptor::DeviceAdaptor;
+pub use allocator::{Allocator, AllocatorConfig, PolicyConfig};
+pub use concurrent::{SharedAllocator, ThreadSafeAllocator};
+pub use config::{ConfigError, PytorchConfig, ReserveSpec};
 pub use device::{
-    CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
-    PhysicalHandle, StreamId,
+    CallCounts, CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId,
+    MemoryInfo, PhysicalHandle, PoolId, StreamId,
 };
-pub use error::{AllocError, OomReport, OomVerdict};
+pub use error::{AllocError, OomReport, OomVerdict, MAX_REQUEST_BYTES};
 pub use hbm::HbmConfig;
 pub use history::{Action, History, TraceEntry};
+#[cfg(any(test, feature = "sim"))]
 pub use latency::{LatencyCurve, LatencyModel};
-pub use sim::{CallCounts, Fault, PendingUse, SimConfig, SimDevice, UseId, UseViolation};
-pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
+#[cfg(any(test, feature = "sim"))]
+pub use sim::{Fault, PendingUse, SimConfig, SimDevice, UseId, UseViolation};
+pub use snapshot::{
+    BlockImage, BlockSnapshot, BlockState, SegmentImage, SegmentSnapshot, Snapshot,
+};
 pub use stats::{DeviceStats, Stat, StatArray, StatType, PYTORCH_STAT_KEY_COUNT};
 pub use summary::{format_count, format_size, memory_summary};
-
-/// A hash map keyed by device pointers. Pointers are 512-byte aligned, so
-/// the hash mixes the high bits down (std's SipHash is needlessly slow here,
-/// and keys come from the allocator, not from an attacker).
-pub(crate) type FastMap<K, V> =
-    std::collections::HashMap<K, V, std::hash::BuildHasherDefault<PointerHasher>>;
-
-/// The hasher behind [`FastMap`].
-#[derive(Default, Clone, Copy)]
-pub(crate) struct PointerHasher(u64);
-
-impl std::hash::Hasher for PointerHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-
-    #[inline]
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0 ^ n ^ (n >> 29)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-
-    #[inline]
-    fn finish(&self) -> u64 {
-        self.0 ^ (self.0 >> 32)
-    }
-}

@@ -27,10 +27,11 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use crate::config::PytorchConfig;
 use crate::device::{Device, DevicePtr, EventId, PhysicalHandle, StreamId};
 use crate::error::{AllocError, OomReport, OomVerdict};
+use crate::fastmap::FastMap;
 use crate::history::{Action, History};
+use crate::snapshot::SegmentImage;
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 use crate::stats::{decrease_pool, increase_pool, pool_rows, DeviceStats, Stat};
-use crate::{FastMap, SegmentImage};
 
 /// Deliberately broken behaviour, for proving that the simulation harness
 /// catches it (test builds only).
@@ -996,11 +997,13 @@ impl PytorchPolicy {
         } else {
             self.config.large_segment_size
         };
-        // Address space for 9/8 of the device, as PyTorch reserves, so pages
-        // can be unmapped early and remapped at the end. PyTorch computes
-        // `total + total / 8` (`find_expandable_block`); `total / 8 * 9` drops
-        // `total % 8` bytes and can come out one page short.
-        let wanted = self.device_total + self.device_total / 8;
+        // By default address space for 9/8 of the device, as PyTorch reserves,
+        // so pages can be unmapped early and remapped at the end. PyTorch
+        // computes `total + total / 8`; `total / 8 * 9` can come out a page short.
+        let wanted = match self.config.expandable_segments_reserve {
+            Some(spec) => spec.bytes(self.device_total),
+            None => self.device_total + self.device_total / 8,
+        };
         let pages = wanted.div_ceil(page_size).max(1);
         let reserved_size = pages * page_size;
         let base = dev.address_reserve(reserved_size)?;
@@ -1477,7 +1480,7 @@ impl PytorchPolicy {
             .map(|(i, b)| (i as BlockId, b))
     }
 
-    /// Checks every invariant of DESIGN.md that this policy can see.
+    /// Checks every invariant of its state that this policy can see.
     pub(crate) fn check_invariants(&self) -> Result<(), String> {
         let mut mapped_total = 0u64;
         let mut allocated_total = 0u64;

@@ -15,11 +15,11 @@ use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
 
 use crate::device::{
-    CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId, MemoryInfo,
-    PhysicalHandle, StreamId,
+    CallCounts, CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId,
+    MemoryInfo, PhysicalHandle, StreamId,
 };
+use crate::fastmap::FastMap;
 use crate::latency::LatencyModel;
-use crate::FastMap;
 
 const MIB: u64 = 1 << 20;
 
@@ -185,41 +185,6 @@ impl std::fmt::Display for UseViolation {
     }
 }
 
-/// Counts of driver calls by kind, and the simulated time they took.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct CallCounts {
-    /// Calls of each kind, indexed like [`CallKind::ALL`].
-    pub by_kind: [u64; CallKind::ALL.len()],
-    /// Simulated driver time in nanoseconds.
-    pub simulated_ns: u64,
-}
-
-impl CallCounts {
-    /// Calls of one kind.
-    pub fn get(&self, kind: CallKind) -> u64 {
-        self.by_kind[kind as usize]
-    }
-
-    /// Calls that change what memory the device holds (see [`CallKind::moves_memory`]).
-    pub fn memory_calls(&self) -> u64 {
-        CallKind::ALL
-            .iter()
-            .filter(|k| k.moves_memory())
-            .map(|k| self.get(*k))
-            .sum()
-    }
-
-    /// `self - earlier`, kind by kind.
-    pub fn since(&self, earlier: &CallCounts) -> CallCounts {
-        let mut out = CallCounts::default();
-        for i in 0..self.by_kind.len() {
-            out.by_kind[i] = self.by_kind[i] - earlier.by_kind[i];
-        }
-        out.simulated_ns = self.simulated_ns - earlier.simulated_ns;
-        out
-    }
-}
-
 /// A deterministic simulated GPU. See the module docs.
 #[derive(Debug)]
 pub struct SimDevice {
@@ -227,8 +192,8 @@ pub struct SimDevice {
 }
 
 impl SimDevice {
-    /// A device with the default configuration (80 GiB, 2 MiB granules,
-    /// realistic latencies).
+    /// A device with the default configuration (80 GiB, 2 MiB granules, an
+    /// H100's driver: whole-handle maps, measured latencies).
     pub fn new() -> Self {
         SimDevice::with_config(SimConfig::default())
     }

@@ -1,6 +1,6 @@
 //! A plain-data picture of the allocator: its segments, their blocks, and the
-//! history. Writers for file formats (PyTorch's pickle, JSON) live outside
-//! the engine and read this.
+//! history (out), and the segment images a replayed window starts from (in).
+//! Writers for file formats (PyTorch's pickle, JSON) live outside the engine.
 
 use crate::device::{DevicePtr, StreamId};
 use crate::history::TraceEntry;
@@ -99,4 +99,28 @@ pub struct Snapshot {
     pub history: Vec<TraceEntry>,
     /// The policy and configuration, as a configuration string.
     pub settings: String,
+}
+
+/// A segment as it stood when a recorded trace window began.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentImage {
+    /// The stream that owns it.
+    pub stream: StreamId,
+    /// True for the small pool.
+    pub small_pool: bool,
+    /// True for (a mapped range of) an expandable segment.
+    pub expandable: bool,
+    /// Its blocks in address order.
+    pub blocks: Vec<BlockImage>,
+}
+
+/// One block of a [`SegmentImage`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockImage {
+    /// Bytes (a multiple of 512).
+    pub size: u64,
+    /// Bytes the program asked for.
+    pub requested_size: u64,
+    /// True when the program holds it.
+    pub allocated: bool,
 }

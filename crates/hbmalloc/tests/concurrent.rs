@@ -300,6 +300,34 @@ fn sharded_hbm_peaks_are_at_least_every_total_seen() {
     }
 }
 
+/// The totals of a sharded allocator are the shards' summed, `freed` as
+/// well as `allocated`: every `.freed` figure the C ABI and Python read
+/// comes from this sum.
+#[test]
+fn sharded_totals_sum_what_every_shard_freed() {
+    for settings in ["policy:pytorch", "policy:hbm"] {
+        let alloc = SharedAllocator::new(SimDevice::new(), config(settings), 8).unwrap();
+        // Streams 1 to 4 land on more than one shard.
+        let ptrs: Vec<_> = (1..=4)
+            .map(|s| alloc.malloc(10 * MIB, StreamId(s)).unwrap())
+            .collect();
+        for &ptr in &ptrs {
+            alloc.free(ptr).unwrap();
+        }
+        let stats = alloc.stats();
+        assert_eq!(stats.allocation[0].allocated, 4, "{settings}");
+        assert_eq!(stats.allocation[0].freed, 4, "{settings}");
+        assert_eq!(
+            stats.allocated_bytes[0].freed,
+            40 * MIB as i64,
+            "{settings}"
+        );
+        assert_eq!(stats.allocation[0].current, 0, "{settings}");
+        let map = stats.to_pytorch_map();
+        assert_eq!(map["allocation.all.freed"], 4, "{settings}");
+    }
+}
+
 #[test]
 fn resetting_statistics_reaches_every_shard() {
     for settings in ["policy:pytorch", "policy:hbm"] {

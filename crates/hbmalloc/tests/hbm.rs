@@ -672,6 +672,27 @@ fn hbm_is_the_default_policy() {
     assert!(PolicyConfig::parse("nope", "").is_err());
 }
 
+/// A key policy hbm does not take is named as the culprit, not its value,
+/// and a policy pytorch key says so.
+#[test]
+fn an_unknown_hbm_key_is_named_as_the_culprit() {
+    let error = PolicyConfig::from_settings("policy:hbm,expandable_segments:True").unwrap_err();
+    assert_eq!(error.key, "expandable_segments");
+    assert_eq!(error.value, "expandable_segments");
+    let message = error.to_string();
+    assert!(
+        message.starts_with("hbm configuration: expandable_segments: expected a policy hbm key"),
+        "{message}"
+    );
+    assert!(
+        message.contains("got 'expandable_segments' (a policy pytorch key"),
+        "{message}"
+    );
+    assert!(!message.contains("'True'"), "{message}");
+    let bogus = PolicyConfig::parse("hbm", "bogus:1").unwrap_err();
+    assert_eq!((bogus.key.as_str(), bogus.hint.as_deref()), ("bogus", None));
+}
+
 /// Below the peak of demand, idle memory is stitched in before a new handle
 /// would take the memory held past its peak, when at least twice what is
 /// needed lies idle. Here 200 holes of 4 MiB lie idle between live 512 KiB

@@ -370,6 +370,51 @@ fn large_request_takes_an_oversize_block_only_within_max_non_split_rounding() {
     consistent(&a);
 }
 
+/// Each oversize rule at its exact boundary: a block of exactly
+/// `max_split_size` is oversize, and a cached block of exactly
+/// `size + max_non_split_rounding` is refused.
+#[test]
+fn oversize_rules_hold_at_their_exact_boundaries() {
+    let mut a = allocator("max_split_size_mb:40", 80 * GIB);
+    let p = a.malloc(40 * MIB, S0).unwrap();
+    assert_eq!(block(&a, p).size, 40 * MIB);
+    assert_eq!(stat(&a, "oversize_allocations.current"), 1);
+    assert_eq!(stat(&a, "oversize_segments.current"), 1);
+    a.free(p).unwrap();
+    assert_eq!(stat(&a, "oversize_allocations.current"), 0);
+    // A request below max_split_size never takes the 40 MiB block.
+    let q = a.malloc(30 * MIB, S0).unwrap();
+    assert_ne!(q, p);
+    assert_eq!(stat(&a, "oversize_segments.current"), 1);
+    a.free(q).unwrap();
+    let big = a.malloc(60 * MIB, S0).unwrap();
+    a.free(big).unwrap();
+    // 40 MiB takes the 40 MiB block; the next one refuses the 60 MiB block
+    // (60 >= 40 + 20) and makes a segment.
+    assert_eq!(a.malloc(40 * MIB, S0).unwrap(), p);
+    let r = a.malloc(40 * MIB, S0).unwrap();
+    assert_ne!(r, big);
+    assert_eq!(
+        seg_sizes(&a, Action::SegmentAlloc),
+        vec![40 * MIB, 30 * MIB, 60 * MIB, 40 * MIB]
+    );
+    assert_eq!(stat(&a, "oversize_segments.current"), 3);
+    // 60 < 42 + 20: taken whole.
+    assert_eq!(a.malloc(42 * MIB, S0).unwrap(), big);
+    // A request of exactly max_split_size in a larger block is not split.
+    let n = a.malloc(50 * MIB, S0).unwrap();
+    a.free(n).unwrap();
+    assert_eq!(a.malloc(40 * MIB, S0).unwrap(), n);
+    assert_eq!(block(&a, n).size, 50 * MIB);
+    for ptr in [p, r, big, n] {
+        a.free(ptr).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(stat(&a, "oversize_segments.current"), 0);
+    assert_eq!(stat(&a, "oversize_allocations.current"), 0);
+    consistent(&a);
+}
+
 #[test]
 fn max_non_split_rounding_is_configurable() {
     let mut a = allocator(
@@ -846,6 +891,30 @@ fn expandable_segment_is_per_stream_and_reserves_nine_eighths() {
     assert!(snap.segments.iter().all(|s| s.expandable));
     assert_eq!(snap.segments[0].total_size, 20 * MIB);
     consistent(&a);
+}
+
+/// `expandable_segments_reserve` sets the address space each segment
+/// reserves, as a fraction of the device or in GiB.
+#[test]
+fn expandable_segments_reserve_sets_each_segments_address_space() {
+    for (conf, pages) in [
+        ("expandable_segments:True", 58),
+        (
+            "expandable_segments:True,expandable_segments_reserve:0.5",
+            26,
+        ),
+        (
+            "expandable_segments:True,expandable_segments_reserve:2G",
+            103,
+        ),
+    ] {
+        let mut a = allocator(conf, GIB);
+        let p = a.malloc(2 * MIB, S0).unwrap();
+        let q = a.malloc(2 * MIB, S1).unwrap();
+        // The simulator leaves a 2 MiB gap after each reservation.
+        assert_eq!(q - p, pages * 20 * MIB + 2 * MIB, "{conf}");
+        consistent(&a);
+    }
 }
 
 #[test]

@@ -12,8 +12,7 @@ use std::sync::Arc;
 
 use hbmalloc::simtest::{run_seed, run_seed_with, SeedReport, SimBacked, SimFailure, SimOptions};
 use hbmalloc::{
-    Device, DevicePtr, DeviceResult, EventId, MemoryInfo, PhysicalHandle, SimConfig, SimDevice,
-    StreamId,
+    Device, DeviceAdaptor, DevicePtr, DeviceResult, EventId, PhysicalHandle, SimConfig, SimDevice,
 };
 
 /// The configurations every seed runs under. The second `hbm` one maps far
@@ -223,56 +222,6 @@ fn first_failure<D: SimBacked>(
         .unwrap_or_else(|| panic!("broken variant went unnoticed for {bound} seeds of {settings}"))
 }
 
-/// Implements `Device` for a wrapper by forwarding every call to `self.sim`
-/// but `map`, `physical_release` and `query_event`, which each wrapper
-/// writes itself.
-macro_rules! forward_device {
-    () => {
-        fn name(&self) -> String {
-            self.sim.name()
-        }
-        fn memory_info(&self) -> DeviceResult<MemoryInfo> {
-            self.sim.memory_info()
-        }
-        fn segment_alloc(&self, size: u64) -> DeviceResult<DevicePtr> {
-            self.sim.segment_alloc(size)
-        }
-        fn segment_free(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
-            self.sim.segment_free(ptr, size)
-        }
-        fn granularity(&self) -> Option<u64> {
-            self.sim.granularity()
-        }
-        fn address_reserve(&self, size: u64) -> DeviceResult<DevicePtr> {
-            self.sim.address_reserve(size)
-        }
-        fn address_free(&self, base: DevicePtr, size: u64) -> DeviceResult<()> {
-            self.sim.address_free(base, size)
-        }
-        fn physical_create(&self, size: u64) -> DeviceResult<PhysicalHandle> {
-            self.sim.physical_create(size)
-        }
-        fn maps_handle_parts(&self) -> bool {
-            self.sim.maps_handle_parts()
-        }
-        fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
-            self.sim.set_access(va, size)
-        }
-        fn unmap(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
-            self.sim.unmap(va, size)
-        }
-        fn record_event(&self, stream: StreamId) -> DeviceResult<EventId> {
-            self.sim.record_event(stream)
-        }
-        fn synchronize_event(&self, event: EventId) -> DeviceResult<()> {
-            self.sim.synchronize_event(event)
-        }
-        fn synchronize_device(&self) -> DeviceResult<()> {
-            self.sim.synchronize_device()
-        }
-    };
-}
-
 /// Variant (c): after a map fails, the allocator's undo "releases" the
 /// physical memory it created but the release never reaches the driver — a
 /// segment leaked on a failed map.
@@ -287,8 +236,13 @@ impl SimBacked for LeakOnFailedMap {
     }
 }
 
-impl Device for LeakOnFailedMap {
-    forward_device!();
+impl DeviceAdaptor for LeakOnFailedMap {
+    type Upstream = SimDevice;
+
+    fn upstream(&self) -> &SimDevice {
+        &self.sim
+    }
+
     fn map(
         &self,
         va: DevicePtr,
@@ -308,9 +262,6 @@ impl Device for LeakOnFailedMap {
         }
         self.sim.physical_release(handle)
     }
-    fn query_event(&self, event: EventId) -> DeviceResult<bool> {
-        self.sim.query_event(event)
-    }
 }
 
 /// Variant (d): events report completion as soon as they are queried, while
@@ -326,20 +277,13 @@ impl SimBacked for EventsCompleteEarly {
     }
 }
 
-impl Device for EventsCompleteEarly {
-    forward_device!();
-    fn map(
-        &self,
-        va: DevicePtr,
-        size: u64,
-        handle: PhysicalHandle,
-        offset: u64,
-    ) -> DeviceResult<()> {
-        self.sim.map(va, size, handle, offset)
+impl DeviceAdaptor for EventsCompleteEarly {
+    type Upstream = SimDevice;
+
+    fn upstream(&self) -> &SimDevice {
+        &self.sim
     }
-    fn physical_release(&self, handle: PhysicalHandle) -> DeviceResult<()> {
-        self.sim.physical_release(handle)
-    }
+
     fn query_event(&self, _event: EventId) -> DeviceResult<bool> {
         Ok(true)
     }
@@ -432,8 +376,13 @@ impl SimBacked for HandleSizes {
     }
 }
 
-impl Device for HandleSizes {
-    forward_device!();
+impl DeviceAdaptor for HandleSizes {
+    type Upstream = SimDevice;
+
+    fn upstream(&self) -> &SimDevice {
+        &self.sim
+    }
+
     fn map(
         &self,
         va: DevicePtr,
@@ -444,11 +393,5 @@ impl Device for HandleSizes {
         // Handles map whole here: a map's size is its handle's.
         self.largest.fetch_max(size, Ordering::Relaxed);
         self.sim.map(va, size, handle, offset)
-    }
-    fn physical_release(&self, handle: PhysicalHandle) -> DeviceResult<()> {
-        self.sim.physical_release(handle)
-    }
-    fn query_event(&self, event: EventId) -> DeviceResult<bool> {
-        self.sim.query_event(event)
     }
 }

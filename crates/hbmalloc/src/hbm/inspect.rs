@@ -8,6 +8,9 @@ use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 
 use super::{granules_under, HbmPolicy, LiveBlock, PhysicalGranule, Region, Span, View, NO_SPAN};
 
+/// Each region's blocks and free ranges, as (address, size, live).
+type RegionTiles = BTreeMap<u32, Vec<(DevicePtr, u64, bool)>>;
+
 impl HbmPolicy {
     /// Each contiguous mapped range (or fallback segment) as a segment.
     pub(crate) fn snapshot(&self) -> Vec<SegmentSnapshot> {
@@ -101,15 +104,59 @@ impl HbmPolicy {
         segments
     }
 
-    /// Checks every invariant of DESIGN.md that this policy can see.
+    /// Checks every invariant of its state that this policy can see.
     pub(crate) fn check_invariants(&self) -> Result<(), String> {
+        let by_region = self.check_spans()?;
+        let (views, segment_bytes) = self.check_regions(by_region)?;
+        let (spare_granules, handle_bytes) = self.check_handles(&views)?;
+        self.check_alias_groups(&views)?;
+        self.check_group_users()?;
+        let granule = self.granule.unwrap_or(0);
+        let spare = spare_granules.len() as u64 * granule;
+        if handle_bytes != (views.len() as u64) * granule + spare {
+            return Err("handles held disagree with mapped and spare memory".into());
+        }
+        let held = handle_bytes + segment_bytes;
+        if held != self.held_bytes {
+            return Err(format!(
+                "reserved {} != mapped granules + spare handles + segments {held}",
+                self.held_bytes
+            ));
+        }
+        if self.stats.reserved_bytes[0].current as u64 != held {
+            return Err("reserved_bytes stat disagrees with the mapped memory".into());
+        }
+        let allocated: u64 = self
+            .live
+            .values()
+            .filter(|b| b.allocated)
+            .map(|b| self.span(b.span).size)
+            .sum();
+        if self.stats.allocated_bytes[0].current as u64 != allocated {
+            return Err(format!(
+                "allocated_bytes stat {} != sum of live blocks {allocated}",
+                self.stats.allocated_bytes[0].current
+            ));
+        }
+        let active: u64 = self.live.values().map(|b| self.span(b.span).size).sum();
+        if self.stats.active_bytes[0].current as u64 != active {
+            return Err("active_bytes stat disagrees with the live blocks".into());
+        }
+        // No check of `held` against the memory fraction: a fraction lowered
+        // below what is held frees nothing by itself (as in PyTorch), it only
+        // refuses new memory.
+        Ok(())
+    }
+
+    /// Spans: each live block's span is a block at its address; each free
+    /// range in the size index is a free span of its stream, in the
+    /// large-range index exactly when it is large; links are mutual and
+    /// contiguous, and every span in use is a block or a free range. Returns
+    /// each region's blocks and free ranges as (address, size, live).
+    fn check_spans(&self) -> Result<RegionTiles, String> {
         // Per region: live and free blocks tile it exactly (so nothing
         // overlaps), free ranges are coalesced, live blocks are mapped.
         let mut by_region: BTreeMap<u32, Vec<(DevicePtr, u64, bool)>> = BTreeMap::new();
-        // Spans: each live block's span is a block at its address; each free
-        // range in the size index is a free span of its stream, in the
-        // large-range index exactly when it is large; links are mutual and
-        // contiguous, and every span in use is a block or a free range.
         let mut in_use = 0usize;
         for (&p, b) in &self.live {
             let span = self
@@ -205,10 +252,19 @@ impl HbmPolicy {
                 return Err(format!("span {id} is badly linked: {span:?}"));
             }
         }
+        Ok(by_region)
+    }
+
+    /// Per region: live and free blocks tile it exactly (so nothing
+    /// overlaps), free ranges are coalesced, live blocks are mapped, and the
+    /// chunks agree with the bitmaps. Returns every view of every physical
+    /// granule (from the chunks) and the bytes of plain segments.
+    fn check_regions(
+        &self,
+        mut by_region: RegionTiles,
+    ) -> Result<(BTreeMap<PhysicalGranule, Vec<View>>, u64), String> {
         let mut segment_bytes = 0u64;
         let granule_bytes = self.granule.unwrap_or(0);
-        // Per handle: its mapped and spare pieces, which must tile it.
-        // Every view of every physical granule, from the chunks.
         let mut views: BTreeMap<PhysicalGranule, Vec<View>> = BTreeMap::new();
         for (i, region) in self.regions.iter().enumerate() {
             let Some(region) = region else { continue };
@@ -286,10 +342,17 @@ impl HbmPolicy {
         if !by_region.is_empty() {
             return Err("blocks in regions that do not exist".into());
         }
+        Ok((views, segment_bytes))
+    }
+
+    /// Each granule of each handle is mapped (at one or more views) or
+    /// spare, never both. Returns the spare granules and the bytes of every
+    /// handle.
+    fn check_handles(
+        &self,
+        views: &BTreeMap<PhysicalGranule, Vec<View>>,
+    ) -> Result<(BTreeSet<PhysicalGranule>, u64), String> {
         let granule = self.granule.unwrap_or(0);
-        // Each granule of each handle is mapped (at one or more views) or
-        // spare, never both; granules with several views are exactly the
-        // aliases.
         let mut spare_granules: BTreeSet<PhysicalGranule> = BTreeSet::new();
         for p in &self.spare {
             if p.bytes == 0 || p.bytes % granule.max(1) != 0 {
@@ -337,8 +400,17 @@ impl HbmPolicy {
         {
             return Err("a mapping or spare piece of an unknown handle".into());
         }
-        // Groups: each physical granule mapped more than once lies in exactly
-        // one group, mapped at exactly its views.
+        Ok((spare_granules, handle_bytes))
+    }
+
+    /// Groups: each physical granule mapped more than once lies in exactly
+    /// one group, mapped at exactly its views, and the per-region bitmaps
+    /// and view index say so and nothing more.
+    fn check_alias_groups(
+        &self,
+        views: &BTreeMap<PhysicalGranule, Vec<View>>,
+    ) -> Result<(), String> {
+        let granule = self.granule.unwrap_or(0);
         let mut grouped: BTreeSet<PhysicalGranule> = BTreeSet::new();
         let mut aliased_bits = 0u64;
         for (id, group) in self.groups.iter().enumerate() {
@@ -413,9 +485,15 @@ impl HbmPolicy {
         {
             return Err("aliased bits or view index disagree with the alias groups".into());
         }
-        // Each group counts the live blocks on its user view, and no group is
-        // used through two views. Blocks are matched to views granule by
-        // granule here, apart from the hot path's view index.
+        Ok(())
+    }
+
+    /// Each group counts the live blocks on its user view, no group is used
+    /// through two views, and a group in use has no idle granules at either
+    /// end. Blocks are matched to views granule by granule here, apart from
+    /// the hot path's view index.
+    fn check_group_users(&self) -> Result<(), String> {
+        let granule = self.granule.unwrap_or(0);
         let mut users: BTreeMap<u32, (View, u32)> = BTreeMap::new();
         // The first and last granule of each group that a block touches.
         let mut touched: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
@@ -474,39 +552,6 @@ impl HbmPolicy {
                 ));
             }
         }
-        let spare = spare_granules.len() as u64 * granule;
-        if handle_bytes != (views.len() as u64) * granule + spare {
-            return Err("handles held disagree with mapped and spare memory".into());
-        }
-        let held = handle_bytes + segment_bytes;
-        if held != self.held_bytes {
-            return Err(format!(
-                "reserved {} != mapped granules + spare handles + segments {held}",
-                self.held_bytes
-            ));
-        }
-        if self.stats.reserved_bytes[0].current as u64 != held {
-            return Err("reserved_bytes stat disagrees with the mapped memory".into());
-        }
-        let allocated: u64 = self
-            .live
-            .values()
-            .filter(|b| b.allocated)
-            .map(|b| self.span(b.span).size)
-            .sum();
-        if self.stats.allocated_bytes[0].current as u64 != allocated {
-            return Err(format!(
-                "allocated_bytes stat {} != sum of live blocks {allocated}",
-                self.stats.allocated_bytes[0].current
-            ));
-        }
-        let active: u64 = self.live.values().map(|b| self.span(b.span).size).sum();
-        if self.stats.active_bytes[0].current as u64 != active {
-            return Err("active_bytes stat disagrees with the live blocks".into());
-        }
-        // No check of `held` against the memory fraction: a fraction lowered
-        // below what is held frees nothing by itself (as in PyTorch), it only
-        // refuses new memory.
         Ok(())
     }
 }

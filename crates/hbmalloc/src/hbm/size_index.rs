@@ -9,9 +9,8 @@
 //! placements do not change.
 //!
 //! A bin is a sorted vector while it is small, which is almost always: a
-//! binary search and a short shift, where a B-tree's remove cost about 180
-//! instructions even in a one-node map (callgrind over `hbmalloc bench` on
-//! gpt2_train, as `scripts/bench-instructions` runs it). A bin that grows past
+//! binary search and a short shift, where a B-tree's remove costs about 180
+//! instructions even in a one-node map (`docs/hbm-design.md`). A bin that grows past
 //! [`BIN_VEC_MAX`] ranges (many free ranges of one size: the synthetic
 //! scaling benchmark) becomes a B-tree for good, so no operation costs more
 //! than a shift of that many entries.
@@ -232,7 +231,7 @@ impl SizeIndex {
     /// least `size` bytes, smallest first and lowest address on ties (best
     /// fit), until it breaks; returns what it broke with. A loop over the
     /// bins, not an iterator chain: a `flat_map` over them cost about 60
-    /// instructions per range (callgrind on cranberrii).
+    /// instructions per range.
     #[inline]
     pub(super) fn walk_best_fit<B>(
         &self,
@@ -244,8 +243,7 @@ impl SizeIndex {
             // Only the first bin may hold ranges smaller than `size`.
             let from = if b == first { key(size, 0) } else { 0 };
             // Each bin kind walked by its own loop: the enum iterator's match
-            // per range cost 1.0-1.5% more instructions on resnet and
-            // cranberrii (callgrind).
+            // per range cost 1-1.5% more instructions in all.
             let found = match &self.bins[b] {
                 Bin::Sorted(entries) => {
                     let at = entries.partition_point(|&(k, _)| k < from);
