@@ -101,8 +101,10 @@ const SHORT_LIVED_NEAR_PEAK_PERCENT: u64 = 90;
 /// Most addresses one physical granule is mapped at: each alias costs a map
 /// call once and a page-table entry for good, so a granule that has moved
 /// this often is moved (unmapped) rather than mapped once more.
-/// Configurable (`max_views`), so that tests can reach the cap.
-const DEFAULT_MAX_VIEWS: usize = 16;
+/// Configurable (`max_views`), so that tests can reach the cap. The most
+/// allowed by default: on a driver that maps whole handles only, a lower cap
+/// moves idle memory instead of aliasing it, and a long run drifts.
+const DEFAULT_MAX_VIEWS: usize = 64;
 /// The `max_views` a configuration may set: a group is two views at least.
 const MAX_VIEWS_RANGE: std::ops::RangeInclusive<u64> = 2..=64;
 /// On a device that maps whole handles only, and unless
@@ -125,7 +127,7 @@ const MAX_CANDIDATES: usize = 32;
 /// |---|---|---|
 /// | `max_waste_percent` | 1 | physical memory held may exceed the peak demand (live plus pending-free bytes) by this percentage before idle memory is stitched (mapped a second time) instead of new memory created; a heap growing to a new peak may map up to 4 times this (at most 12 MiB) ahead. Lower: tighter memory, more map calls when the workload shifts or grows (0: nothing mapped ahead); higher: fewer driver calls. |
 /// | `per_process_memory_fraction` | 1 | hard limit on memory held, as a fraction of device memory (as in PyTorch). |
-/// | `max_views` | 16 | most addresses one physical granule is mapped at (2 to 64): past it, idle memory is moved (unmapped, mapped elsewhere) instead of mapped once more. Each view is a page-table entry; lower: more map and unmap calls where memory moves around. |
+/// | `max_views` | 64 | most addresses one physical granule is mapped at (2 to 64): past it, idle memory is moved (unmapped, mapped elsewhere) instead of mapped once more. Each view is a page-table entry; lower: more map and unmap calls where memory moves around. |
 /// | `whole_handle_granules` | auto | on a driver that maps whole handles only ([`Device::maps_handle_parts`] false), the most granules one physical handle holds (1 to 512), or `auto`: 1/2048 of the most memory held so far, rounded down to whole granules (1 until 8 GiB held). Only whole handles move there; higher: fewer create and map calls, more memory held. Ignored where the driver maps parts of handles. |
 #[derive(Clone, Debug, PartialEq)]
 pub struct HbmConfig {

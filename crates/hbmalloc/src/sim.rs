@@ -1030,7 +1030,12 @@ mod tests {
 
     #[test]
     fn a_map_over_any_part_of_another_is_refused_and_neighbours_are_not() {
-        let dev = SimDevice::with_capacity(32 * MIB);
+        // Parts of one handle, on a driver that maps them.
+        let dev = SimDevice::with_config(SimConfig {
+            capacity_bytes: 32 * MIB,
+            maps_handle_parts: true,
+            ..SimConfig::default()
+        });
         let base = dev.address_reserve(32 * MIB).unwrap();
         let h = dev.physical_create(16 * MIB).unwrap();
         // [8, 12) MiB is taken.
