@@ -1,7 +1,7 @@
 //! Deterministic simulation tests: seeded GPU programs against every policy
 //! configuration, with every check of `hbmalloc::simtest` after every step.
 //!
-//! - CI mode (default): a fixed number of seeds per configuration.
+//! - Default: 100 seeds per configuration (`scripts/test --long` and CI: 600).
 //! - `HBMALLOC_SIM_SEED=<n>`: replays exactly seed `n` (every configuration).
 //! - `HBMALLOC_SIM_SEEDS=<n>`: runs `n` seeds per configuration (long mode);
 //!   `HBMALLOC_SIM_FIRST=<n>` starts elsewhere than seed 0.
@@ -30,8 +30,9 @@ const SETTINGS: [&str; 6] = [
     "policy:hbm,max_views:2",
 ];
 
-/// Seeds per configuration in CI mode.
-const CI_SEEDS: u64 = 600;
+/// Seeds per configuration by default; `scripts/test --long` (CI) runs 600
+/// through `HBMALLOC_SIM_SEEDS`.
+const DEFAULT_SEEDS: u64 = 100;
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().map(|v| {
@@ -85,7 +86,7 @@ fn seeds() -> std::ops::Range<u64> {
         return seed..seed + 1;
     }
     let first = env_u64("HBMALLOC_SIM_FIRST").unwrap_or(0);
-    first..first + env_u64("HBMALLOC_SIM_SEEDS").unwrap_or(CI_SEEDS)
+    first..first + env_u64("HBMALLOC_SIM_SEEDS").unwrap_or(DEFAULT_SEEDS)
 }
 
 #[test]
