@@ -84,7 +84,7 @@ const BLOCK_COLUMNS: [(&str, usize); 5] = [
 const MIN_LABEL_WIDTH: usize = 12;
 
 /// `text` in lines of at most `width` characters, broken between words.
-fn wrap(text: &str, width: usize) -> String {
+pub fn wrap(text: &str, width: usize) -> String {
     let mut out = String::new();
     let mut line = String::new();
     for word in text.split_whitespace() {
@@ -106,7 +106,7 @@ fn wrap(text: &str, width: usize) -> String {
 }
 
 /// `text` cut to `width` characters, with `…` where it was cut.
-fn fit(text: &str, width: usize) -> String {
+pub fn fit(text: &str, width: usize) -> String {
     if text.chars().count() <= width {
         return text.to_string();
     }
