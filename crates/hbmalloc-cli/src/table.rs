@@ -233,7 +233,7 @@ fn blocks(
     let longest = labels
         .iter()
         .map(|l| l.chars().count())
-        .chain(["planned (offline)".len(), "recorded by PyTorch".len()])
+        .chain(["planned (offline)".len(), "as recorded".len()])
         .max()
         .unwrap_or(0);
     let label_width = longest
@@ -260,7 +260,7 @@ fn blocks(
         let _ = writeln!(out, "\n{name}{about}");
         if let Some(recorded) = m0.recorded.as_ref().and_then(|r| r.peak_reserved_bytes) {
             let waste = recorded.saturating_sub(m0.peak_live_bytes);
-            out += &line("recorded by PyTorch", &[short(recorded), short(waste)]);
+            out += &line("as recorded", &[short(recorded), short(waste)]);
         }
         if let Some(plan) = plans.get(index).copied().flatten() {
             let (reserved, waste, efficiency) = plan_cells(plan, m0.peak_live_bytes);
