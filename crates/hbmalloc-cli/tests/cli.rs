@@ -13,7 +13,12 @@ fn hbmalloc(args: &[&str]) -> Output {
 /// Runs hbmalloc, asserts it succeeded (showing its stderr if not), and
 /// returns its stdout.
 fn succeed(args: &[&str]) -> String {
-    let out = hbmalloc(args);
+    stdout_of_success(hbmalloc(args))
+}
+
+/// Asserts `out` is a success (showing its stderr if not) and returns its
+/// stdout.
+fn stdout_of_success(out: Output) -> String {
     assert!(
         out.status.success(),
         "{}",
@@ -508,13 +513,7 @@ fn bundled_hbm_row(extra: &[&str]) -> serde_json::Value {
         "--json",
     ];
     args.extend_from_slice(extra);
-    let out = hbmalloc(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    serde_json::from_str(&succeed(&args)).unwrap()
 }
 
 /// `--jitter-sizes`: the bundled trace with every request size scaled by
@@ -625,12 +624,7 @@ fn succeed_in_columns(columns: usize, args: &[&str]) -> String {
         .env("COLUMNS", columns.to_string())
         .output()
         .expect("run hbmalloc");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    stdout_of_success(out)
 }
 
 /// `compare`'s table fits 100 columns when no width is known, and the
@@ -691,17 +685,19 @@ fn an_out_of_memory_replay_says_where_it_stopped_and_no_efficiency() {
     assert_eq!(row["out_of_memory_at_op"], 1, "{row}");
     assert_eq!(row["trace_ops"], 5, "{row}");
 
-    // Twice, for a total row.
-    let stdout = succeed(&[
-        "compare",
-        path,
-        path,
-        "--capacity",
-        "80MiB",
-        "--run",
-        "policy:hbm",
-        "--no-min-capacity",
-    ]);
+    // Twice, for a total row; then in the wide layout.
+    let compare = |extra: &[&str]| {
+        let args = [
+            "compare",
+            path,
+            "--capacity",
+            "80MiB",
+            "--run",
+            "policy:hbm",
+        ];
+        succeed(&[&args[..], &["--no-min-capacity"], extra].concat())
+    };
+    let stdout = compare(&[path]);
     let row = stdout.lines().find(|l| l.starts_with("  hbm")).unwrap();
     assert!(row.contains("out of memory at op 1 of 5"), "{stdout}");
     let total = stdout
@@ -713,29 +709,13 @@ fn an_out_of_memory_replay_says_where_it_stopped_and_no_efficiency() {
         total.contains("(2 OOM)") && !total.contains("0K"),
         "{stdout}"
     );
-    let wide = succeed(&[
-        "compare",
-        path,
-        "--capacity",
-        "80MiB",
-        "--run",
-        "policy:hbm",
-        "--no-min-capacity",
-        "--wide",
-    ]);
-    let row = wide.lines().find(|l| l.contains(" | ")).map(|_| {
-        wide.lines()
-            .skip_while(|l| !l.starts_with("---"))
-            .nth(1)
-            .unwrap()
-    });
-    let cells: Vec<&str> = row
-        .unwrap()
-        .split('|')
+    let wide = compare(&["--wide"]);
+    let row = wide
+        .lines()
+        .skip_while(|l| !l.starts_with("---"))
         .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .collect();
+        .unwrap();
+    let cells: Vec<&str> = row.split('|').nth(1).unwrap().split_whitespace().collect();
     assert_eq!(cells[1..4], ["-", "-", "OOM"], "{wide}");
 }
 
