@@ -442,8 +442,8 @@ pub fn metrics_text(m: &Metrics) -> String {
     if let Some(op) = m.out_of_memory_at_op {
         let _ = writeln!(
             out,
-            "  stopped                    out of memory at op {op} of {}: the figures below are \
-             those of ops 0 to {op}",
+            "  stopped                    out of memory at op {op} of {}: the figures below cover \
+             the ops before it",
             m.trace_ops
         );
     }
