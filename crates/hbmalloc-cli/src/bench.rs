@@ -16,7 +16,7 @@ use hbmalloc::{
 use hbmalloc_replay::{PreparedTrace, ReplayOptions};
 use hbmalloc_trace::Trace;
 
-use crate::table::{label, trace_name};
+use crate::table::{device_label, fit, label, trace_name, wrap};
 
 pub fn run(
     traces: &[Trace],
@@ -24,10 +24,16 @@ pub fn run(
     repeat: usize,
     json: bool,
 ) -> Result<(), String> {
+    // Each configuration's column is as wide as its header.
+    let headers: Vec<String> = runs
+        .iter()
+        .map(|p| format!("{} ns/op", label(&p.to_settings())))
+        .collect();
+    let widths: Vec<usize> = headers.iter().map(|h| h.chars().count().max(9)).collect();
     if !json {
-        out!("{:<35} {:>4}", "trace", "dev");
-        for policy in runs {
-            out!(" {:>24}", format!("{} ns/op", label(&policy.to_settings())));
+        out!("{:<30} {:>4}", "trace", "dev");
+        for (header, width) in headers.iter().zip(&widths) {
+            out!(" {header:>width$}");
         }
         if runs.len() > 1 {
             out!(" {:>12}", "ratio");
@@ -63,9 +69,13 @@ pub fn run(
                     );
                 }
             } else {
-                out!("{:<35} {:>4}", trace_name(&trace.source), device.device);
-                for ns in &medians {
-                    out!(" {:>24.1}", ns);
+                out!(
+                    "{:<30} {:>4}",
+                    fit(&trace_name(&trace.source), 30),
+                    device_label(device.device)
+                );
+                for (ns, width) in medians.iter().zip(&widths) {
+                    out!(" {ns:>width$.1}");
                 }
                 if medians.len() > 1 {
                     out!(" {:>12.2}", medians[medians.len() - 1] / medians[0]);
@@ -75,8 +85,23 @@ pub fn run(
         }
     }
     if !json && runs.len() > 1 {
-        outln!(
-            "\nratio: last configuration's ns/op divided by the first's, measured in the same run."
+        let cpu = if traces
+            .iter()
+            .any(|t| t.devices.iter().any(|d| d.device == -1))
+        {
+            " cpu: a torch.profiler trace's CPU memory."
+        } else {
+            ""
+        };
+        out!(
+            "\n{}",
+            wrap(
+                &format!(
+                    "ratio: last configuration's ns/op divided by the first's, measured in the \
+                     same run.{cpu}"
+                ),
+                100
+            )
         );
     }
     Ok(())
@@ -234,10 +259,17 @@ pub fn threads(
             outln!("{name:<18} {threads:>7} {b:>16.2} {s:>16.2} {:>8.2}", s / b);
         }
     }
-    outln!(
-        "\nMops/s: million mallocs+frees per second, all threads together (median of {repeat}); \
-         each thread uses its own streams.\nThis machine has {} cores: beyond that, threads share cores.",
-        std::thread::available_parallelism().map_or(1, |n| n.get())
+    out!(
+        "\n{}",
+        wrap(
+            &format!(
+                "Mops/s: million mallocs+frees per second, all threads together (median of \
+                 {repeat}); each thread uses its own streams. This machine has {} cores: beyond \
+                 that, threads share cores.",
+                std::thread::available_parallelism().map_or(1, |n| n.get())
+            ),
+            100
+        )
     );
     Ok(())
 }
@@ -247,24 +279,36 @@ pub fn threads(
 /// free a random live block and allocate a new one, keeping N live; the
 /// churn is timed and its driver calls counted.
 pub fn scaling(runs: &[PolicyConfig], counts: &[u64], churn: u64) -> Result<(), String> {
+    // Each configuration's column is as wide as its header.
+    let headers: Vec<String> = runs
+        .iter()
+        .map(|p| format!("{} ns/op", label(&p.to_settings())))
+        .collect();
     out!("{:>9}", "live");
-    for policy in runs {
-        let name = label(&policy.to_settings());
-        out!(" {:>16} {:>12}", format!("{name} ns/op"), "calls");
+    for header in &headers {
+        out!(" {header:>9} {:>8}", "calls");
     }
     outln!();
     for &count in counts {
         out!("{count:>9}");
-        for policy in runs {
+        for (policy, header) in runs.iter().zip(&headers) {
             let (ns, calls) = scaling_point(policy, count, churn)?;
-            out!(" {ns:>16.1} {calls:>12}");
+            let width = header.chars().count().max(9);
+            out!(" {ns:>width$.1} {calls:>8}");
         }
         outln!();
     }
-    outln!(
-        "\nns/op: mean time of a malloc or free during {churn} churn operations with N blocks live \
-         (sizes 512 B to 4 MiB, mostly small); calls: driver calls that allocate, free, map or \
-         unmap memory during the churn. Zero-latency simulated device."
+    out!(
+        "\n{}",
+        wrap(
+            &format!(
+                "ns/op: mean time of a malloc or free during {churn} churn operations with N \
+                 blocks live (sizes 512 B to 4 MiB, mostly small); calls: driver calls that \
+                 allocate, free, map or unmap memory during the churn. Zero-latency simulated \
+                 device."
+            ),
+            100
+        )
     );
     Ok(())
 }

@@ -11,7 +11,7 @@ use hbmalloc::format::format_bytes;
 use hbmalloc::{LatencyModel, PolicyConfig};
 use hbmalloc_replay::{
     evaluate, fidelity, plan_greedy_by_size, plan_last_step, snapshot, timeline, EvalOptions,
-    Metrics, SnapshotMoment,
+    Metrics, SnapshotMoment, Verdict,
 };
 use hbmalloc_trace::Trace;
 
@@ -171,7 +171,7 @@ impl WhatIf {
         } else {
             "calls timed as measured on an H100"
         };
-        format!("Replayed on a simulated GPU whose driver {maps}; {latency}.\n")
+        format!("Replayed on a simulated GPU whose driver {maps}; {latency}.")
     }
 
     /// Evaluation options for `policy` on the simulated driver these
@@ -210,6 +210,10 @@ enum Command {
         /// Print one JSON object per line instead of the table.
         #[arg(long)]
         json: bool,
+        /// One line per trace, the configurations side by side (about 60
+        /// columns each), instead of a block per trace.
+        #[arg(long)]
+        wide: bool,
         /// Also write live memory and each configuration's reserved memory
         /// after every op to PATH, as CSV (`op,live_bytes`, then a column
         /// per configuration): where and when reserved memory parts from
@@ -360,6 +364,7 @@ fn run(command: Command) -> Result<(), String> {
             capacity,
             no_min_capacity,
             json,
+            wide,
             timeline: timeline_path,
             planned,
             what_if,
@@ -422,9 +427,16 @@ fn run(command: Command) -> Result<(), String> {
                 }
             }
             if !json {
+                let layout = if wide {
+                    table::Layout::Wide
+                } else {
+                    table::Layout::Blocks {
+                        width: output_width(),
+                    }
+                };
                 out!(
                     "{}",
-                    table::compare_table(&rows, &plans, &what_if.driver_description())
+                    table::compare_table(&rows, &plans, &what_if.driver_description(), layout)
                 );
             }
             Ok(())
@@ -503,18 +515,43 @@ fn run(command: Command) -> Result<(), String> {
             Ok(())
         }
         Command::Fidelity { snapshots, json } => {
+            let mut reports = Vec::new();
             for trace in load_all(&snapshots)? {
                 for device in &trace.devices {
-                    let report = fidelity(device)
-                        .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
+                    let report = fidelity(device).map_err(|e| {
+                        format!(
+                            "{} device {}: {e}",
+                            trace.source,
+                            table::device_label(device.device)
+                        )
+                    })?;
                     if json {
                         let mut value = serde_json::to_value(&report).map_err(|e| e.to_string())?;
                         value["trace"] = serde_json::Value::String(trace.source.clone());
+                        value["verdict"] =
+                            serde_json::to_value(report.verdict()).map_err(|e| e.to_string())?;
                         outln!("{value}");
                     } else {
                         out!("{}", table::fidelity_text(&trace.source, &report));
                     }
+                    reports.push(report);
                 }
+            }
+            let summary = table::fidelity_summary(snapshots.len(), &reports);
+            if json {
+                eprintln!("hbmalloc: {summary}");
+            } else {
+                outln!("{summary}");
+            }
+            let diverging = reports
+                .iter()
+                .filter(|r| !r.foreign_allocator && r.verdict() == Verdict::Diverges)
+                .count();
+            if diverging > 0 {
+                return Err(format!(
+                    "policy pytorch diverges from the recorded allocator on {diverging} device(s) \
+                     of CUDA snapshots"
+                ));
             }
             Ok(())
         }
@@ -802,6 +839,19 @@ fn parse_capacity(text: &str) -> Result<Capacity, String> {
         ));
     }
     Ok(Capacity::Bytes(bytes as u64))
+}
+
+/// The columns tables may fill: the terminal's width where standard output
+/// is one, else `COLUMNS` where set, else 100.
+fn output_width() -> usize {
+    if let Some((terminal_size::Width(width), _)) = terminal_size::terminal_size_of(io::stdout()) {
+        return usize::from(width);
+    }
+    std::env::var("COLUMNS")
+        .ok()
+        .and_then(|c| c.trim().parse().ok())
+        .filter(|&c| c > 0)
+        .unwrap_or(100)
 }
 
 /// Formats a byte count for tables.

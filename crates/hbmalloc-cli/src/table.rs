@@ -3,11 +3,20 @@
 
 use std::fmt::Write;
 
-use hbmalloc_replay::{FidelityReport, Metrics, Plan, Timeline};
+use hbmalloc_replay::{FidelityReport, Metrics, Plan, Timeline, Verdict};
 
 use crate::human;
 
 /// A size in a narrow column: `2.53G`, `905M`, `12K`.
+/// Seconds as milliseconds below one, else seconds: `12.3ms`, `1.24s`.
+fn seconds(s: f64) -> String {
+    if s < 1.0 {
+        format!("{:.1}ms", s * 1e3)
+    } else {
+        format!("{s:.2}s")
+    }
+}
+
 fn short(bytes: u64) -> String {
     const G: f64 = (1u64 << 30) as f64;
     const M: f64 = (1u64 << 20) as f64;
@@ -46,23 +55,289 @@ pub fn trace_name(source: &str) -> String {
     }
 }
 
-/// One row per trace and device; for each configuration its peak reserved,
-/// waste, efficiency, minimum capacity and memory-moving driver calls; and,
-/// where `plans` has one for the row, what the offline plan holds. The
-/// footer says which driver the replays simulated (`driver`, one line).
-pub fn compare_table(rows: &[Vec<Metrics>], plans: &[Option<Plan>], driver: &str) -> String {
+/// A device index as the tables show it: torch.profiler files CPU memory
+/// under device -1, shown as `cpu`.
+pub fn device_label(device: i64) -> String {
+    if device == -1 {
+        "cpu".to_string()
+    } else {
+        device.to_string()
+    }
+}
+
+/// How [`compare_table`] lays the comparison out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// One block per trace and device, a line per configuration, in at most
+    /// this many columns (trace names and long settings are shortened).
+    Blocks {
+        /// Columns available.
+        width: usize,
+    },
+    /// One line per trace and device, the configurations side by side
+    /// (about 60 columns per configuration).
+    Wide,
+}
+
+/// The per-configuration columns of the block layout: header and width.
+/// A metric added here widens every block by its width, and nothing else.
+const BLOCK_COLUMNS: [(&str, usize); 6] = [
+    ("reserved", 8),
+    ("waste", 8),
+    ("eff", 7),
+    ("min cap", 8),
+    ("calls", 7),
+    ("drv", 8),
+];
+
+/// The narrowest label column of the block layout.
+const MIN_LABEL_WIDTH: usize = 12;
+
+/// `text` in lines of at most `width` characters, broken between words.
+pub fn wrap(text: &str, width: usize) -> String {
     let mut out = String::new();
+    let mut line = String::new();
+    for word in text.split_whitespace() {
+        if !line.is_empty() && line.chars().count() + 1 + word.chars().count() > width {
+            out += &line;
+            out.push('\n');
+            line.clear();
+        }
+        if !line.is_empty() {
+            line.push(' ');
+        }
+        line += word;
+    }
+    if !line.is_empty() {
+        out += &line;
+        out.push('\n');
+    }
+    out
+}
+
+/// `text` cut to `width` characters, with `…` where it was cut.
+pub fn fit(text: &str, width: usize) -> String {
+    if text.chars().count() <= width {
+        return text.to_string();
+    }
+    let mut cut: String = text.chars().take(width.saturating_sub(1)).collect();
+    cut.push('…');
+    cut
+}
+
+/// One configuration's cells: reserved, waste, efficiency, minimum capacity
+/// and driver calls; a replay that ran out of memory has no waste or
+/// efficiency (its reserved memory is that of the part that ran).
+fn cells(m: &Metrics) -> [String; 6] {
+    let min_cap = match (m.min_capacity_bytes, m.out_of_memory_at_op) {
+        (Some(c), _) => short(c),
+        (None, Some(_)) => "OOM".to_string(),
+        (None, None) => "-".to_string(),
+    };
+    [
+        short(m.peak_reserved_bytes),
+        m.waste_bytes.map_or("-".to_string(), short),
+        m.efficiency.map_or("-".to_string(), |e| format!("{e:.3}")),
+        min_cap,
+        m.memory_device_calls.to_string(),
+        seconds(m.simulated_driver_seconds),
+    ]
+}
+
+/// Sums over the rows, per configuration: reserved, waste and calls, and
+/// how many rows ran out of memory (their reserved and waste are not summed).
+#[derive(Clone, Copy, Default)]
+struct Totals {
+    reserved: u64,
+    waste: u64,
+    calls: u64,
+    driver_seconds: f64,
+    out_of_memory: usize,
+}
+
+fn totals(rows: &[Vec<Metrics>], configurations: usize) -> (u64, Vec<Totals>) {
+    let mut live = 0;
+    let mut totals = vec![Totals::default(); configurations];
+    for row in rows {
+        live += row.first().map_or(0, |m| m.peak_live_bytes);
+        for (total, m) in totals.iter_mut().zip(row) {
+            total.calls += m.memory_device_calls;
+            total.driver_seconds += m.simulated_driver_seconds;
+            match m.waste_bytes {
+                Some(waste) => {
+                    total.reserved += m.peak_reserved_bytes;
+                    total.waste += waste;
+                }
+                None => total.out_of_memory += 1,
+            }
+        }
+    }
+    (live, totals)
+}
+
+/// The offline plan's reserved, waste and efficiency for a row.
+fn plan_cells(plan: Plan, live: u64) -> (u64, u64, f64) {
+    let reserved = plan.peak_mapped_bytes;
+    // As for the policies: nothing live and nothing held is 1.
+    let efficiency = match reserved {
+        0 => 1.0,
+        _ => live as f64 / reserved as f64,
+    };
+    (reserved, reserved.saturating_sub(live), efficiency)
+}
+
+/// The comparison of `rows` (one per trace and device, a [`Metrics`] per
+/// configuration), with the offline plan where `plans` has one, laid out as
+/// `layout` says; a legend follows, and a footer on which driver the replays
+/// simulated (`driver`, a sentence).
+pub fn compare_table(
+    rows: &[Vec<Metrics>],
+    plans: &[Option<Plan>],
+    driver: &str,
+    layout: Layout,
+) -> String {
     let Some(first) = rows.first() else {
         return "no trace had any device activity\n".into();
     };
     let labels: Vec<String> = first.iter().map(|m| label(&m.settings)).collect();
     let planned = plans.iter().any(Option::is_some);
+    let mut out = match layout {
+        Layout::Blocks { width } => blocks(rows, plans, &labels, width),
+        Layout::Wide => wide(rows, plans, &labels, planned),
+    };
+    let mut legend = String::from(
+        "live: peak of live requested bytes. reserved: peak device memory held. waste = \
+         reserved - live. eff = live / reserved. min cap: the smallest device on which the \
+         trace completes (2 MiB resolution). calls: driver calls that allocate, free, map or \
+         unmap memory. drv: simulated time in driver calls. OOM: out of memory on the device given (--capacity): only part of the \
+         trace ran, so no waste or eff. cpu: a torch.profiler trace's CPU memory. --json has \
+         every metric.",
+    );
+    if planned {
+        legend += " planned: each trace laid out offline, knowing all of it in advance (greedy \
+                   by size), its granules mapped only while a block lies on them (driver calls \
+                   not counted): what foresight alone would save.";
+    }
+    legend.push(' ');
+    legend += driver;
+    let legend_width = match layout {
+        Layout::Blocks { width } => width.min(100),
+        Layout::Wide => 100,
+    };
+    out.push('\n');
+    out += &wrap(&legend, legend_width);
+    out
+}
+
+/// The block layout: a header, then per trace and device a line naming it
+/// and a line per configuration; then the totals, as a block.
+fn blocks(
+    rows: &[Vec<Metrics>],
+    plans: &[Option<Plan>],
+    labels: &[String],
+    width: usize,
+) -> String {
+    let metrics_width: usize = BLOCK_COLUMNS.iter().map(|(_, w)| w).sum();
+    let longest = labels
+        .iter()
+        .map(|l| l.chars().count())
+        .chain(["planned (offline)".len(), "as recorded".len()])
+        .max()
+        .unwrap_or(0);
+    let label_width = longest
+        .min(width.saturating_sub(metrics_width + 2))
+        .max(MIN_LABEL_WIDTH);
+    let line = |label: &str, cells: &[String]| {
+        let mut text = format!("  {:<label_width$}", fit(label, label_width));
+        for ((_, w), cell) in BLOCK_COLUMNS.iter().zip(cells) {
+            let _ = write!(text, "{cell:>w$}");
+        }
+        text.trim_end().to_string() + "\n"
+    };
+    let headers: Vec<String> = BLOCK_COLUMNS.iter().map(|(h, _)| h.to_string()).collect();
+    let mut out = line("", &headers);
+    let name_width = width.max(MIN_LABEL_WIDTH + 20);
+    for (index, row) in rows.iter().enumerate() {
+        let Some(m0) = row.first() else { continue };
+        let device = match m0.device {
+            -1 => "CPU memory".to_string(),
+            d => format!("device {d}"),
+        };
+        let about = format!(", {device}, peak live {}", short(m0.peak_live_bytes));
+        let name = fit(&m0.trace, name_width.saturating_sub(about.chars().count()));
+        let _ = writeln!(out, "\n{name}{about}");
+        if let Some(recorded) = m0.recorded.as_ref().and_then(|r| r.peak_reserved_bytes) {
+            let waste = recorded.saturating_sub(m0.peak_live_bytes);
+            out += &line("as recorded", &[short(recorded), short(waste)]);
+        }
+        if let Some(plan) = plans.get(index).copied().flatten() {
+            let (reserved, waste, efficiency) = plan_cells(plan, m0.peak_live_bytes);
+            out += &line(
+                "planned (offline)",
+                &[short(reserved), short(waste), format!("{efficiency:.3}")],
+            );
+        }
+        for (m, label) in row.iter().zip(labels) {
+            match m.out_of_memory_at_op {
+                None => out += &line(label, &cells(m)),
+                Some(op) => {
+                    let min_cap = m
+                        .min_capacity_bytes
+                        .map_or(String::new(), |c| format!("; min cap {}", short(c)));
+                    let stopped = format!(
+                        "  {:<label_width$}   out of memory at op {op} of {} ({} reserved by \
+                         then{min_cap})",
+                        fit(label, label_width),
+                        m.trace_ops,
+                        short(m.peak_reserved_bytes)
+                    );
+                    out += &fit(&stopped, width.max(metrics_width + label_width + 2));
+                    out.push('\n');
+                }
+            }
+        }
+    }
+    if rows.len() < 2 {
+        return out;
+    }
+    let (live, totals) = totals(rows, labels.len());
+    let _ = writeln!(
+        out,
+        "\ntotal of the {} rows above, peak live {}",
+        rows.len(),
+        short(live)
+    );
+    for (total, label) in totals.iter().zip(labels) {
+        let mut cells = vec![String::new(); BLOCK_COLUMNS.len()];
+        if total.out_of_memory == 0 {
+            cells[0] = short(total.reserved);
+            cells[1] = short(total.waste);
+        } else {
+            cells[0] = "-".into();
+            cells[1] = "-".into();
+        }
+        cells[4] = total.calls.to_string();
+        cells[5] = seconds(total.driver_seconds);
+        let mut text = line(label, &cells);
+        if total.out_of_memory > 0 {
+            text.pop();
+            let _ = writeln!(text, "  ({} OOM)", total.out_of_memory);
+        }
+        out += &text;
+    }
+    out
+}
+
+/// The wide layout: a row per trace and device, the configurations side by
+/// side, then a row of sums.
+fn wide(rows: &[Vec<Metrics>], plans: &[Option<Plan>], labels: &[String], planned: bool) -> String {
+    let mut out = String::new();
     let _ = write!(out, "{:<35} {:>4} {:>8} {:>8}", "", "", "", "recorded");
     if planned {
         let _ = write!(out, " | {:^22}", "planned (offline)");
     }
-    for l in &labels {
-        let _ = write!(out, " | {:^38}", l);
+    for l in labels {
+        let _ = write!(out, " | {:^47}", l);
     }
     out.push('\n');
     let _ = write!(
@@ -73,24 +348,20 @@ pub fn compare_table(rows: &[Vec<Metrics>], plans: &[Option<Plan>], driver: &str
     if planned {
         let _ = write!(out, " | {:>8} {:>7} {:>5}", "reserved", "waste", "eff");
     }
-    for _ in &labels {
+    for _ in labels {
         let _ = write!(
             out,
-            " | {:>7} {:>7} {:>5} {:>8} {:>6}",
-            "reserved", "waste", "eff", "min cap", "calls"
+            " | {:>8} {:>7} {:>5} {:>8} {:>6} {:>8}",
+            "reserved", "waste", "eff", "min cap", "calls", "drv"
         );
     }
     out.push('\n');
     let width = out.lines().last().map_or(0, |l| l.chars().count());
     out += &"-".repeat(width);
     out.push('\n');
-    let mut total_live = 0u64;
-    // Per configuration: reserved, waste and calls, summed over the rows.
-    let mut totals = vec![(0u64, 0u64, 0u64); labels.len()];
     let mut planned_totals = (0u64, 0u64);
     for (index, row) in rows.iter().enumerate() {
         let Some(m0) = row.first() else { continue };
-        total_live += m0.peak_live_bytes;
         let recorded = m0
             .recorded
             .as_ref()
@@ -100,19 +371,13 @@ pub fn compare_table(rows: &[Vec<Metrics>], plans: &[Option<Plan>], driver: &str
             out,
             "{:<35} {:>4} {:>8} {:>8}",
             trace_name(&m0.trace),
-            m0.device,
+            device_label(m0.device),
             short(m0.peak_live_bytes),
             recorded
         );
         match plans.get(index).copied().flatten() {
             Some(plan) => {
-                let reserved = plan.peak_mapped_bytes;
-                let waste = reserved.saturating_sub(m0.peak_live_bytes);
-                // As for the policies: nothing live and nothing held is 1.
-                let efficiency = match reserved {
-                    0 => 1.0,
-                    _ => m0.peak_live_bytes as f64 / reserved as f64,
-                };
+                let (reserved, waste, efficiency) = plan_cells(plan, m0.peak_live_bytes);
                 planned_totals.0 += reserved;
                 planned_totals.1 += waste;
                 let _ = write!(
@@ -128,36 +393,24 @@ pub fn compare_table(rows: &[Vec<Metrics>], plans: &[Option<Plan>], driver: &str
             }
             None => {}
         }
-        for (i, m) in row.iter().enumerate() {
-            let total = &mut totals[i];
-            total.0 += m.peak_reserved_bytes;
-            total.1 += m.waste_bytes;
-            total.2 += m.memory_device_calls;
-            let min_cap = match (m.min_capacity_bytes, &m.out_of_memory) {
-                (_, Some(_)) => "OOM".to_string(),
-                (Some(c), None) => short(c),
-                (None, None) => "-".to_string(),
-            };
+        for m in row {
+            let [reserved, waste, efficiency, min_cap, calls, drv] = cells(m);
             let _ = write!(
                 out,
-                " | {:>8} {:>7} {:>5.3} {:>8} {:>6}",
-                short(m.peak_reserved_bytes),
-                short(m.waste_bytes),
-                m.efficiency,
-                min_cap,
-                m.memory_device_calls
+                " | {reserved:>8} {waste:>7} {efficiency:>5} {min_cap:>8} {calls:>6} {drv:>8}"
             );
         }
         out.push('\n');
     }
     out += &"-".repeat(width);
     out.push('\n');
+    let (live, totals) = totals(rows, labels.len());
     let _ = write!(
         out,
         "{:<35} {:>4} {:>8} {:>8}",
         "total (sums over the rows)",
         "",
-        short(total_live),
+        short(live),
         ""
     );
     if planned {
@@ -170,34 +423,42 @@ pub fn compare_table(rows: &[Vec<Metrics>], plans: &[Option<Plan>], driver: &str
             ""
         );
     }
-    for &(reserved, waste, calls) in &totals {
+    for total in &totals {
+        let (reserved, waste) = match total.out_of_memory {
+            0 => (short(total.reserved), short(total.waste)),
+            _ => ("-".to_string(), "-".to_string()),
+        };
         let _ = write!(
             out,
-            " | {:>8} {:>7} {:>5} {:>8} {:>6}",
-            short(reserved),
-            short(waste),
+            " | {reserved:>8} {waste:>7} {:>5} {:>8} {:>6} {:>8}",
             "",
             "",
-            calls
+            total.calls,
+            seconds(total.driver_seconds)
         );
     }
     out.push('\n');
-    out += "\nlive: peak of live requested bytes; reserved: peak device memory held; waste = reserved - live;\n\
-            eff = live / reserved; min cap: smallest device on which the trace completes (2 MiB resolution);\n\
-            calls: driver calls that allocate, free, map or unmap memory. The total row sums each column.\n";
-    if planned {
-        out += "planned: each trace laid out offline, knowing all of it in advance (greedy by size), its\n\
-                granules mapped only while a block lies on them (driver calls not counted): what\n\
-                foresight alone would save.\n";
-    }
-    out += driver;
     out
 }
 
 /// A multi-line report of one run's metrics.
 pub fn metrics_text(m: &Metrics) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "{} device {} under {}", m.trace, m.device, m.settings);
+    let _ = writeln!(
+        out,
+        "{} device {} under {}",
+        m.trace,
+        device_label(m.device),
+        m.settings
+    );
+    if let Some(op) = m.out_of_memory_at_op {
+        let _ = writeln!(
+            out,
+            "  stopped                    out of memory at op {op} of {}: the figures below cover \
+             the ops before it",
+            m.trace_ops
+        );
+    }
     let _ = writeln!(out, "  ops                        {}", m.ops);
     let _ = writeln!(
         out,
@@ -211,7 +472,13 @@ pub fn metrics_text(m: &Metrics) -> String {
         m.peak_reserved_bytes,
         human(m.peak_reserved_bytes)
     );
-    let _ = writeln!(out, "  efficiency                 {:.4}", m.efficiency);
+    let _ = match m.efficiency {
+        Some(efficiency) => writeln!(out, "  efficiency                 {efficiency:.4}"),
+        None => writeln!(
+            out,
+            "  efficiency                 none: the trace did not run to its end"
+        ),
+    };
     if let Some(c) = m.min_capacity_bytes {
         let _ = writeln!(
             out,
@@ -274,10 +541,10 @@ pub fn metrics_text(m: &Metrics) -> String {
 /// One snapshot device's fidelity result.
 pub fn fidelity_text(source: &str, r: &FidelityReport) -> String {
     let mut out = String::new();
-    let status = if r.exact() {
-        "EXACT".to_string()
-    } else {
-        format!("diverges at event {}", r.matching_prefix)
+    let status = match r.verdict() {
+        Verdict::Exact => "EXACT".to_string(),
+        Verdict::NoEvents => "no segment events in this window: nothing to compare".to_string(),
+        Verdict::Diverges => format!("diverges at event {}", r.matching_prefix),
     };
     let foreign = if r.foreign_allocator {
         " (torch_npu: reported, not required)"
@@ -292,7 +559,8 @@ pub fn fidelity_text(source: &str, r: &FidelityReport) -> String {
     let _ = writeln!(
         out,
         "{source} device {} [{config}]{foreign}: recorded {} replayed {} matching prefix {} — {status}",
-        r.device, r.recorded, r.replayed, r.matching_prefix
+        device_label(r.device),
+        r.recorded, r.replayed, r.matching_prefix
     );
     if let Some(note) = &r.replay_note {
         let _ = writeln!(out, "  note: {note}");
@@ -311,6 +579,35 @@ pub fn fidelity_text(source: &str, r: &FidelityReport) -> String {
         let _ = writeln!(out, "  replayed: {}", fmt(&d.replayed_context));
     }
     out
+}
+
+/// The line after every fidelity result: how many devices of how many
+/// snapshots were exact, diverged, or had nothing to compare.
+pub fn fidelity_summary(snapshots: usize, reports: &[FidelityReport]) -> String {
+    let count = |verdict: Verdict, foreign: bool| {
+        reports
+            .iter()
+            .filter(|r| r.verdict() == verdict && r.foreign_allocator == foreign)
+            .count()
+    };
+    let mut summary = format!(
+        "fidelity: {} device(s) of {snapshots} snapshot(s): {} exact, {} diverge, {} with no \
+         segment events",
+        reports.len(),
+        count(Verdict::Exact, false),
+        count(Verdict::Diverges, false),
+        count(Verdict::NoEvents, false),
+    );
+    let foreign = reports.iter().filter(|r| r.foreign_allocator).count();
+    if foreign > 0 {
+        let _ = write!(
+            summary,
+            "; and {foreign} from torch_npu, not held to fidelity ({} exact, {} diverge)",
+            count(Verdict::Exact, true),
+            count(Verdict::Diverges, true)
+        );
+    }
+    summary
 }
 
 /// Writes the timeline as CSV to `out`, a row at a time (a trace may have

@@ -13,7 +13,12 @@ fn hbmalloc(args: &[&str]) -> Output {
 /// Runs hbmalloc, asserts it succeeded (showing its stderr if not), and
 /// returns its stdout.
 fn succeed(args: &[&str]) -> String {
-    let out = hbmalloc(args);
+    stdout_of_success(hbmalloc(args))
+}
+
+/// Asserts `out` is a success (showing its stderr if not) and returns its
+/// stdout.
+fn stdout_of_success(out: Output) -> String {
     assert!(
         out.status.success(),
         "{}",
@@ -94,7 +99,16 @@ fn a_reader_that_goes_away_ends_the_program_quietly() {
 #[test]
 fn missing_file() {
     let out = hbmalloc(&["replay", "/nonexistent/trace.pickle"]);
-    assert_clear_error(&out, "trace.pickle");
+    assert_clear_error(&out, "/nonexistent/trace.pickle: cannot read: No such file");
+}
+
+/// A pattern the shell left unexpanded is named whole, directory and all,
+/// and the message says no file matched it.
+#[test]
+fn a_pattern_that_matched_nothing_is_named_with_its_directory() {
+    let out = hbmalloc(&["compare", "no/such/dir/*"]);
+    assert_clear_error(&out, "no/such/dir/*: cannot read");
+    assert_clear_error(&out, "no file matches this pattern");
 }
 
 #[test]
@@ -377,9 +391,13 @@ fn compare_sums_every_column_in_its_total_row() {
         "--run",
         "policy:hbm",
         "--no-min-capacity",
+        "--wide",
     ]);
-    // The last field of a row is hbm's calls.
-    let calls = |line: &str| -> u64 { line.split_whitespace().last().unwrap().parse().unwrap() };
+    // The last fields of a row are hbm's calls and driver time.
+    let calls = |line: &str| -> u64 {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        fields[fields.len() - 2].parse().unwrap()
+    };
     // The rows lie between the two rules, the total after the second.
     let rows: Vec<&str> = stdout
         .lines()
@@ -498,13 +516,7 @@ fn bundled_hbm_row(extra: &[&str]) -> serde_json::Value {
         "--json",
     ];
     args.extend_from_slice(extra);
-    let out = hbmalloc(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    serde_json::from_str(&succeed(&args)).unwrap()
 }
 
 /// `--jitter-sizes`: the bundled trace with every request size scaled by
@@ -554,11 +566,13 @@ fn the_simulated_driver_is_the_real_one_unless_a_what_if_is_asked() {
     assert_eq!(free["simulated_driver_seconds"].as_f64().unwrap(), 0.0);
     assert_eq!(free["device_calls"], real["device_calls"]);
     assert_eq!(free["peak_reserved_bytes"], real["peak_reserved_bytes"]);
-    // The table says which driver it simulated.
+    // The table says which driver it simulated (in a legend wrapped to the
+    // width, so compared word by word).
     let table = |extra: &[&str]| {
         let mut args = vec!["compare", "--run", "policy:hbm", "--no-min-capacity"];
         args.extend_from_slice(extra);
-        String::from_utf8(hbmalloc(&args).stdout).unwrap()
+        let stdout = String::from_utf8(hbmalloc(&args).stdout).unwrap();
+        stdout.split_whitespace().collect::<Vec<_>>().join(" ")
     };
     assert!(table(&[]).contains("maps whole physical handles only"));
     assert!(table(&["--part-handle-maps"]).contains("also maps part of a physical handle"));
@@ -585,6 +599,7 @@ fn compare_shows_what_an_offline_plan_of_the_trace_holds() {
         "--run",
         "policy:hbm",
         "--no-min-capacity",
+        "--wide",
     ];
     let stdout = succeed(&args);
     assert!(stdout.contains("planned (offline)"), "{stdout}");
@@ -610,4 +625,164 @@ fn compare_shows_what_an_offline_plan_of_the_trace_holds() {
     // Four ops repeat nothing: no step to plan.
     assert!(plan["planned_last_step"].is_null(), "{stdout}");
     assert_eq!(plan["device"], 0, "{stdout}");
+}
+
+/// [`hbmalloc`] with `COLUMNS` set, as a shell that exports it would.
+fn succeed_in_columns(columns: usize, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_hbmalloc"))
+        .args(args)
+        .env("COLUMNS", columns.to_string())
+        .output()
+        .expect("run hbmalloc");
+    stdout_of_success(out)
+}
+
+/// `compare`'s table fits 100 columns when no width is known, and the
+/// width `COLUMNS` gives where it is narrower; `--wide` keeps the
+/// configurations side by side. The bundled profiler trace's CPU memory is
+/// called that, not device -1.
+#[test]
+fn compare_fits_the_width_it_is_given() {
+    let args = [
+        "compare",
+        "--no-min-capacity",
+        "--run",
+        "policy:pytorch",
+        "--run",
+        "policy:pytorch,expandable_segments:True,max_split_size_mb:128,garbage_collection_threshold:0.6",
+        "--run",
+        "policy:hbm",
+    ];
+    for columns in [100, 80, 60] {
+        let stdout = succeed_in_columns(columns, &args);
+        for line in stdout.lines() {
+            assert!(
+                line.chars().count() <= columns,
+                "{} columns > {columns}: {line}\n{stdout}",
+                line.chars().count()
+            );
+        }
+        assert!(stdout.contains("CPU memory"), "{stdout}");
+        assert!(!stdout.contains(" -1 "), "{stdout}");
+    }
+    let wide = succeed_in_columns(100, &[&args[..], &["--wide"]].concat());
+    let row = wide.lines().find(|l| l.contains("gpt2_train")).unwrap();
+    assert!(row.chars().count() > 100, "{wide}");
+    assert!(row.contains(" cpu "), "{wide}");
+}
+
+/// A replay that runs out of memory says at which op of how many, and shows
+/// no efficiency or waste: the whole trace's peak live memory over the
+/// reserved memory of the part that ran is no figure of the allocator.
+#[test]
+fn an_out_of_memory_replay_says_where_it_stopped_and_no_efficiency() {
+    let trace = temp_file(PEAK_IN_THE_MIDDLE);
+    let path = trace.path().to_str().unwrap();
+    let stdout = succeed(&["replay", path, "--capacity", "80MiB"]);
+    assert!(
+        stdout.contains("stopped                    out of memory at op 1 of 5"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("efficiency                 none: the trace did not run to its end"),
+        "{stdout}"
+    );
+
+    let stdout = succeed(&["replay", path, "--capacity", "80MiB", "--json"]);
+    let row: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert!(row["efficiency"].is_null(), "{row}");
+    assert!(row["waste_bytes"].is_null(), "{row}");
+    assert_eq!(row["out_of_memory_at_op"], 1, "{row}");
+    assert_eq!(row["trace_ops"], 5, "{row}");
+
+    // Twice, for a total row; then in the wide layout.
+    let compare = |extra: &[&str]| {
+        let args = [
+            "compare",
+            path,
+            "--capacity",
+            "80MiB",
+            "--run",
+            "policy:hbm",
+        ];
+        succeed(&[&args[..], &["--no-min-capacity"], extra].concat())
+    };
+    let stdout = compare(&[path]);
+    let row = stdout.lines().find(|l| l.starts_with("  hbm")).unwrap();
+    assert!(row.contains("out of memory at op 1 of 5"), "{stdout}");
+    let total = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("  hbm"))
+        .unwrap();
+    assert!(
+        total.contains("(2 OOM)") && !total.contains("0K"),
+        "{stdout}"
+    );
+    let wide = compare(&["--wide"]);
+    let row = wide
+        .lines()
+        .skip_while(|l| !l.starts_with("---"))
+        .nth(1)
+        .unwrap();
+    let cells: Vec<&str> = row.split('|').nth(1).unwrap().split_whitespace().collect();
+    assert_eq!(cells[1..4], ["-", "-", "OOM"], "{wide}");
+}
+
+/// `fidelity` needs a snapshot: a trace that records requests only (an RMM
+/// log here, a profiler trace alike) is refused, not reported as diverging.
+#[test]
+fn fidelity_refuses_a_trace_that_is_not_a_snapshot() {
+    let trace = temp_file(PEAK_IN_THE_MIDDLE);
+    let out = hbmalloc(&["fidelity", trace.path().to_str().unwrap()]);
+    assert_clear_error(&out, "not a PyTorch memory snapshot");
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+/// A snapshot whose decisions policy `pytorch` reproduces passes with a
+/// summary line; one it does not (here, a snapshot of policy `hbm`, which
+/// maps where PyTorch allocates segments) fails, after the same summary.
+#[test]
+fn fidelity_sums_up_and_fails_when_a_snapshot_diverges() {
+    let trace = temp_file(PEAK_IN_THE_MIDDLE);
+    let dir = tempfile::tempdir().unwrap();
+    let snapshot = |policy: &str| {
+        let path = dir.path().join(format!("{policy}.pickle"));
+        let path = path.to_str().unwrap().to_string();
+        succeed(&[
+            "replay",
+            trace.path().to_str().unwrap(),
+            "--policy",
+            policy,
+            "--snapshot-at-peak",
+            &path,
+        ]);
+        path
+    };
+    let (pytorch, hbm) = (snapshot("pytorch"), snapshot("hbm"));
+
+    let stdout = succeed(&["fidelity", &pytorch]);
+    assert!(stdout.contains("— EXACT"), "{stdout}");
+    assert!(
+        stdout.ends_with(
+            "fidelity: 1 device(s) of 1 snapshot(s): 1 exact, 0 diverge, 0 with no segment events\n"
+        ),
+        "{stdout}"
+    );
+
+    let out = hbmalloc(&["fidelity", &pytorch, &hbm]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("diverges at event 0"), "{stdout}");
+    assert!(stdout.contains("1 exact, 1 diverge"), "{stdout}");
+    assert_clear_error(&out, "diverges from the recorded allocator on 1 device(s)");
+
+    let out = hbmalloc(&["fidelity", &hbm, "--json"]);
+    assert!(!out.status.success());
+    let row: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
+    assert_eq!(row["verdict"], "diverges", "{row}");
 }

@@ -59,12 +59,65 @@ pub struct FidelityReport {
     pub replay_note: Option<String>,
 }
 
+/// What a [`FidelityReport`] concludes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    /// Every recorded segment event was reproduced, and nothing more.
+    Exact,
+    /// Neither the recorded allocator nor the replay made a segment event in
+    /// the window: nothing was compared.
+    NoEvents,
+    /// The sequences differ from `matching_prefix` on.
+    Diverges,
+}
+
 impl FidelityReport {
     /// True when every recorded event was reproduced and nothing more.
     pub fn exact(&self) -> bool {
         self.first_divergence.is_none()
     }
+
+    /// Exact, diverging, or nothing to compare.
+    pub fn verdict(&self) -> Verdict {
+        match (&self.first_divergence, self.recorded) {
+            (Some(_), _) => Verdict::Diverges,
+            (None, 0) => Verdict::NoEvents,
+            (None, _) => Verdict::Exact,
+        }
+    }
 }
+
+/// Why [`fidelity`] could not compare.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FidelityError {
+    /// The trace records requests but not the allocator's segment events (a
+    /// torch.profiler trace, an RMM log): there is nothing to compare with.
+    NotASnapshot,
+    /// The snapshot could not be replayed.
+    Replay(ReplayError),
+}
+
+impl From<ReplayError> for FidelityError {
+    fn from(e: ReplayError) -> Self {
+        FidelityError::Replay(e)
+    }
+}
+
+impl std::fmt::Display for FidelityError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FidelityError::NotASnapshot => f.write_str(
+                "not a PyTorch memory snapshot: this trace records requests but not the \
+                 allocator's segment events, so there is nothing to compare (fidelity reads \
+                 the pickles torch.cuda.memory._dump_snapshot writes)",
+            ),
+            FidelityError::Replay(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for FidelityError {}
 
 fn action_of(kind: SegmentEventKind) -> &'static str {
     kind.action()
@@ -75,8 +128,13 @@ fn replayed_action(action: Action) -> &'static str {
 }
 
 /// Replays `trace` under policy `pytorch` with its recorded configuration and
-/// compares segment events.
-pub fn fidelity(trace: &DeviceTrace) -> Result<FidelityReport, ReplayError> {
+/// compares segment events. A trace that does not record the allocator's
+/// segment events (a torch.profiler trace, an RMM log) is refused: there is
+/// nothing to compare with.
+pub fn fidelity(trace: &DeviceTrace) -> Result<FidelityReport, FidelityError> {
+    if trace.recorded.is_none() {
+        return Err(FidelityError::NotASnapshot);
+    }
     let config = trace.recorded_config.clone().unwrap_or_default();
     let policy = PolicyConfig::parse("pytorch", &config).map_err(|e| ReplayError {
         op_index: None,
@@ -152,4 +210,27 @@ pub fn fidelity(trace: &DeviceTrace) -> Result<FidelityReport, ReplayError> {
         foreign_allocator: trace.foreign_allocator,
         replay_note,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use hbmalloc_trace::{DeviceTrace, Recorded};
+
+    use super::*;
+
+    #[test]
+    fn a_trace_without_recorded_decisions_is_not_a_snapshot() {
+        let trace = DeviceTrace::default();
+        assert_eq!(fidelity(&trace), Err(FidelityError::NotASnapshot));
+    }
+
+    #[test]
+    fn a_window_without_segment_events_compares_nothing() {
+        let trace = DeviceTrace {
+            recorded: Some(Recorded::default()),
+            ..DeviceTrace::default()
+        };
+        let report = fidelity(&trace).unwrap();
+        assert_eq!(report.verdict(), Verdict::NoEvents);
+    }
 }

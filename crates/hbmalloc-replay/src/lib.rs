@@ -21,7 +21,8 @@ use hbmalloc::{
 use hbmalloc_trace::{AllocId, DeviceTrace, InitialBlockState, Op, SegmentEventKind};
 
 pub use fidelity::{
-    fidelity, Divergence, FidelityReport, SegmentEvent, CONTEXT_AFTER, CONTEXT_BEFORE,
+    fidelity, Divergence, FidelityError, FidelityReport, SegmentEvent, Verdict, CONTEXT_AFTER,
+    CONTEXT_BEFORE,
 };
 pub use floor::steady_state_growth_floor;
 pub use metrics::{

@@ -93,15 +93,17 @@ pub struct Metrics {
     pub peak_live_bytes: u64,
     /// Max over time of device memory held (segments plus physical memory).
     pub peak_reserved_bytes: u64,
-    /// `peak_live_bytes / peak_reserved_bytes`.
-    pub efficiency: f64,
+    /// `peak_live_bytes / peak_reserved_bytes`; `None` (JSON `null`) when
+    /// the replay ran out of memory: the peak live memory of the whole trace
+    /// over the reserved memory of the part that ran means nothing.
+    pub efficiency: Option<f64>,
     /// The same over the first half of the ops alone (peak live over peak
     /// reserved, both up to the middle op): `efficiency` well below it is
     /// drift, a cache that holds more the longer it runs. `None` when the
     /// replay stopped before the middle.
     pub efficiency_at_half: Option<f64>,
-    /// `peak_reserved_bytes - peak_live_bytes`.
-    pub waste_bytes: u64,
+    /// `peak_reserved_bytes - peak_live_bytes`; `None` as for `efficiency`.
+    pub waste_bytes: Option<u64>,
     /// Smallest capacity on which the whole trace runs without running out of memory.
     pub min_capacity_bytes: Option<u64>,
     /// Resolution of `min_capacity_bytes`.
@@ -136,6 +138,12 @@ pub struct Metrics {
     pub driver_time_fraction: Option<f64>,
     /// Allocator CPU time per malloc or free, measured in the replay loop.
     pub ns_per_op: f64,
+    /// Ops in the trace (mallocs, frees and the rest): an out-of-memory
+    /// replay stopped at op `out_of_memory_at_op` of these.
+    pub trace_ops: usize,
+    /// The index of the op that ran out of memory; `None` when the trace
+    /// completed.
+    pub out_of_memory_at_op: Option<usize>,
     /// `None` when the trace completed; otherwise the op that ran out of
     /// memory and the allocator's whole report (the numbers, the verdict,
     /// what would help). JSON: `"op N: "` and the report's first line.
@@ -274,6 +282,7 @@ pub fn evaluate(
     };
     let ops = run.mallocs + run.frees;
     let recorded_seconds = trace.recorded_span_us.map(|us| us as f64 / 1e6);
+    let completed = out_of_memory.is_none();
     let by_kind = |calls: &hbmalloc::CallCounts| -> BTreeMap<String, u64> {
         CallKind::ALL
             .iter()
@@ -289,11 +298,11 @@ pub fn evaluate(
         steps: trace.step_starts.len(),
         peak_live_bytes: peak_live,
         peak_reserved_bytes: run.peak_reserved_bytes,
-        efficiency: ratio(peak_live, run.peak_reserved_bytes),
+        efficiency: completed.then(|| ratio(peak_live, run.peak_reserved_bytes)),
         efficiency_at_half: run
             .peak_reserved_at_half
             .map(|reserved| ratio(peak_live_at_half, reserved)),
-        waste_bytes: run.peak_reserved_bytes.saturating_sub(peak_live),
+        waste_bytes: completed.then(|| run.peak_reserved_bytes.saturating_sub(peak_live)),
         min_capacity_bytes: min_capacity,
         min_capacity_resolution_bytes: MIN_CAPACITY_RESOLUTION_BYTES,
         device_calls: by_kind(&run.calls),
@@ -312,6 +321,8 @@ pub fn evaluate(
         } else {
             run.loop_ns as f64 / ops as f64
         },
+        trace_ops: trace.ops.len(),
+        out_of_memory_at_op: out_of_memory.as_ref().map(|(op, _)| *op),
         out_of_memory,
         recorded: trace.recorded.as_ref().map(|r| RecordedMetrics {
             peak_reserved_bytes: r.peak_reserved_bytes,

@@ -35,10 +35,13 @@ impl fmt::Display for Location {
 /// Why a file could not be turned into a [`Trace`](crate::Trace).
 ///
 /// Displays as one line: `file: format: where: what`, e.g.
-/// `cs336.pickle: pickle: byte 1234: refused global 'os.system' (only plain data is accepted)`.
+/// `traces/cs336.pickle: pickle: byte 1234: refused global 'os.system' (only plain data is accepted)`;
+/// `where` is left out when it is the file as a whole, and a file that could
+/// not be read says so: `traces/x.pickle: cannot read: No such file or directory`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TraceError {
-    /// The file name (or the name given to [`parse_bytes`](crate::parse_bytes)).
+    /// The path as given to [`load`](crate::load) (or the name given to
+    /// [`parse_bytes`](crate::parse_bytes)).
     pub file: String,
     /// The format being read: `pickle`, `snapshot`, `chrome-trace`, `rmm-csv`, `gzip`, `io`, ...
     pub format: &'static str,
@@ -72,11 +75,13 @@ impl TraceError {
 
 impl fmt::Display for TraceError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}: {}: {}: {}",
-            self.file, self.format, self.location, self.message
-        )
+        match (&self.location, self.format) {
+            (Location::File, "io") => write!(f, "{}: cannot read: {}", self.file, self.message),
+            (Location::File, format) => write!(f, "{}: {format}: {}", self.file, self.message),
+            (location, format) => {
+                write!(f, "{}: {format}: {location}: {}", self.file, self.message)
+            }
+        }
     }
 }
 

@@ -19,9 +19,16 @@ pub fn load(path: &Path) -> Result<Trace, TraceError> {
         || path.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
     );
-    let bytes = std::fs::read(path)
-        .map_err(|e| TraceError::new("io", Location::File, e.to_string()).in_file(&name))?;
-    parse_bytes(&name, &bytes)
+    // Errors name the path as given, so that the directory is not lost.
+    let shown = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|e| {
+        let mut message = e.to_string();
+        if e.kind() == std::io::ErrorKind::NotFound && shown.contains(['*', '?', '[']) {
+            message += ": no file matches this pattern";
+        }
+        TraceError::new("io", Location::File, message).in_file(&shown)
+    })?;
+    parse_bytes(&name, &bytes).map_err(|e| e.in_file(&shown))
 }
 
 /// Parses `bytes` (the content of a file called `name`, used in errors and as

@@ -1,7 +1,7 @@
 //! Deterministic simulation tests: seeded GPU programs against every policy
 //! configuration, with every check of `hbmalloc::simtest` after every step.
 //!
-//! - CI mode (default): a fixed number of seeds per configuration.
+//! - Default: 100 seeds per configuration (`scripts/test --long` and CI: 600).
 //! - `HBMALLOC_SIM_SEED=<n>`: replays exactly seed `n` (every configuration).
 //! - `HBMALLOC_SIM_SEEDS=<n>`: runs `n` seeds per configuration (long mode);
 //!   `HBMALLOC_SIM_FIRST=<n>` starts elsewhere than seed 0.
@@ -29,8 +29,9 @@ const SETTINGS: [&str; 6] = [
     "policy:hbm,max_views:2",
 ];
 
-/// Seeds per configuration in CI mode.
-const CI_SEEDS: u64 = 600;
+/// Seeds per configuration by default; `scripts/test --long` (CI) runs 600
+/// through `HBMALLOC_SIM_SEEDS`.
+const DEFAULT_SEEDS: u64 = 100;
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().map(|v| {
@@ -84,7 +85,7 @@ fn seeds() -> std::ops::Range<u64> {
         return seed..seed + 1;
     }
     let first = env_u64("HBMALLOC_SIM_FIRST").unwrap_or(0);
-    first..first + env_u64("HBMALLOC_SIM_SEEDS").unwrap_or(CI_SEEDS)
+    first..first + env_u64("HBMALLOC_SIM_SEEDS").unwrap_or(DEFAULT_SEEDS)
 }
 
 #[test]
@@ -123,23 +124,16 @@ fn simulation_hbm_two_views() {
     assert!(total.ops > 0);
 }
 
-/// Policy `hbm` on a device that maps whole handles only (as CUDA's
-/// documentation of `cuMemMap` allows): one handle per granule by default,
-/// several with `whole_handle_granules` (then only whole handles are
-/// stitched, stolen and taken from spares). The device refuses any other
-/// map, so a stray partial map fails the seed.
+/// Policy `hbm` on the what-if driver that also maps part of a physical
+/// handle (the default device maps whole handles only, as real drivers do):
+/// large handles mapped in chunks and stitched a granule at a time.
 #[test]
-fn simulation_hbm_whole_handle_maps() {
-    for settings in [
-        SETTINGS[3],
-        SETTINGS[5],
-        "policy:hbm,whole_handle_granules:3",
-        "policy:hbm,max_waste_percent:5,per_process_memory_fraction:0.8,max_views:2,whole_handle_granules:4",
-    ] {
+fn simulation_hbm_part_handle_maps() {
+    for settings in [SETTINGS[3], SETTINGS[4], SETTINGS[5]] {
         let total = run_on(settings, seeds(), |capacity| {
             SimDevice::with_config(SimConfig {
                 capacity_bytes: capacity,
-                maps_handle_parts: false,
+                maps_handle_parts: true,
                 ..SimConfig::default()
             })
         });
@@ -147,7 +141,21 @@ fn simulation_hbm_whole_handle_maps() {
     }
 }
 
-/// The same with 64 KiB granules on a 512 MiB device, so that heaps pass
+/// Policy `hbm` with `whole_handle_granules` fixed, on the default device
+/// (whole-handle maps): only whole handles are stitched, stolen and taken
+/// from spares, and a stray partial map fails the seed.
+#[test]
+fn simulation_hbm_fixed_whole_handles() {
+    for settings in [
+        "policy:hbm,whole_handle_granules:3",
+        "policy:hbm,max_waste_percent:5,per_process_memory_fraction:0.8,max_views:2,whole_handle_granules:4",
+    ] {
+        let total = run(settings, seeds());
+        assert!(total.ops > 0);
+    }
+}
+
+/// Whole-handle maps with 64 KiB granules on a 512 MiB device, so that heaps pass
 /// the 4,096 granules from which handles hold two or more
 /// (`whole_handle_granules:auto`: 1/2048 of the most memory held), and
 /// handles of different sizes are stitched, stolen and spared side by side.
