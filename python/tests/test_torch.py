@@ -383,8 +383,9 @@ def test_compiled_allocator_answers_pytorchs_calls_from_cpp(compiled_cache):
     PyTorch's allocator interface, on the driver double: statistics,
     cacheInfo, a recorded stream holding memory after its free, errors of
     PyTorch's own types (out-of-memory observers told first), a graph
-    capture's private pool and a MemPool's, torch.profiler's memory events,
-    fraction and resets."""
+    capture's private pool and a MemPool's (use_on_oom, no_split, live
+    allocations), history, IPC and checkpointing refused with hbmalloc's
+    reason, torch.profiler's memory events, fraction and resets."""
     check = pathlib.Path(__file__).with_name("torch_allocator_check.cc")
     out = run_ok(
         f"""
@@ -427,6 +428,23 @@ def test_compiled_allocator_answers_pytorchs_calls_from_cpp(compiled_cache):
         # torch.profiler's memory events: the request's size, then the
         # device's allocated bytes after the call (the 3 MiB block above is
         # freed but still active, so not allocated).
+        # A tensor's memory goes back through its DataPtr's deleter.
+        f"tensor: deleter is raw_deleter 1, allocated {MIB}, after its delete 0, zero-size null 1",
+        # MemPool(use_on_oom=True, no_split=True): recorded; out of memory,
+        # a request is served from such a pool's cache; ~MemPool's
+        # setUseOnOOM(false) after the pool is gone does not throw.
+        "pool options: use_on_oom 1, no_split 1",
+        "live: exact 1, one missing 0, one foreign 0, after a free 1",
+        "out of memory, use_on_oom: served 1; without: OutOfMemoryError",
+        "after release: options 00",
+        "unknown pool: no private memory pool (0, 6) on this device",
+        "history: 1 off 0 on 1",
+        "shareIpcHandle: hbmalloc: sharing CUDA tensors between processes (CUDA IPC",
+        "getIpcDevPtr: hbmalloc: sharing CUDA tensors between processes (CUDA IPC",
+        "snapshot: hbmalloc: a memory snapshot from C++ is not available; take it from Python",
+        "getCheckpointState: hbmalloc: CUDA graph tree checkpointing",
+        "allocateWithAddress: hbmalloc: CUDA graph tree checkpointing",
+        "raw_delete of a foreign pointer: hbmalloc: raw_delete of a pointer raw_alloc did not hand out",
         f"profiler: usage 1 {MIB} allocated {MIB} reserved 1 cuda:0; "
         f"usage 1 {-MIB} allocated 0 reserved 1 cuda:0; "
         f"out of memory {1 << 50} cuda:0; \n",
@@ -435,6 +453,86 @@ def test_compiled_allocator_answers_pytorchs_calls_from_cpp(compiled_cache):
         "peak is current after reset: 1",
     ]:
         assert line in out, f"{line!r} not in:\n{out}"
+
+
+def throwing_defaults(torch_include, torch_lib):
+    """The CUDAAllocator virtuals whose default throws in this torch: from
+    the header (a body with TORCH_CHECK(false / TORCH_CHECK_NOT_IMPLEMENTED(false
+    / throw, in CUDAAllocator or in DeviceAllocator unless CUDAAllocator
+    defines it), and CUDAPluggableAllocator's, whose implementations are not
+    installed: named by their messages in libtorch_cuda.so ("... does not yet
+    support NAME")."""
+    throws = re.compile(r"TORCH_CHECK(?:_NOT_IMPLEMENTED)?\(\s*false|\bthrow\b")
+
+    def virtuals(header, cls):
+        """{name: (virtual?, body)} of the methods `cls` declares in its body
+        (the body "" where it has none there)."""
+        text = (torch_include / header).read_text()
+        text = re.sub(r"//[^\n]*", "", text)
+        start = re.search(rf"(?:class|struct)\s+(?:\w+\s+)?{cls}\s*:[^{{;]*{{", text)
+        assert start, f"no {cls} in {header}"
+
+        def matching(k):  # index after the brace that closes the one before k
+            depth = 1
+            while depth:
+                depth += {"{": 1, "}": -1}.get(text[k], 0)
+                k += 1
+            return k
+
+        end = matching(start.end())
+        found = {}
+        declaration = re.compile(r"^[ \t]*(virtual\s+)?[\w:<>,*& \t]*?\b(\w+)\s*\(", re.M)
+        for decl in declaration.finditer(text[start.end() : end]):
+            k = start.end() + decl.end()
+            depth = 1
+            while depth:  # past the parameter list
+                depth += {"(": 1, ")": -1}.get(text[k], 0)
+                k += 1
+            tail = re.match(r"[^;{}()]*[;{]", text[k:end])
+            body = ""  # a declaration without a body (pure, or defined elsewhere)
+            if tail and tail.group(0).endswith("{") and "=" not in tail.group(0):
+                body = text[k + tail.end() : matching(k + tail.end())]
+            if body or decl.group(2) not in found:
+                found[decl.group(2)] = (bool(decl.group(1)), body)
+        return found
+
+    cuda = virtuals("c10/cuda/CUDACachingAllocator.h", "CUDAAllocator")
+    names = {name for name, (virtual, body) in cuda.items() if virtual and throws.search(body)}
+    base_header = torch_include / "c10/core/CachingDeviceAllocator.h"
+    if base_header.exists() and "struct C10_API DeviceAllocator" in base_header.read_text():
+        base = virtuals("c10/core/CachingDeviceAllocator.h", "DeviceAllocator")
+        names |= {
+            n for n, (v, body) in base.items() if v and throws.search(body) and not cuda.get(n, (0, ""))[1]
+        }
+    binary = (torch_lib / "libtorch_cuda.so").read_bytes()
+    lower = {name.lower(): name for name in cuda}
+    for match in re.finditer(rb"CUDAPluggableAllocator does not (?:yet )?support (\w+)", binary):
+        word = match.group(1).decode()
+        names.add(lower.get(word.lower(), word))
+    return names
+
+
+@needs_cuda_torch
+def test_compiled_allocator_overrides_every_throwing_default():
+    """Every CUDAAllocator virtual whose default throws in the installed
+    torch (its header, and CUDAPluggableAllocator's library) has a
+    definition in the compiled allocator: a throw from a virtual PyTorch
+    calls in a destructor (~MemPool's setUseOnOOM) ends the process."""
+    root = pathlib.Path(torch.__file__).resolve().parent
+    names = throwing_defaults(root / "include", root / "lib")
+    assert "setUseOnOOM" in names and "cacheInfo" in names, names  # the extraction works
+    source = (pathlib.Path(hbmalloc_package()) / "torch_allocator.cc").read_text()
+    body = source[source.index("class HbmallocAllocator") :]
+    missing = sorted(
+        name for name in names if not re.search(rf"\b{name}\s*\([^;{{}}]*\)\s*(?:const\s*)?(?:override\s*)?(?:noexcept\s*)?{{", body)
+    )
+    assert not missing, f"torch {torch.__version__}: not overridden: {missing}"
+
+
+def hbmalloc_package():
+    import hbmalloc
+
+    return pathlib.Path(hbmalloc.__file__).parent
 
 
 @needs_cuda_torch
