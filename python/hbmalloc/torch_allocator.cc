@@ -349,6 +349,14 @@ class HbmallocAllocator final : public Pluggable {
     return &delete_tensor;
   }
 
+  // A tensor's DataPtr is as simple as the default's (its context is its
+  // address, tagged): copy-on-write clones may wrap it.
+  bool is_simple_data_ptr(const c10::DataPtr& data_ptr) const override {
+    const auto bits = reinterpret_cast<uintptr_t>(data_ptr.get_context());
+    return (bits >> kTagShift) != 0 &&
+        (bits & ((uintptr_t{1} << kTagShift) - 1)) == reinterpret_cast<uintptr_t>(data_ptr.get());
+  }
+
   // Frees what allocate_on handed out (a tensor's deleter: never throws).
   void free_context(void* context) noexcept {
     const auto bits = reinterpret_cast<uintptr_t>(context);
@@ -658,6 +666,11 @@ class HbmallocAllocator final : public Pluggable {
   // raises. ~MemPool calls this (with false): never throws.
   void setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id, bool use_on_oom) {
     set_pool_option(device, mempool_id, [&](PoolOptions& o) { o.use_on_oom = use_on_oom; });
+  }
+
+  // torch 2.8's form, which MemPool(use_on_oom=True) calls to set it.
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id) {
+    setUseOnOOM(device, mempool_id, true);
   }
 
   // torch.cuda.MemPool(no_split=True): recorded (poolNoSplit answers it),

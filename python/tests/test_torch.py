@@ -429,7 +429,7 @@ def test_compiled_allocator_answers_pytorchs_calls_from_cpp(compiled_cache):
         # device's allocated bytes after the call (the 3 MiB block above is
         # freed but still active, so not allocated).
         # A tensor's memory goes back through its DataPtr's deleter.
-        f"tensor: deleter is raw_deleter 1, allocated {MIB}, after its delete 0, zero-size null 1",
+        f"tensor: deleter is raw_deleter 1, simple 1, allocated {MIB}, after its delete 0, zero-size null 1",
         # MemPool(use_on_oom=True, no_split=True): recorded; out of memory,
         # a request is served from such a pool's cache; ~MemPool's
         # setUseOnOOM(false) after the pool is gone does not throw.
@@ -515,24 +515,34 @@ def throwing_defaults(torch_include, torch_lib):
 @needs_cuda_torch
 def test_compiled_allocator_overrides_every_throwing_default():
     """Every CUDAAllocator virtual whose default throws in the installed
-    torch (its header, and CUDAPluggableAllocator's library) has a
-    definition in the compiled allocator: a throw from a virtual PyTorch
-    calls in a destructor (~MemPool's setUseOnOOM) ends the process."""
+    torch (its header, and CUDAPluggableAllocator's library) is overridden
+    by the compiled allocator, with this torch's signature: a throw from a
+    virtual PyTorch calls in a destructor (~MemPool's setUseOnOOM) ends the
+    process. A method binds when it is marked override, or when the
+    compiler's -Wsuggest-override says it could be."""
+    import hbmalloc.torch
+
     root = pathlib.Path(torch.__file__).resolve().parent
     names = throwing_defaults(root / "include", root / "lib")
     assert "setUseOnOOM" in names and "cacheInfo" in names, names  # the extraction works
-    source = (pathlib.Path(hbmalloc_package()) / "torch_allocator.cc").read_text()
-    body = source[source.index("class HbmallocAllocator") :]
-    missing = sorted(
-        name for name in names if not re.search(rf"\b{name}\s*\([^;{{}}]*\)\s*(?:const\s*)?(?:override\s*)?(?:noexcept\s*)?{{", body)
-    )
-    assert not missing, f"torch {torch.__version__}: not overridden: {missing}"
+    source = pathlib.Path(hbmalloc.torch.__file__).with_name("torch_allocator.cc")
+    from torch.utils import cpp_extension
 
-
-def hbmalloc_package():
-    import hbmalloc
-
-    return pathlib.Path(hbmalloc.__file__).parent
+    includes = [f"-I{source.parent}"]
+    for directory in [*cpp_extension.include_paths(), *hbmalloc.torch._cuda_include_dirs()]:
+        includes += ["-isystem", str(directory)]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    compiler = os.environ.get("CXX", "c++")
+    command = [compiler, "-std=c++20", "-fsyntax-only", "-Wsuggest-override",
+               f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(source)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[:4000]
+    bound = set(re.findall(r"HbmallocAllocator::(\w+)\([^\n]*can be marked override", result.stderr))
+    body = re.sub(r"//[^\n]*", "", source.read_text())
+    body = body[body.index("class HbmallocAllocator") :]
+    bound |= set(re.findall(r"\b(\w+)\s*\([^;{}]*\)\s*(?:const\s*)?override\s*{", body))
+    missing = sorted(names - bound)
+    assert not missing, f"torch {torch.__version__}: not overridden with this torch's signature: {missing}"
 
 
 @needs_cuda_torch

@@ -197,7 +197,8 @@ extern "C" int hbmalloc_torch_compiled_check(
       const auto before = allocated();
       c10::DataPtr tensor = allocator.allocate_on(1 << 20, 0, nullptr);
       out << "tensor: deleter is raw_deleter " << (tensor.get_deleter() == torch_view.raw_deleter())
-          << ", allocated " << (allocated() - before);
+          << ", simple " << torch_view.is_simple_data_ptr(tensor) << ", allocated "
+          << (allocated() - before);
       tensor.clear();
       c10::DataPtr empty = allocator.allocate_on(0, 0, nullptr);
       out << ", after its delete " << (allocated() - before) << ", zero-size null "
@@ -286,7 +287,7 @@ extern "C" int hbmalloc_torch_compiled_check(
       refused("getIpcDevPtr", [&] { torch_view.getIpcDevPtr("x"); });
       refused("snapshot", [&] { torch_view.snapshot(); });
       refused("getCheckpointState", [&] { torch_view.getCheckpointState(0, {1, 0}); });
-      refused("allocateWithAddress", [&] { torch_view.allocateWithAddress(64, nullptr); });
+      refused("allocateWithAddress", [&] { allocator.allocateWithAddress(64, nullptr); });
       {
         WarningRecorder warnings;
         c10::WarningUtils::WarningHandlerGuard guard(&warnings);
