@@ -757,3 +757,23 @@ def test_memory_viz_reads_replay_snapshots_at_peak(tmp_path, policy):
     assert result.returncode == 0, result.stderr
     assert "at peak, after op" in result.stdout, result.stdout
     check_every_view(memory_viz(tmp_path), snapshot, tmp_path, 154389504)
+
+
+@needs_cuda_torch
+def test_gpu_check_dry_run_plans_every_check(compiled_cache, tmp_path):
+    """scripts/gpu-check --dry-run on a machine without a GPU: the
+    environment and the compiled allocator's build pass, every GPU check is
+    planned, and the JSON summary says so."""
+    script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "gpu-check"
+    summary = tmp_path / "summary.json"
+    result = subprocess.run(
+        [sys.executable, str(script), "--dry-run", "--json", str(summary)],
+        capture_output=True, text=True, env=dict(os.environ, **compiled_cache), timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    import json
+
+    checks = {c["name"]: c["status"] for c in json.loads(summary.read_text())["checks"]}
+    assert checks["environment"] == checks["build compiled allocator"] == "passed", checks
+    for name in ["train/hbm-compiled/0", "mempool/hbm-compiled", "ipc/hbm-compiled", "gaps/hbm-compiled"]:
+        assert checks[name] == "planned", checks
