@@ -457,6 +457,9 @@ class HbmallocAllocator final : public Pluggable {
   // pools set to serve on out-of-memory (MemPool's use_on_oom) were tried
   // and the out-of-memory observers told (as PyTorch's allocator does).
   void* allocate_on_device(size_t size, int device, cudaStream_t stream) {
+    if (size == 0) {
+      return nullptr;  // As PyTorch's allocator: no memory, no call.
+    }
     try {
       const auto pool = pool_for(device, stream);
       return pool ? abi_.torch_pool_alloc(
