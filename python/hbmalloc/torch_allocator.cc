@@ -694,6 +694,12 @@ class HbmallocAllocator final : public Pluggable {
     return options != nullptr && options->no_split;
   }
 
+  // How many pools have an option set (none are kept for pools gone).
+  size_t poolsWithOptions() {
+    std::lock_guard<std::mutex> lock(options_mutex_);
+    return options_.size();
+  }
+
   // CUDA graph trees' check: are the pool's live allocations exactly
   // `expected`? Answered from hbmalloc's pool.
   bool checkPoolLiveAllocations(
@@ -826,6 +832,11 @@ class HbmallocAllocator final : public Pluggable {
         options = &options_.back();
       }
       set(*options);
+      // Defaults are not kept: ~MemPool sets use_on_oom off after the pool
+      // is gone, which must not leave an entry behind for each pool.
+      if (!options->use_on_oom && !options->no_split) {
+        options_.erase(options_.begin() + (options - options_.data()));
+      }
       oom_pools_.store(
           std::count_if(
               options_.begin(), options_.end(), [](const PoolOptions& o) { return o.use_on_oom; }),

@@ -436,7 +436,7 @@ def test_compiled_allocator_answers_pytorchs_calls_from_cpp(compiled_cache):
         "pool options: use_on_oom 1, no_split 1",
         "live: exact 1, one missing 0, one foreign 0, after a free 1",
         "out of memory, use_on_oom: served 1; without: OutOfMemoryError",
-        "after release: options 00",
+        "after release: options 00, pools with options 0",
         "unknown pool: no private memory pool (0, 6) on this device",
         "history: 1 off 0 on 1",
         "shareIpcHandle: hbmalloc: sharing CUDA tensors between processes (CUDA IPC",

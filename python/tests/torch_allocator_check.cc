@@ -259,7 +259,8 @@ extern "C" int hbmalloc_torch_compiled_check(
       torch_view.releasePool(0, pool);
       allocator.setUseOnOOM(0, pool, false);
       out << "after release: options " << allocator.poolUseOnOOM(0, pool)
-          << allocator.poolNoSplit(0, pool) << "\n";
+          << allocator.poolNoSplit(0, pool) << ", pools with options "
+          << allocator.poolsWithOptions() << "\n";
       try {
         allocator.checkPoolLiveAllocations(0, pool, {});
         out << "unknown pool: answered\n";
