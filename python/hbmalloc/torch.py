@@ -52,8 +52,9 @@ PyTorch's own allocator answers.
 
 Sharing CUDA tensors between processes (``torch.multiprocessing``, CUDA IPC)
 raises in PyTorch with a pluggable allocator ("does not yet support
-shareIPcHandle" / "getIpcDevPtr"); policy ``hbm``'s memory is virtual-memory
-(``cuMemMap``) memory, which CUDA's legacy IPC calls do not support either.
+shareIPcHandle" / "getIpcDevPtr"), and with the compiled one (below) hbmalloc's
+own error says so; policy ``hbm``'s memory is virtual-memory (``cuMemMap``)
+memory, which CUDA's legacy IPC calls do not support either.
 
 Configuration: with ``HBMALLOC_CONF`` unset, hbmalloc reads
 ``PYTORCH_CUDA_ALLOC_CONF`` (else ``PYTORCH_ALLOC_CONF``) and runs PyTorch's
@@ -75,7 +76,10 @@ observers ``torch._C._cuda_attach_out_of_memory_observer`` attached). So
 included, reach hbmalloc), ``TORCH_NCCL_AVOID_RECORD_STREAMS`` is left
 alone, ``torch.cuda``'s statistics are PyTorch's own calls, cuDNN's benchmark
 mode works, and PyTorch's fallbacks that catch its out-of-memory error
-catch hbmalloc's. It also keeps private memory pools as PyTorch's
+catch hbmalloc's. Every allocator call PyTorch may make answers or raises
+hbmalloc's own error; none that PyTorch makes from a destructor (``~MemPool``'s
+``setUseOnOOM``, ``releasePool``, a tensor's free) raises. It also keeps
+private memory pools as PyTorch's
 allocator does, so CUDA graph capture, ``torch.cuda.MemPool`` and
 ``torch.cuda.use_mem_pool`` work: a graph's memory is reused only by
 allocations into its pool, and while a capture is underway hbmalloc waits

@@ -24,13 +24,17 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <functional>
-#include <optional>
+#include <cstdint>
 #include <cstring>
+#include <functional>
+#include <limits>
+#include <optional>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -47,6 +51,7 @@
 #endif
 
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
@@ -61,6 +66,7 @@ struct Abi {
   decltype(&hbmalloc_create_or_incref_pool) create_or_incref_pool;
   decltype(&hbmalloc_release_pool) release_pool;
   decltype(&hbmalloc_pool_use_count) pool_use_count;
+  decltype(&hbmalloc_pool_live_allocations) pool_live_allocations;
   decltype(&hbmalloc_begin_capture) begin_capture;
   decltype(&hbmalloc_end_capture) end_capture;
   decltype(&hbmalloc_free) free;
@@ -74,6 +80,8 @@ struct Abi {
   decltype(&hbmalloc_stats_values) stats_values;
   decltype(&hbmalloc_reset_peak_stats) reset_peak_stats;
   decltype(&hbmalloc_reset_accumulated_stats) reset_accumulated_stats;
+  decltype(&hbmalloc_set_history_entries) set_history_entries;
+  decltype(&hbmalloc_history_entries) history_entries;
   decltype(&hbmalloc_last_error) last_error;
   decltype(&hbmalloc_last_error_code) last_error_code;
 };
@@ -104,6 +112,7 @@ Abi load_abi(const char* path) {
   resolve(library, "hbmalloc_create_or_incref_pool", &abi.create_or_incref_pool);
   resolve(library, "hbmalloc_release_pool", &abi.release_pool);
   resolve(library, "hbmalloc_pool_use_count", &abi.pool_use_count);
+  resolve(library, "hbmalloc_pool_live_allocations", &abi.pool_live_allocations);
   resolve(library, "hbmalloc_begin_capture", &abi.begin_capture);
   resolve(library, "hbmalloc_end_capture", &abi.end_capture);
   resolve(library, "hbmalloc_free", &abi.free);
@@ -118,6 +127,8 @@ Abi load_abi(const char* path) {
   resolve(library, "hbmalloc_reset_peak_stats", &abi.reset_peak_stats);
   resolve(
       library, "hbmalloc_reset_accumulated_stats", &abi.reset_accumulated_stats);
+  resolve(library, "hbmalloc_set_history_entries", &abi.set_history_entries);
+  resolve(library, "hbmalloc_history_entries", &abi.history_entries);
   resolve(library, "hbmalloc_last_error", &abi.last_error);
   resolve(library, "hbmalloc_last_error_code", &abi.last_error_code);
   return abi;  // The handle stays open: the process keeps the library.
@@ -231,26 +242,70 @@ void for_each_stat(DeviceStats& stats, Visit visit) {
   visit_newer_counters(stats, visit);
 }
 
+}  // namespace hbmalloc_torch
+
+// A torch without OomRejectionObserver gets this stand-in, so that the
+// method below compiles there (a qualified name finds c10's own first).
+namespace hbmalloc_torch::fallback {
+struct OomRejectionObserver {};
+}  // namespace hbmalloc_torch::fallback
+namespace c10::cuda::CUDACachingAllocator {
+using namespace hbmalloc_torch::fallback;
+}  // namespace c10::cuda::CUDACachingAllocator
+
+namespace hbmalloc_torch {
+
 using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
+using c10::cuda::MempoolId_t;
+namespace cca = c10::cuda::CUDACachingAllocator;
+
+// hbmalloc's last error, as text.
+std::string last_error(const Abi& abi) {
+  std::string message(abi.last_error(nullptr, 0), '\0');
+  abi.last_error(message.data(), message.size() + 1);
+  return message;
+}
+
+class HbmallocAllocator;
+
+// The allocator whose tensors' deleter (delete_tensor) is running: set by
+// the newest HbmallocAllocator, which PyTorch keeps for the process.
+std::atomic<HbmallocAllocator*> tensor_owner{nullptr};
+
+// A tensor's deleter context: its address with the device in the top byte
+// (device + 1; CUDA's addresses lie below 2^56), so that freeing one needs
+// no table and no lock. An address that does not fit, and any allocation
+// made while a profiler records memory (its free must report the size),
+// gets a heap record instead, whose top byte is 0.
+struct Record {
+  void* ptr;
+  size_t size;
+  int device;
+};
+constexpr int kTagShift = 56;
+
+void* tag(void* ptr, int device) {
+  return reinterpret_cast<void*>(
+      reinterpret_cast<uintptr_t>(ptr) | (static_cast<uintptr_t>(device + 1) << kTagShift));
+}
+
+bool fits_tag(void* ptr, int device) {
+  return (reinterpret_cast<uintptr_t>(ptr) >> kTagShift) == 0 && device >= 0 && device < 255;
+}
+
+void delete_tensor(void* context);
 
 class HbmallocAllocator final : public Pluggable {
  public:
   explicit HbmallocAllocator(const Abi& abi)
       : Pluggable(
-            // Called only once this object is made, from PyTorch.
+            // CUDAPluggableAllocator's own paths (none of which PyTorch
+            // reaches: allocate and the raw calls are overridden below)
+            // still end in hbmalloc.
             [this](size_t size, int device, cudaStream_t stream) {
-              return allocate(size, device, stream);
+              return allocate_on_device(size, device, stream);
             },
-            // PyTorch checked the pointer against its own records first; a
-            // deleter must not throw, so hbmalloc's last error keeps any
-            // failure, and a profiler that fails is not heard.
-            [abi](void* ptr, size_t size, int device, cudaStream_t stream) {
-              abi.free(ptr, static_cast<ssize_t>(size), device, stream);
-              try {
-                report_to_profiler(abi, ptr, -static_cast<int64_t>(size), device);
-              } catch (...) {
-              }
-            }),
+            [abi](void* ptr, size_t, int device, cudaStream_t) { abi.free(ptr, 0, device, nullptr); }),
         abi_(abi) {
     set_init_fn([abi](int device_count) { check(abi, abi.init(device_count)); });
     // torch.cuda.empty_cache(): every device's cache.
@@ -258,22 +313,165 @@ class HbmallocAllocator final : public Pluggable {
     set_memory_fraction_fn([abi](double fraction, int device) {
       check(abi, abi.set_memory_fraction(fraction, device));
     });
+    tensor_owner.store(this, std::memory_order_release);
+  }
+
+  ~HbmallocAllocator() override {
+    HbmallocAllocator* self = this;
+    tensor_owner.compare_exchange_strong(self, nullptr);
+  }
+
+  // torch.empty and every tensor: hbmalloc's pointer, freed by
+  // delete_tensor with no table in between.
+  c10::DataPtr allocate(size_t size) override {
+    const c10::DeviceIndex device = c10::cuda::current_device();
+    return allocate_on(size, device, c10::cuda::getCurrentCUDAStream(device).stream());
+  }
+
+  // allocate, once the device and the stream are known.
+  c10::DataPtr allocate_on(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+    void* ptr = allocate_on_device(size, device, stream);
+    void* context = nullptr;
+    if (!c10::memoryProfilingEnabled() && fits_tag(ptr, device)) {
+      context = tag(ptr, device);
+    } else {
+      context = new Record{ptr, size, device};
+      // The memory is the caller's now: a profiler that fails must not lose it.
+      try {
+        report_to_profiler(abi_, ptr, static_cast<int64_t>(size), device);
+      } catch (...) {
+      }
+    }
+    return c10::DataPtr(ptr, context, &delete_tensor, cuda_device(device));
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &delete_tensor;
+  }
+
+  // A tensor's DataPtr is as simple as the default's (its context is its
+  // address, tagged): copy-on-write clones may wrap it.
+  bool is_simple_data_ptr(const c10::DataPtr& data_ptr) const override {
+    const auto bits = reinterpret_cast<uintptr_t>(data_ptr.get_context());
+    return (bits >> kTagShift) != 0 &&
+        (bits & ((uintptr_t{1} << kTagShift) - 1)) == reinterpret_cast<uintptr_t>(data_ptr.get());
+  }
+
+  // Frees what allocate_on handed out (a tensor's deleter: never throws).
+  void free_context(void* context) noexcept {
+    const auto bits = reinterpret_cast<uintptr_t>(context);
+    const uintptr_t tag_byte = bits >> kTagShift;
+    if (tag_byte != 0) {
+      const int device = static_cast<int>(tag_byte) - 1;
+      void* ptr = reinterpret_cast<void*>(bits & ((uintptr_t{1} << kTagShift) - 1));
+      if (ptr == nullptr) {
+        return;  // A zero-size tensor: nothing was allocated.
+      }
+      abi_.free(ptr, 0, device, nullptr);
+      // Allocated before a profiler began recording memory: the size is not
+      // kept (keeping it would cost every allocation), so the free says 0.
+      if (c10::memoryProfilingEnabled()) {
+        try {
+          report_to_profiler(abi_, ptr, 0, device);
+        } catch (...) {
+        }
+      }
+      return;
+    }
+    auto* record = static_cast<Record*>(context);
+    if (record == nullptr) {
+      return;
+    }
+    abi_.free(record->ptr, 0, record->device, nullptr);
+    try {
+      report_to_profiler(abi_, record->ptr, -static_cast<int64_t>(record->size), record->device);
+    } catch (...) {
+    }
+    delete record;
+  }
+
+  // PyTorch's raw calls (cuBLAS and cuDNN workspaces,
+  // torch.cuda.caching_allocator_alloc): raw_delete has the pointer alone,
+  // so these keep its device and size.
+  void* raw_alloc(size_t nbytes) override {
+    const c10::DeviceIndex device = c10::cuda::current_device();
+    return malloc(nbytes, device, c10::cuda::getCurrentCUDAStream(device).stream());
+  }
+
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    return malloc(nbytes, c10::cuda::current_device(), stream);
+  }
+
+  // raw_alloc, once the device and the stream are known (CUDAPluggableAllocator's
+  // malloc, which this hides).
+  void* malloc(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+    void* ptr = allocate_on_device(size, device, stream);
+    if (ptr != nullptr) {
+      try {
+        std::lock_guard<std::mutex> lock(raw_mutex_);
+        raw_.emplace(ptr, Record{ptr, size, device});
+      } catch (...) {
+        abi_.free(ptr, 0, device, nullptr);
+        throw;
+      }
+      try {
+        report_to_profiler(abi_, ptr, static_cast<int64_t>(size), device);
+      } catch (...) {
+      }
+    }
+    return ptr;
+  }
+
+  // Called from deleters: never throws. A pointer not from raw_alloc is
+  // PyTorch's bug, said as a warning.
+  void raw_delete(void* ptr) override {
+    if (ptr == nullptr) {
+      return;
+    }
+    std::optional<Record> record;
+    {
+      std::lock_guard<std::mutex> lock(raw_mutex_);
+      auto found = raw_.find(ptr);
+      if (found != raw_.end()) {
+        record = found->second;
+        raw_.erase(found);
+      }
+    }
+    if (!record) {
+      try {
+        TORCH_WARN("hbmalloc: raw_delete of a pointer raw_alloc did not hand out (ignored)");
+      } catch (...) {
+      }
+      return;
+    }
+    abi_.free(ptr, 0, record->device, nullptr);
+    try {
+      report_to_profiler(abi_, ptr, -static_cast<int64_t>(record->size), record->device);
+    } catch (...) {
+    }
   }
 
   // hbmalloc_torch_alloc throws std::runtime_error; PyTorch's fallbacks
   // (cuDNN's smaller workspace, the benchmark's next algorithm) catch only
   // its own OutOfMemoryError, so lack of memory becomes that, after the
-  // out-of-memory observers have been told (as PyTorch's allocator does).
-  void* allocate(size_t size, int device, cudaStream_t stream) {
-    void* ptr = nullptr;
+  // pools set to serve on out-of-memory (MemPool's use_on_oom) were tried
+  // and the out-of-memory observers told (as PyTorch's allocator does).
+  void* allocate_on_device(size_t size, int device, cudaStream_t stream) {
+    if (size == 0) {
+      return nullptr;  // As PyTorch's allocator: no memory, no call.
+    }
     try {
       const auto pool = pool_for(device, stream);
-      ptr = pool ? abi_.torch_pool_alloc(
-                       static_cast<ssize_t>(size), device, stream, pool->first, pool->second)
-                 : abi_.torch_alloc(static_cast<ssize_t>(size), device, stream);
+      return pool ? abi_.torch_pool_alloc(
+                        static_cast<ssize_t>(size), device, stream, pool->first, pool->second)
+                  : abi_.torch_alloc(static_cast<ssize_t>(size), device, stream);
     } catch (const std::runtime_error& e) {
       if (abi_.last_error_code() != HBMALLOC_OUT_OF_MEMORY) {
         TORCH_CHECK(false, e.what());
+      }
+      const std::string message = e.what();
+      if (void* ptr = allocate_from_oom_pools(size, device, stream)) {
+        return ptr;
       }
       tell_oom_observers(device, size);
       if (c10::memoryProfilingEnabled()) {
@@ -281,22 +479,32 @@ class HbmallocAllocator final : public Pluggable {
         c10::reportOutOfMemoryToProfiler(
             static_cast<int64_t>(size), allocated, reserved, cuda_device(device));
       }
-      TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
+      TORCH_CHECK_WITH(OutOfMemoryError, false, message);
     }
-    // The memory is the caller's now: a profiler that fails must not lose it.
-    try {
-      report_to_profiler(abi_, ptr, static_cast<int64_t>(size), device);
-    } catch (...) {
-    }
-    return ptr;
   }
 
   // torch._C._cuda_attach_out_of_memory_observer: PyTorch's recipe for
   // dumping a snapshot where memory ran out.
-  void attachOutOfMemoryObserver(
-      c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
+  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
     std::lock_guard<std::mutex> lock(observers_mutex_);
     oom_observers_.push_back(std::move(observer));
+  }
+
+  // Observers of requests refused before the driver was asked (PyTorch's
+  // throw_on_cudamalloc_oom). hbmalloc refuses none that way, so they are
+  // accepted and never called. Not marked override: newer torch only.
+  void attachOomRejectionObserver(cca::OomRejectionObserver) {}
+
+  // PyTorch's trace trackers (ProcessGroupNCCL's buffer registration with
+  // TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK) hear of segments
+  // mapped and unmapped; hbmalloc's C ABI does not report those, so a
+  // tracker is accepted (a process group must start) and told nothing,
+  // with a warning.
+  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
+    (void)tracker;
+    TORCH_WARN_ONCE(
+        "hbmalloc: an allocator trace tracker was attached (NCCL buffer registration?); "
+        "hbmalloc does not report segment events to it, so nothing is registered");
   }
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
@@ -355,6 +563,45 @@ class HbmallocAllocator final : public Pluggable {
     check(abi_, abi_.reset_accumulated_stats(device));
   }
 
+  // torch.cuda.memory._record_memory_history from C++: hbmalloc keeps the
+  // last alloc_trace_max_entries entries (no stacks: its entries have no
+  // frames). Overloads for each torch's signature; none marked override.
+  void recordHistory(
+      bool enabled, cca::CreateContextFn, size_t alloc_trace_max_entries, cca::RecordContext) {
+    record_history(enabled, alloc_trace_max_entries, false);
+  }
+  void recordHistory(
+      bool enabled, cca::CreateContextFn, size_t alloc_trace_max_entries, cca::RecordContext,
+      bool clear_history) {
+    record_history(enabled, alloc_trace_max_entries, clear_history);
+  }
+  void recordHistory(
+      bool enabled, cca::CreateContextFn, size_t alloc_trace_max_entries, cca::RecordContext,
+      bool clear_history, const std::vector<std::string>&) {
+    record_history(enabled, alloc_trace_max_entries, clear_history);
+  }
+
+  // PyTorch's snapshot from C++: hbmalloc's snapshot is its own pickle
+  // (install() routes torch.cuda.memory._snapshot() to it), which C++
+  // cannot hand back as PyTorch's structures. Overloads for each torch's
+  // signature; none marked override.
+  cca::SnapshotInfo snapshot() {
+    TORCH_CHECK(false, kNoCppSnapshot);
+  }
+  cca::SnapshotInfo snapshot(MempoolId_t) {
+    TORCH_CHECK(false, kNoCppSnapshot);
+  }
+  cca::SnapshotInfo snapshot(MempoolId_t, bool) {
+    TORCH_CHECK(false, kNoCppSnapshot);
+  }
+
+  // Whether hbmalloc keeps history now. Not marked override: newer torch only.
+  bool isHistoryEnabled() {
+    size_t entries = 0;
+    check(abi_, abi_.history_entries(&entries));
+    return entries > 0;
+  }
+
   // Private memory pools, as PyTorch's allocator keeps them: a
   // torch.cuda.MemPool makes one (createOrIncrefPool) and releases it when
   // it goes; a CUDA graph capture (and torch.cuda.use_mem_pool) makes or
@@ -365,7 +612,7 @@ class HbmallocAllocator final : public Pluggable {
   // back, which CUDA would refuse during a capture (hbmalloc.h).
   void beginAllocateToPool(
       c10::DeviceIndex device,
-      c10::cuda::MempoolId_t mempool_id,
+      MempoolId_t mempool_id,
       std::function<bool(cudaStream_t)> filter) override {
     {
       std::lock_guard<std::mutex> lock(routes_mutex_);
@@ -378,8 +625,7 @@ class HbmallocAllocator final : public Pluggable {
     }
     check(abi_, abi_.create_or_incref_pool(device, mempool_id.first, mempool_id.second));
     if (abi_.begin_capture(device) != HBMALLOC_OK) {
-      std::string message(abi_.last_error(nullptr, 0), '\0');
-      abi_.last_error(message.data(), message.size() + 1);
+      const std::string message = last_error(abi_);
       abi_.release_pool(device, mempool_id.first, mempool_id.second);
       TORCH_CHECK(false, message);
     }
@@ -388,7 +634,7 @@ class HbmallocAllocator final : public Pluggable {
     route_count_.store(routes_.size(), std::memory_order_release);
   }
 
-  void endAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override {
+  void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
     {
       std::lock_guard<std::mutex> lock(routes_mutex_);
       auto route = std::find_if(routes_.begin(), routes_.end(), [&](const Route& r) {
@@ -406,37 +652,96 @@ class HbmallocAllocator final : public Pluggable {
 
   // Called from ~MemPool and ~CUDAGraph: never throws. A pool released
   // once too often is PyTorch's bug, said as a warning.
-  void releasePool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) override {
+  void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
     if (abi_.release_pool(device, mempool_id.first, mempool_id.second) != HBMALLOC_OK) {
-      std::string message(abi_.last_error(nullptr, 0), '\0');
-      abi_.last_error(message.data(), message.size() + 1);
-      TORCH_WARN("hbmalloc: releasePool: ", message);
+      TORCH_WARN("hbmalloc: releasePool: ", last_error(abi_));
     }
+    int holders = 0;
+    if (abi_.pool_use_count(device, mempool_id.first, mempool_id.second, &holders) ==
+            HBMALLOC_OK &&
+        holders == 0) {
+      forget_pool_options(device, mempool_id);
+    }
+  }
+
+  // torch.cuda.MemPool(use_on_oom=...): when the device is out of memory,
+  // hbmalloc serves the request from such a pool's memory before it
+  // raises. ~MemPool calls this (with false): never throws.
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id, bool use_on_oom) {
+    set_pool_option(device, mempool_id, [&](PoolOptions& o) { o.use_on_oom = use_on_oom; });
+  }
+
+  // torch 2.8's form, which MemPool(use_on_oom=True) calls to set it.
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id) {
+    setUseOnOOM(device, mempool_id, true);
+  }
+
+  // torch.cuda.MemPool(no_split=True): recorded (poolNoSplit answers it),
+  // but hbmalloc's pools split blocks as its policy does. Never throws.
+  void setNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) {
+    set_pool_option(device, mempool_id, [](PoolOptions& o) { o.no_split = true; });
+  }
+
+  // What setUseOnOOM and setNoSplit recorded for the pool.
+  bool poolUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id) {
+    std::lock_guard<std::mutex> lock(options_mutex_);
+    const auto* options = find_options(device, mempool_id);
+    return options != nullptr && options->use_on_oom;
+  }
+  bool poolNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) {
+    std::lock_guard<std::mutex> lock(options_mutex_);
+    const auto* options = find_options(device, mempool_id);
+    return options != nullptr && options->no_split;
+  }
+
+  // How many pools have an option set (none are kept for pools gone).
+  size_t poolsWithOptions() {
+    std::lock_guard<std::mutex> lock(options_mutex_);
+    return options_.size();
+  }
+
+  // CUDA graph trees' check: are the pool's live allocations exactly
+  // `expected`? Answered from hbmalloc's pool.
+  bool checkPoolLiveAllocations(
+      c10::DeviceIndex device,
+      MempoolId_t mempool_id,
+      const std::unordered_set<void*>& expected) {
+    size_t count = 0;
+    check(
+        abi_, abi_.pool_live_allocations(
+                  device, mempool_id.first, mempool_id.second, nullptr, 0, &count));
+    if (count != expected.size()) {
+      return false;
+    }
+    std::vector<void*> live(count);
+    check(
+        abi_, abi_.pool_live_allocations(
+                  device, mempool_id.first, mempool_id.second, live.data(), live.size(), &count));
+    return count == expected.size() &&
+        std::all_of(live.begin(), live.end(), [&](void* p) { return expected.count(p) == 1; });
   }
 
   // What torch.cuda.MemPool's constructor calls: ensureExistsAndIncrefPool
   // (torch 2.6, 2.7), createOrIncrefPool with a CUDAAllocator* (2.8-2.10)
   // or a shared_ptr (2.11 on). Not marked override: each exists in some
   // versions only, and overrides where the signature matches.
-  void ensureExistsAndIncrefPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) {
+  void ensureExistsAndIncrefPool(c10::DeviceIndex device, MempoolId_t mempool_id) {
     create_or_incref_pool(device, mempool_id, nullptr);
   }
 
   void createOrIncrefPool(
-      c10::DeviceIndex device,
-      c10::cuda::MempoolId_t mempool_id,
-      c10::cuda::CUDACachingAllocator::CUDAAllocator* allocator) {
+      c10::DeviceIndex device, MempoolId_t mempool_id, cca::CUDAAllocator* allocator) {
     create_or_incref_pool(device, mempool_id, allocator);
   }
 
   void createOrIncrefPool(
       c10::DeviceIndex device,
-      c10::cuda::MempoolId_t mempool_id,
-      std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator) {
+      MempoolId_t mempool_id,
+      std::shared_ptr<cca::CUDAAllocator> allocator) {
     create_or_incref_pool(device, mempool_id, allocator.get());
   }
 
-  int getPoolUseCount(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id) {
+  int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) {
     int count = 0;
     check(abi_, abi_.pool_use_count(device, mempool_id.first, mempool_id.second, &count));
     return count;
@@ -447,10 +752,33 @@ class HbmallocAllocator final : public Pluggable {
   // still held keeps its memory for its graphs.
   // Not marked override: before torch 2.8 emptyCache takes no pool (and
   // ~MemPool calls CUDAPluggableAllocator's emptyCache(), every device's).
-  void emptyCache(c10::cuda::MempoolId_t mempool_id) {
+  void emptyCache(MempoolId_t mempool_id) {
     if (mempool_id.first == 0 && mempool_id.second == 0) {
       check(abi_, abi_.reset());
     }
+  }
+
+  // Sharing CUDA tensors between processes (torch.multiprocessing): not
+  // supported yet; a clear error instead of CUDAPluggableAllocator's.
+  cca::ShareableHandle shareIpcHandle(void*) override {
+    TORCH_CHECK(false, kNoIpc);
+  }
+  std::shared_ptr<void> getIpcDevPtr(std::string) override {
+    TORCH_CHECK(false, kNoIpc);
+  }
+
+  // CUDA graph trees' checkpointing (torch.compile(mode="reduce-overhead")
+  // when a tree's path changes) rebuilds a pool at the addresses it had;
+  // hbmalloc's engine cannot place blocks at given addresses.
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex, MempoolId_t) override {
+    TORCH_CHECK(false, kNoCheckpoint);
+  }
+  cca::CheckpointDelta setCheckpointPoolState(
+      c10::DeviceIndex, std::shared_ptr<cca::AllocatorState>) override {
+    TORCH_CHECK(false, kNoCheckpoint);
+  }
+  c10::DataPtr allocateWithAddress(size_t, void*) {
+    TORCH_CHECK(false, kNoCheckpoint);
   }
 
   std::string name() override {
@@ -458,10 +786,109 @@ class HbmallocAllocator final : public Pluggable {
   }
 
  private:
+  static constexpr const char* kNoIpc =
+      "hbmalloc: sharing CUDA tensors between processes (CUDA IPC, torch.multiprocessing) "
+      "is not supported by hbmalloc's compiled allocator yet; keep such tensors in PyTorch's "
+      "own allocator (do not install hbmalloc in processes that share CUDA tensors)";
+  static constexpr const char* kNoCppSnapshot =
+      "hbmalloc: a memory snapshot from C++ is not available; take it from Python "
+      "(torch.cuda.memory._snapshot(), which hbmalloc.torch.install() routes to hbmalloc, "
+      "or hbmalloc.torch.memory_snapshot())";
+  static constexpr const char* kNoCheckpoint =
+      "hbmalloc: CUDA graph tree checkpointing (getCheckpointState, setCheckpointPoolState, "
+      "allocateWithAddress) is not supported: hbmalloc cannot rebuild a pool at given "
+      "addresses. torch.compile(mode='reduce-overhead') with more than one graph path per "
+      "tree needs PyTorch's own allocator";
+
+  void record_history(bool enabled, size_t entries, bool clear) {
+    const auto limit = static_cast<size_t>(std::numeric_limits<ssize_t>::max());
+    check(
+        abi_, abi_.set_history_entries(
+                  enabled ? static_cast<ssize_t>(std::min(entries, limit)) : 0, clear ? 1 : 0));
+  }
+
+  struct PoolOptions {
+    int device;
+    MempoolId_t pool;
+    bool use_on_oom = false;
+    bool no_split = false;
+  };
+
+  PoolOptions* find_options(int device, MempoolId_t pool) {
+    auto found = std::find_if(options_.begin(), options_.end(), [&](const PoolOptions& o) {
+      return o.device == device && o.pool == pool;
+    });
+    return found == options_.end() ? nullptr : &*found;
+  }
+
+  // Sets a pool's option; never throws (destructors call this).
+  template <typename Set>
+  void set_pool_option(int device, MempoolId_t pool, Set set) noexcept {
+    try {
+      std::lock_guard<std::mutex> lock(options_mutex_);
+      PoolOptions* options = find_options(device, pool);
+      if (options == nullptr) {
+        options_.push_back(PoolOptions{device, pool});
+        options = &options_.back();
+      }
+      set(*options);
+      // Defaults are not kept: ~MemPool sets use_on_oom off after the pool
+      // is gone, which must not leave an entry behind for each pool.
+      if (!options->use_on_oom && !options->no_split) {
+        options_.erase(options_.begin() + (options - options_.data()));
+      }
+      oom_pools_.store(
+          std::count_if(
+              options_.begin(), options_.end(), [](const PoolOptions& o) { return o.use_on_oom; }),
+          std::memory_order_release);
+    } catch (...) {
+    }
+  }
+
+  void forget_pool_options(int device, MempoolId_t pool) noexcept {
+    try {
+      std::lock_guard<std::mutex> lock(options_mutex_);
+      options_.erase(
+          std::remove_if(
+              options_.begin(), options_.end(),
+              [&](const PoolOptions& o) { return o.device == device && o.pool == pool; }),
+          options_.end());
+      oom_pools_.store(
+          std::count_if(
+              options_.begin(), options_.end(), [](const PoolOptions& o) { return o.use_on_oom; }),
+          std::memory_order_release);
+    } catch (...) {
+    }
+  }
+
+  // The request served from a use_on_oom pool of the device, if one can.
+  void* allocate_from_oom_pools(size_t size, int device, cudaStream_t stream) {
+    if (oom_pools_.load(std::memory_order_acquire) == 0) {
+      return nullptr;
+    }
+    std::vector<MempoolId_t> pools;
+    {
+      std::lock_guard<std::mutex> lock(options_mutex_);
+      for (const auto& o : options_) {
+        if (o.device == device && o.use_on_oom) {
+          pools.push_back(o.pool);
+        }
+      }
+    }
+    for (const auto& pool : pools) {
+      try {
+        return abi_.torch_pool_alloc(
+            static_cast<ssize_t>(size), device, stream, pool.first, pool.second);
+      } catch (const std::runtime_error&) {
+      }
+    }
+    return nullptr;
+  }
+
   // Each observer gets the device, the request, and the device's total and
   // free memory (0 and 0 if the driver cannot say).
   void tell_oom_observers(int device, size_t size) {
-    std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> observers;
+    std::vector<cca::OutOfMemoryObserver> observers;
     {
       std::lock_guard<std::mutex> lock(observers_mutex_);
       observers = oom_observers_;
@@ -478,9 +905,7 @@ class HbmallocAllocator final : public Pluggable {
   }
 
   void create_or_incref_pool(
-      c10::DeviceIndex device,
-      c10::cuda::MempoolId_t mempool_id,
-      const c10::cuda::CUDACachingAllocator::CUDAAllocator* allocator) {
+      c10::DeviceIndex device, MempoolId_t mempool_id, const cca::CUDAAllocator* allocator) {
     TORCH_CHECK(
         allocator == nullptr || allocator == this,
         "hbmalloc is PyTorch's CUDA allocator (hbmalloc.torch.install(compiled=True)): a "
@@ -490,7 +915,7 @@ class HbmallocAllocator final : public Pluggable {
 
   // The private pool the allocation on `stream` goes to, if a route's
   // filter takes it (the first route begun, as in PyTorch's allocator).
-  std::optional<c10::cuda::MempoolId_t> pool_for(int device, cudaStream_t stream) {
+  std::optional<MempoolId_t> pool_for(int device, cudaStream_t stream) {
     if (route_count_.load(std::memory_order_acquire) == 0) {
       return std::nullopt;
     }
@@ -506,7 +931,7 @@ class HbmallocAllocator final : public Pluggable {
   // Allocations of `device` that `filter` accepts go to `pool`.
   struct Route {
     int device;
-    c10::cuda::MempoolId_t pool;
+    MempoolId_t pool;
     std::function<bool(cudaStream_t)> filter;
   };
 
@@ -516,8 +941,20 @@ class HbmallocAllocator final : public Pluggable {
   // routes_.size(), read without the lock on every allocation.
   std::atomic<size_t> route_count_{0};
   std::mutex observers_mutex_;
-  std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> oom_observers_;
+  std::vector<cca::OutOfMemoryObserver> oom_observers_;
+  std::mutex options_mutex_;
+  std::vector<PoolOptions> options_;
+  // How many pools have use_on_oom set, read without the lock on an OOM.
+  std::atomic<size_t> oom_pools_{0};
+  std::mutex raw_mutex_;
+  std::unordered_map<void*, Record> raw_;
 };
+
+void delete_tensor(void* context) {
+  if (HbmallocAllocator* owner = tensor_owner.load(std::memory_order_acquire)) {
+    owner->free_context(context);
+  }
+}
 
 // Copies `text` into `buf` (at most `len - 1` bytes and a NUL).
 void write_text(const std::string& text, char* buf, size_t len) {

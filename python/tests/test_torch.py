@@ -383,8 +383,9 @@ def test_compiled_allocator_answers_pytorchs_calls_from_cpp(compiled_cache):
     PyTorch's allocator interface, on the driver double: statistics,
     cacheInfo, a recorded stream holding memory after its free, errors of
     PyTorch's own types (out-of-memory observers told first), a graph
-    capture's private pool and a MemPool's, torch.profiler's memory events,
-    fraction and resets."""
+    capture's private pool and a MemPool's (use_on_oom, no_split, live
+    allocations), history, IPC and checkpointing refused with hbmalloc's
+    reason, torch.profiler's memory events, fraction and resets."""
     check = pathlib.Path(__file__).with_name("torch_allocator_check.cc")
     out = run_ok(
         f"""
@@ -427,6 +428,23 @@ def test_compiled_allocator_answers_pytorchs_calls_from_cpp(compiled_cache):
         # torch.profiler's memory events: the request's size, then the
         # device's allocated bytes after the call (the 3 MiB block above is
         # freed but still active, so not allocated).
+        # A tensor's memory goes back through its DataPtr's deleter.
+        f"tensor: deleter is raw_deleter 1, simple 1, allocated {MIB}, after its delete 0, zero-size null 1",
+        # MemPool(use_on_oom=True, no_split=True): recorded; out of memory,
+        # a request is served from such a pool's cache; ~MemPool's
+        # setUseOnOOM(false) after the pool is gone does not throw.
+        "pool options: use_on_oom 1, no_split 1",
+        "live: exact 1, one missing 0, one foreign 0, after a free 1",
+        "out of memory, use_on_oom: served 1; without: OutOfMemoryError",
+        "after release: options 00, pools with options 0",
+        "unknown pool: no private memory pool (0, 6) on this device",
+        "history: 1 off 0 on 1",
+        "shareIpcHandle: hbmalloc: sharing CUDA tensors between processes (CUDA IPC",
+        "getIpcDevPtr: hbmalloc: sharing CUDA tensors between processes (CUDA IPC",
+        "snapshot: hbmalloc: a memory snapshot from C++ is not available; take it from Python",
+        "getCheckpointState: hbmalloc: CUDA graph tree checkpointing",
+        "allocateWithAddress: hbmalloc: CUDA graph tree checkpointing",
+        "raw_delete of a foreign pointer: hbmalloc: raw_delete of a pointer raw_alloc did not hand out",
         f"profiler: usage 1 {MIB} allocated {MIB} reserved 1 cuda:0; "
         f"usage 1 {-MIB} allocated 0 reserved 1 cuda:0; "
         f"out of memory {1 << 50} cuda:0; \n",
@@ -435,6 +453,96 @@ def test_compiled_allocator_answers_pytorchs_calls_from_cpp(compiled_cache):
         "peak is current after reset: 1",
     ]:
         assert line in out, f"{line!r} not in:\n{out}"
+
+
+def throwing_defaults(torch_include, torch_lib):
+    """The CUDAAllocator virtuals whose default throws in this torch: from
+    the header (a body with TORCH_CHECK(false / TORCH_CHECK_NOT_IMPLEMENTED(false
+    / throw, in CUDAAllocator or in DeviceAllocator unless CUDAAllocator
+    defines it), and CUDAPluggableAllocator's, whose implementations are not
+    installed: named by their messages in libtorch_cuda.so ("... does not yet
+    support NAME")."""
+    throws = re.compile(r"TORCH_CHECK(?:_NOT_IMPLEMENTED)?\(\s*false|\bthrow\b")
+
+    def virtuals(header, cls):
+        """{name: (virtual?, body)} of the methods `cls` declares in its body
+        (the body "" where it has none there)."""
+        text = (torch_include / header).read_text()
+        text = re.sub(r"//[^\n]*", "", text)
+        start = re.search(rf"(?:class|struct)\s+(?:\w+\s+)?{cls}\s*:[^{{;]*{{", text)
+        assert start, f"no {cls} in {header}"
+
+        def matching(k):  # index after the brace that closes the one before k
+            depth = 1
+            while depth:
+                depth += {"{": 1, "}": -1}.get(text[k], 0)
+                k += 1
+            return k
+
+        end = matching(start.end())
+        found = {}
+        declaration = re.compile(r"^[ \t]*(virtual\s+)?[\w:<>,*& \t]*?\b(\w+)\s*\(", re.M)
+        for decl in declaration.finditer(text[start.end() : end]):
+            k = start.end() + decl.end()
+            depth = 1
+            while depth:  # past the parameter list
+                depth += {"(": 1, ")": -1}.get(text[k], 0)
+                k += 1
+            tail = re.match(r"[^;{}()]*[;{]", text[k:end])
+            body = ""  # a declaration without a body (pure, or defined elsewhere)
+            if tail and tail.group(0).endswith("{") and "=" not in tail.group(0):
+                body = text[k + tail.end() : matching(k + tail.end())]
+            if body or decl.group(2) not in found:
+                found[decl.group(2)] = (bool(decl.group(1)), body)
+        return found
+
+    cuda = virtuals("c10/cuda/CUDACachingAllocator.h", "CUDAAllocator")
+    names = {name for name, (virtual, body) in cuda.items() if virtual and throws.search(body)}
+    base_header = torch_include / "c10/core/CachingDeviceAllocator.h"
+    if base_header.exists() and "struct C10_API DeviceAllocator" in base_header.read_text():
+        base = virtuals("c10/core/CachingDeviceAllocator.h", "DeviceAllocator")
+        names |= {
+            n for n, (v, body) in base.items() if v and throws.search(body) and not cuda.get(n, (0, ""))[1]
+        }
+    binary = (torch_lib / "libtorch_cuda.so").read_bytes()
+    lower = {name.lower(): name for name in cuda}
+    for match in re.finditer(rb"CUDAPluggableAllocator does not (?:yet )?support (\w+)", binary):
+        word = match.group(1).decode()
+        names.add(lower.get(word.lower(), word))
+    return names
+
+
+@needs_cuda_torch
+def test_compiled_allocator_overrides_every_throwing_default():
+    """Every CUDAAllocator virtual whose default throws in the installed
+    torch (its header, and CUDAPluggableAllocator's library) is overridden
+    by the compiled allocator, with this torch's signature: a throw from a
+    virtual PyTorch calls in a destructor (~MemPool's setUseOnOOM) ends the
+    process. A method binds when it is marked override, or when the
+    compiler's -Wsuggest-override says it could be."""
+    import hbmalloc.torch
+
+    root = pathlib.Path(torch.__file__).resolve().parent
+    names = throwing_defaults(root / "include", root / "lib")
+    assert "setUseOnOOM" in names and "cacheInfo" in names, names  # the extraction works
+    source = pathlib.Path(hbmalloc.torch.__file__).with_name("torch_allocator.cc")
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{source.parent}"]
+    for directory in [*cpp_extension.include_paths(), *hbmalloc.torch._cuda_include_dirs()]:
+        includes += ["-isystem", str(directory)]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    compiler = os.environ.get("CXX", "c++")
+    command = [compiler, "-std=c++20", "-fsyntax-only", "-Wsuggest-override",
+               f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(source)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[:4000]
+    bound = set(re.findall(r"HbmallocAllocator::(\w+)\([^\n]*can be marked override", result.stderr))
+    body = re.sub(r"//[^\n]*", "", source.read_text())
+    body = body[body.index("class HbmallocAllocator") :]
+    bound |= set(re.findall(r"\b(\w+)\s*\([^;{}]*\)\s*(?:const\s*)?override\s*{", body))
+    missing = sorted(names - bound)
+    assert not missing, f"torch {torch.__version__}: not overridden with this torch's signature: {missing}"
 
 
 @needs_cuda_torch
@@ -649,3 +757,23 @@ def test_memory_viz_reads_replay_snapshots_at_peak(tmp_path, policy):
     assert result.returncode == 0, result.stderr
     assert "at peak, after op" in result.stdout, result.stdout
     check_every_view(memory_viz(tmp_path), snapshot, tmp_path, 154389504)
+
+
+@needs_cuda_torch
+def test_gpu_check_dry_run_plans_every_check(compiled_cache, tmp_path):
+    """scripts/gpu-check --dry-run on a machine without a GPU: the
+    environment and the compiled allocator's build pass, every GPU check is
+    planned, and the JSON summary says so."""
+    script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "gpu-check"
+    summary = tmp_path / "summary.json"
+    result = subprocess.run(
+        [sys.executable, str(script), "--dry-run", "--json", str(summary)],
+        capture_output=True, text=True, env=dict(os.environ, **compiled_cache), timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    import json
+
+    checks = {c["name"]: c["status"] for c in json.loads(summary.read_text())["checks"]}
+    assert checks["environment"] == checks["build compiled allocator"] == "passed", checks
+    for name in ["train/hbm-compiled/0", "mempool/hbm-compiled", "ipc/hbm-compiled", "gaps/hbm-compiled"]:
+        assert checks[name] == "planned", checks

@@ -4,6 +4,7 @@
 // stream. test_torch.py builds it with hbmalloc.torch._compile, runs it on
 // the driver double and checks the report, a line per step.
 
+#include <algorithm>
 #include <cstdint>
 #include <sstream>
 
@@ -54,7 +55,8 @@ extern "C" int hbmalloc_torch_compiled_check(
     const char* library_path, char* report, size_t report_len) {
   std::ostringstream out;
   try {
-    hbmalloc_torch::HbmallocAllocator allocator(hbmalloc_torch::load_abi(library_path));
+    const hbmalloc_torch::Abi allocator_abi = hbmalloc_torch::load_abi(library_path);
+    hbmalloc_torch::HbmallocAllocator allocator(allocator_abi);
     // What PyTorch holds: calls go through the virtual interface.
     c10::cuda::CUDACachingAllocator::CUDAAllocator& torch_view = allocator;
     out << "name: " << torch_view.name() << "\n";
@@ -188,6 +190,114 @@ extern "C" int hbmalloc_torch_compiled_check(
       torch_view.releasePool(0, graph_pool);
     }
 
+    // A tensor's path (allocate less its device and stream queries, which
+    // ask CUDA's runtime): the DataPtr's deleter gives the memory back.
+    {
+      const auto allocated = [&] { return torch_view.getDeviceStats(0).allocated_bytes[0].current; };
+      const auto before = allocated();
+      c10::DataPtr tensor = allocator.allocate_on(1 << 20, 0, nullptr);
+      out << "tensor: deleter is raw_deleter " << (tensor.get_deleter() == torch_view.raw_deleter())
+          << ", simple " << torch_view.is_simple_data_ptr(tensor) << ", allocated "
+          << (allocated() - before);
+      tensor.clear();
+      c10::DataPtr empty = allocator.allocate_on(0, 0, nullptr);
+      out << ", after its delete " << (allocated() - before) << ", zero-size null "
+          << (empty.get() == nullptr) << "\n";
+    }
+
+    // What torch.cuda.MemPool(use_on_oom=True, no_split=True) calls, and
+    // ~MemPool's setUseOnOOM(false) after the pool is gone: no throw.
+    {
+      const c10::cuda::MempoolId_t pool{0, 6};
+      cudaStream_t routed = nullptr;
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 8
+      torch_view.createOrIncrefPool(0, pool);
+#else
+      torch_view.ensureExistsAndIncrefPool(0, pool);
+#endif
+      allocator.setUseOnOOM(0, pool, true);
+      allocator.setNoSplit(0, pool);
+      out << "pool options: use_on_oom " << allocator.poolUseOnOOM(0, pool) << ", no_split "
+          << allocator.poolNoSplit(0, pool) << "\n";
+      torch_view.beginAllocateToPool(0, pool, [=](cudaStream_t s) { return s == routed; });
+      void* a = allocator.malloc(2 << 20, 0, routed);
+      void* b = allocator.malloc(2 << 20, 0, routed);
+      // As torch.cuda.use_mem_pool ends: the route's hold is released.
+      torch_view.endAllocateToPool(0, pool);
+      torch_view.releasePool(0, pool);
+      int foreign = 0;
+      out << "live: exact " << allocator.checkPoolLiveAllocations(0, pool, {a, b})
+          << ", one missing " << allocator.checkPoolLiveAllocations(0, pool, {a})
+          << ", one foreign " << allocator.checkPoolLiveAllocations(0, pool, {a, &foreign});
+      torch_view.raw_delete(b);
+      out << ", after a free " << allocator.checkPoolLiveAllocations(0, pool, {a}) << "\n";
+      // Out of memory everywhere but in the pool's cache (b's 2 MiB, on the
+      // same stream): the request is served from the pool, and only while
+      // use_on_oom is set.
+      size_t free_bytes = 0, total_bytes = 0;
+      hbmalloc_torch::check(allocator_abi, allocator_abi.mem_get_info(0, &free_bytes, &total_bytes));
+      const auto reserved = torch_view.getDeviceStats(0).reserved_bytes[0].current;
+      torch_view.setMemoryFraction(static_cast<double>(reserved) / total_bytes, 0);
+      void* c = nullptr;
+      try {
+        c = allocator.malloc(2 << 20, 0, nullptr);
+        out << "out of memory, use_on_oom: served " << (c != nullptr);
+      } catch (const c10::Error& e) {
+        out << "out of memory, use_on_oom: " << first_line(e);
+      }
+      torch_view.raw_delete(c);
+      allocator.setUseOnOOM(0, pool, false);
+      try {
+        c = allocator.malloc(2 << 20, 0, nullptr);
+        out << "; without: served\n";
+        torch_view.raw_delete(c);
+      } catch (const c10::OutOfMemoryError& e) {
+        out << "; without: OutOfMemoryError\n";
+      }
+      torch_view.setMemoryFraction(1.0, 0);
+      torch_view.raw_delete(a);
+      torch_view.releasePool(0, pool);
+      allocator.setUseOnOOM(0, pool, false);
+      out << "after release: options " << allocator.poolUseOnOOM(0, pool)
+          << allocator.poolNoSplit(0, pool) << ", pools with options "
+          << allocator.poolsWithOptions() << "\n";
+      try {
+        allocator.checkPoolLiveAllocations(0, pool, {});
+        out << "unknown pool: answered\n";
+      } catch (const c10::Error& e) {
+        out << "unknown pool: " << first_line(e) << "\n";
+      }
+    }
+
+    // History, IPC and checkpointing through the virtual interface.
+    {
+      out << "history: " << torch_view.isHistoryEnabled();
+      allocator.recordHistory(false, nullptr, 0, c10::cuda::CUDACachingAllocator::RecordContext::NEVER, false, {});
+      out << " off " << torch_view.isHistoryEnabled();
+      allocator.recordHistory(true, nullptr, 1000, c10::cuda::CUDACachingAllocator::RecordContext::ALLOC, false, {});
+      out << " on " << torch_view.isHistoryEnabled() << "\n";
+      auto refused = [&](const char* label, auto call) {
+        try {
+          call();
+          out << label << ": allowed\n";
+        } catch (const c10::Error& e) {
+          out << label << ": " << first_line(e) << "\n";
+        }
+      };
+      refused("shareIpcHandle", [&] { torch_view.shareIpcHandle(nullptr); });
+      refused("getIpcDevPtr", [&] { torch_view.getIpcDevPtr("x"); });
+      refused("snapshot", [&] { torch_view.snapshot(); });
+      refused("getCheckpointState", [&] { torch_view.getCheckpointState(0, {1, 0}); });
+      refused("allocateWithAddress", [&] { allocator.allocateWithAddress(64, nullptr); });
+      {
+        WarningRecorder warnings;
+        c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+        int foreign = 0;
+        torch_view.raw_delete(&foreign);
+        out << "raw_delete of a foreign pointer: " << warnings.told.str() << "\n";
+      }
+    }
+
     // With a profiler recording memory: an allocation, its free and an
     // out-of-memory error reach it, with the device's totals after each.
     {
@@ -217,3 +327,4 @@ extern "C" int hbmalloc_torch_compiled_check(
   hbmalloc_torch::write_text(out.str(), report, report_len);
   return 0;
 }
+

@@ -126,6 +126,13 @@ int hbmalloc_release_pool(int device, unsigned long long pool_first,
 int hbmalloc_pool_use_count(int device, unsigned long long pool_first,
                             unsigned long long pool_second, int *count);
 
+/* The pool's live allocations (handed out, not yet freed): their number
+ * into *count, the first capacity addresses into ptrs (NULL when capacity
+ * is 0). PyTorch's checkPoolLiveAllocations. */
+int hbmalloc_pool_live_allocations(int device, unsigned long long pool_first,
+                                   unsigned long long pool_second, void **ptrs,
+                                   size_t capacity, size_t *count);
+
 /* hbmalloc_alloc from the pool; an unknown or released pool is
  * HBMALLOC_INVALID_ARGUMENT. Returns the pointer, or NULL (last error). */
 void *hbmalloc_pool_alloc(ssize_t size, int device, cudaStream_t stream,
@@ -186,6 +193,10 @@ int hbmalloc_reset_accumulated_stats(int device);
  * gives the first value. Returns a status (HBMALLOC_INVALID_ARGUMENT for
  * entries < 0). */
 int hbmalloc_set_history_entries(ssize_t entries, int clear);
+
+/* The history entries each allocator keeps now, into *entries (0: history
+ * is off). Returns a status. */
+int hbmalloc_history_entries(size_t *entries);
 
 /* Writes torch.cuda.memory_stats(device) as one JSON object into buf, like
  * snprintf: at most len - 1 bytes and a NUL. Returns the JSON's length

@@ -266,6 +266,42 @@ pub unsafe extern "C" fn hbmalloc_pool_use_count(
     })
 }
 
+/// The live allocations of the private pool `(pool_first, pool_second)` on
+/// `device`: their number into `*count`, and the first `capacity` of their
+/// addresses into `ptrs` (call again with room for `*count` when it is
+/// larger). An unknown pool is an invalid argument.
+///
+/// # Safety
+/// `count` is null (an invalid argument) or valid for a write of a
+/// `size_t`; `ptrs` is valid for writes of `capacity` pointers (it may be
+/// null when `capacity` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn hbmalloc_pool_live_allocations(
+    device: c_int,
+    pool_first: u64,
+    pool_second: u64,
+    ptrs: *mut *mut c_void,
+    capacity: usize,
+    count: *mut usize,
+) -> c_int {
+    status_of(|| {
+        let live = crate::pool_live_allocations(device, PoolId(pool_first, pool_second))?;
+        if capacity > 0 && ptrs.is_null() {
+            return Err(ApiError::new(
+                Status::InvalidArgument,
+                "hbmalloc: ptrs is NULL with a non-zero capacity",
+            ));
+        }
+        for (i, &ptr) in live.iter().take(capacity).enumerate() {
+            // SAFETY: `ptrs` is non-null here and valid for `capacity` writes
+            // (the caller's guarantee); `i < capacity`.
+            unsafe { ptrs.add(i).write(ptr as usize as *mut c_void) };
+        }
+        // SAFETY: the caller guarantees `count` is null or valid for a write.
+        unsafe { write_out(count, live.len(), "count") }
+    })
+}
+
 /// A CUDA graph capture (or `torch.cuda.use_mem_pool`) begins on `device`:
 /// until the matching [`hbmalloc_end_capture`] the allocator waits for no
 /// event and gives no memory back (`hbmalloc::capture`).
@@ -465,6 +501,20 @@ pub extern "C" fn hbmalloc_set_history_entries(entries: ssize_t, clear: c_int) -
             )
         })?;
         crate::set_history_entries(entries, clear != 0)
+    })
+}
+
+/// The history entries every allocator keeps now, into `*entries` (0:
+/// history is off).
+///
+/// # Safety
+/// `entries` is null (an invalid argument) or valid for a write of a `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn hbmalloc_history_entries(entries: *mut usize) -> c_int {
+    status_of(|| {
+        let n = crate::history_entries()?;
+        // SAFETY: the caller guarantees `entries` is null or valid for a write.
+        unsafe { write_out(entries, n, "entries") }
     })
 }
 

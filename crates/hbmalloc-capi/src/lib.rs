@@ -381,6 +381,14 @@ pub fn pool_use_count(device: i32, pool: PoolId) -> Result<u32, ApiError> {
     Ok(with_existing_allocator(device, |a| Ok(a.pool_use_count(pool)))?.unwrap_or(0))
 }
 
+/// The live allocations of `pool` on `device`, in address order (PyTorch's
+/// `checkPoolLiveAllocations`); an unknown pool is an error.
+pub fn pool_live_allocations(device: i32, pool: PoolId) -> Result<Vec<DevicePtr>, ApiError> {
+    with_existing_allocator(device, |a| Ok(a.pool_live_allocations(pool)))?
+        .flatten()
+        .ok_or_else(|| AllocError::UnknownPool { pool }.into())
+}
+
 /// A CUDA graph capture (or `torch.cuda.use_mem_pool`) begins on `device`:
 /// see `hbmalloc::capture` for what the allocator stops doing meanwhile.
 pub fn begin_capture(device: i32) -> Result<(), ApiError> {
@@ -534,6 +542,15 @@ pub fn set_history_entries(entries: usize, clear: bool) -> Result<(), ApiError> 
         allocator.set_history_entries(entries, clear);
     }
     Ok(())
+}
+
+/// The history entries allocators keep now ([`set_history_entries`]); 0
+/// when history is off (PyTorch's `isHistoryEnabled`).
+pub fn history_entries() -> Result<usize, ApiError> {
+    Ok(*runtime()?
+        .creating
+        .lock()
+        .unwrap_or_else(|e| e.into_inner()))
 }
 
 /// `torch.cuda.memory_summary()` text for `device`.

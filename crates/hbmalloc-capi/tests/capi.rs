@@ -15,9 +15,11 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use hbmalloc::{StreamId, ThreadSafeAllocator};
 use hbmalloc_capi::{
     check_invariants, hbmalloc_alloc, hbmalloc_begin_capture, hbmalloc_cache_info,
-    hbmalloc_empty_cache, hbmalloc_end_capture, hbmalloc_free, hbmalloc_init, hbmalloc_last_error,
-    hbmalloc_last_error_code, hbmalloc_mem_get_info, hbmalloc_memory_fraction,
-    hbmalloc_record_stream, hbmalloc_reset, hbmalloc_set_memory_fraction, hbmalloc_snapshot,
+    hbmalloc_create_or_incref_pool, hbmalloc_empty_cache, hbmalloc_end_capture, hbmalloc_free,
+    hbmalloc_history_entries, hbmalloc_init, hbmalloc_last_error, hbmalloc_last_error_code,
+    hbmalloc_mem_get_info, hbmalloc_memory_fraction, hbmalloc_pool_alloc,
+    hbmalloc_pool_live_allocations, hbmalloc_record_stream, hbmalloc_release_pool, hbmalloc_reset,
+    hbmalloc_set_history_entries, hbmalloc_set_memory_fraction, hbmalloc_snapshot,
     hbmalloc_stats_json, hbmalloc_stats_values, hbmalloc_summary, settings, stats_map, Status,
 };
 use hbmalloc_cuda::byte_check::{byte_program, Buffers, DeviceBytes};
@@ -455,6 +457,62 @@ fn snapshot_file_loads_as_a_trace() {
     assert!(last_error().contains("/nonexistent-dir/x.pickle"));
     free(keep, 0);
     assert_consistent();
+}
+
+#[test]
+fn pool_live_allocations_list_what_the_pool_handed_out_and_history_reads_back() {
+    let _serial = setup();
+    assert_eq!(hbmalloc_create_or_incref_pool(0, 7, 1), Status::Ok as i32);
+    let a = hbmalloc_pool_alloc(MIB, 0, NO_STREAM, 7, 1);
+    let b = hbmalloc_pool_alloc(2 * MIB, 0, NO_STREAM, 7, 1);
+    let outside = alloc(MIB, 0);
+    assert!(!a.is_null() && !b.is_null());
+    let live = |capacity: usize| {
+        let mut ptrs = vec![std::ptr::null_mut(); capacity];
+        let mut count = 0usize;
+        // SAFETY: `ptrs` has room for `capacity` pointers, `count` for one.
+        let status = unsafe {
+            hbmalloc_pool_live_allocations(0, 7, 1, ptrs.as_mut_ptr(), capacity, &mut count)
+        };
+        assert_eq!(status, Status::Ok as i32, "{}", last_error());
+        ptrs.truncate(count.min(capacity));
+        (count, ptrs)
+    };
+    let mut expected = vec![a, b];
+    expected.sort();
+    assert_eq!(live(4), (2, expected));
+    assert_eq!(
+        live(0).0,
+        2,
+        "the count comes without room for the addresses"
+    );
+    free(b, 0);
+    assert_eq!(live(4), (1, vec![a]));
+    free(a, 0);
+    free(outside, 0);
+    assert_eq!(hbmalloc_release_pool(0, 7, 1), Status::Ok as i32);
+    let mut count = 0usize;
+    // SAFETY: a null `ptrs` with capacity 0; `count` is valid.
+    let status =
+        unsafe { hbmalloc_pool_live_allocations(0, 7, 1, std::ptr::null_mut(), 0, &mut count) };
+    assert_eq!(
+        status,
+        Status::InvalidArgument as i32,
+        "a released, emptied pool is gone"
+    );
+
+    let history = || {
+        let mut entries = 0usize;
+        // SAFETY: `entries` is valid for a write.
+        let status = unsafe { hbmalloc_history_entries(&mut entries) };
+        assert_eq!(status, Status::Ok as i32);
+        entries
+    };
+    assert_eq!(hbmalloc_set_history_entries(0, 0), Status::Ok as i32);
+    assert_eq!(history(), 0);
+    // Back to what `setup` configured.
+    assert_eq!(hbmalloc_set_history_entries(100_000, 0), Status::Ok as i32);
+    assert_eq!(history(), 100_000);
 }
 
 #[test]

@@ -286,3 +286,30 @@ pub(super) fn private_pool_config(policy: &PolicyConfig) -> PytorchConfig {
     config.expandable_segments = false;
     config
 }
+
+// Read-only queries the C ABI answers PyTorch's pool checks with; kept
+// apart from the allocator's own methods.
+impl<D: Device> SharedAllocator<D> {
+    /// The addresses of the live allocations (handed out, not yet freed) of
+    /// the private pool `pool`, in address order; `None` when no such pool
+    /// exists. PyTorch's `checkPoolLiveAllocations` compares them with the
+    /// tensors a CUDA graph tree expects to be alive.
+    pub fn pool_live_allocations(&self, pool: PoolId) -> Option<Vec<DevicePtr>> {
+        let engine = lock(&self.pools)
+            .slots
+            .iter()
+            .flatten()
+            .find(|p| p.id == pool)
+            .map(|p| Arc::clone(&p.shard))?;
+        let snapshot = lock(&engine).snapshot();
+        Some(
+            snapshot
+                .segments
+                .iter()
+                .flat_map(|s| &s.blocks)
+                .filter(|b| b.state == crate::snapshot::BlockState::ActiveAllocated)
+                .map(|b| b.address)
+                .collect(),
+        )
+    }
+}
