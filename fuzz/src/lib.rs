@@ -57,8 +57,11 @@ pub fn engine_ops(data: &[u8]) {
     }
 }
 
+/// A fuzz target's body: it panics on a bug, and returns otherwise.
+pub type Target = fn(&[u8]);
+
 /// Every target by name, for the seed tests.
-pub const TARGETS: [(&str, fn(&[u8])); 3] = [
+pub const TARGETS: [(&str, Target); 3] = [
     ("trace_import", trace_import),
     ("config_parse", config_parse),
     ("engine_ops", engine_ops),

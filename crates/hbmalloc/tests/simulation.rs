@@ -1,7 +1,7 @@
 //! Deterministic simulation tests: seeded GPU programs against every policy
 //! configuration, with every check of `hbmalloc::simtest` after every step.
 //!
-//! - Default: 100 seeds per configuration (`scripts/test --long` and CI: 600).
+//! - Default: 300 seeds per configuration (`scripts/test --long` and CI: 3,000).
 //! - `HBMALLOC_SIM_SEED=<n>`: replays exactly seed `n` (every configuration).
 //! - `HBMALLOC_SIM_SEEDS=<n>`: runs `n` seeds per configuration (long mode);
 //!   `HBMALLOC_SIM_FIRST=<n>` starts elsewhere than seed 0.
@@ -29,9 +29,9 @@ const SETTINGS: [&str; 6] = [
     "policy:hbm,max_views:2",
 ];
 
-/// Seeds per configuration by default; `scripts/test --long` (CI) runs 600
+/// Seeds per configuration by default; `scripts/test --long` (CI) runs 3,000
 /// through `HBMALLOC_SIM_SEEDS`.
-const DEFAULT_SEEDS: u64 = 100;
+const DEFAULT_SEEDS: u64 = 300;
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().map(|v| {
