@@ -20,6 +20,7 @@ mod fastmap;
 pub mod format;
 mod hbm;
 pub mod history;
+mod policy;
 mod pytorch;
 #[cfg(any(test, feature = "sim"))]
 pub mod sim;
