@@ -28,8 +28,8 @@ use crate::device::{Device, DevicePtr, EventId, PhysicalHandle, StreamId};
 use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::fastmap::{FastMap, PointerHasher};
 use crate::history::{Action, History};
-use crate::policy::{Policy, PolicyState};
-use crate::snapshot::{SegmentImage, SegmentSnapshot};
+use crate::policy::PolicyState;
+use crate::snapshot::SegmentImage;
 use crate::stats::{decrease_pool, increase_pool, DeviceStats, StatArray};
 
 mod alias;
@@ -1392,57 +1392,8 @@ impl HbmPolicy {
     }
 }
 
-/// The contract, served by the methods above (and, for `hbm`, in `hbm/`).
-impl Policy for HbmPolicy {
-    fn malloc(
-        &mut self,
-        dev: &dyn Device,
-        size: u64,
-        stream: StreamId,
-    ) -> Result<DevicePtr, AllocError> {
-        HbmPolicy::malloc(self, dev, size, stream)
-    }
-
-    fn free(&mut self, dev: &dyn Device, ptr: DevicePtr) -> Result<(), AllocError> {
-        HbmPolicy::free(self, dev, ptr)
-    }
-
-    fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
-        HbmPolicy::record_stream(self, ptr, stream)
-    }
-
-    fn empty_cache(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
-        HbmPolicy::empty_cache(self, dev)
-    }
-
-    fn set_capture_underway(&mut self, dev: &dyn Device, underway: bool) -> Result<(), AllocError> {
-        HbmPolicy::set_capture_underway(self, dev, underway)
-    }
-
-    fn snapshot(&self) -> Vec<SegmentSnapshot> {
-        HbmPolicy::snapshot(self)
-    }
-
-    fn restore_segment(
-        &mut self,
-        dev: &dyn Device,
-        image: &SegmentImage,
-    ) -> Result<Vec<DevicePtr>, AllocError> {
-        HbmPolicy::restore_segment(self, dev, image)
-    }
-
-    fn check_invariants(&self) -> Result<(), String> {
-        HbmPolicy::check_invariants(self)
-    }
-
-    fn state(&self) -> &PolicyState {
-        &self.state
-    }
-
-    fn state_mut(&mut self) -> &mut PolicyState {
-        &mut self.state
-    }
-}
+// The contract, served by the inherent methods of the same names.
+crate::policy::policy_by_inherent_methods!(HbmPolicy);
 
 #[cfg(test)]
 mod tests {

@@ -56,6 +56,81 @@ pub(crate) trait Policy {
     fn state_mut(&mut self) -> &mut PolicyState;
 }
 
+/// Implements [`Policy`] for a policy type by its inherent methods of the
+/// same names and its `state` field: each policy lays its methods out in
+/// its own order (`pytorch` in PyTorch's), and this says which serve the
+/// contract.
+macro_rules! policy_by_inherent_methods {
+    ($policy:ident) => {
+        impl $crate::policy::Policy for $policy {
+            fn malloc(
+                &mut self,
+                dev: &dyn $crate::device::Device,
+                size: u64,
+                stream: $crate::device::StreamId,
+            ) -> Result<$crate::device::DevicePtr, $crate::error::AllocError> {
+                $policy::malloc(self, dev, size, stream)
+            }
+
+            fn free(
+                &mut self,
+                dev: &dyn $crate::device::Device,
+                ptr: $crate::device::DevicePtr,
+            ) -> Result<(), $crate::error::AllocError> {
+                $policy::free(self, dev, ptr)
+            }
+
+            fn record_stream(
+                &mut self,
+                ptr: $crate::device::DevicePtr,
+                stream: $crate::device::StreamId,
+            ) -> Result<(), $crate::error::AllocError> {
+                $policy::record_stream(self, ptr, stream)
+            }
+
+            fn empty_cache(
+                &mut self,
+                dev: &dyn $crate::device::Device,
+            ) -> Result<(), $crate::error::AllocError> {
+                $policy::empty_cache(self, dev)
+            }
+
+            fn set_capture_underway(
+                &mut self,
+                dev: &dyn $crate::device::Device,
+                underway: bool,
+            ) -> Result<(), $crate::error::AllocError> {
+                $policy::set_capture_underway(self, dev, underway)
+            }
+
+            fn snapshot(&self) -> Vec<$crate::snapshot::SegmentSnapshot> {
+                $policy::snapshot(self)
+            }
+
+            fn restore_segment(
+                &mut self,
+                dev: &dyn $crate::device::Device,
+                image: &$crate::snapshot::SegmentImage,
+            ) -> Result<Vec<$crate::device::DevicePtr>, $crate::error::AllocError> {
+                $policy::restore_segment(self, dev, image)
+            }
+
+            fn check_invariants(&self) -> Result<(), String> {
+                $policy::check_invariants(self)
+            }
+
+            fn state(&self) -> &$crate::policy::PolicyState {
+                &self.state
+            }
+
+            fn state_mut(&mut self) -> &mut $crate::policy::PolicyState {
+                &mut self.state
+            }
+        }
+    };
+}
+pub(crate) use policy_by_inherent_methods;
+
 /// The state both policies keep the same way: statistics, history, the
 /// device's size, the memory fraction and the limit it sets, and whether a
 /// capture is underway. Each lives here only.

@@ -29,7 +29,7 @@ use crate::device::{Device, DevicePtr, EventId, PhysicalHandle, StreamId};
 use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::fastmap::FastMap;
 use crate::history::{Action, History};
-use crate::policy::{Policy, PolicyState};
+use crate::policy::PolicyState;
 use crate::snapshot::SegmentImage;
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 use crate::stats::{decrease_pool, increase_pool, pool_rows, Stat};
@@ -1566,54 +1566,5 @@ fn apply_net(stat: &mut Stat, net: i64) {
     }
 }
 
-/// The contract, served by the methods above (and, for `hbm`, in `hbm/`).
-impl Policy for PytorchPolicy {
-    fn malloc(
-        &mut self,
-        dev: &dyn Device,
-        size: u64,
-        stream: StreamId,
-    ) -> Result<DevicePtr, AllocError> {
-        PytorchPolicy::malloc(self, dev, size, stream)
-    }
-
-    fn free(&mut self, dev: &dyn Device, ptr: DevicePtr) -> Result<(), AllocError> {
-        PytorchPolicy::free(self, dev, ptr)
-    }
-
-    fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
-        PytorchPolicy::record_stream(self, ptr, stream)
-    }
-
-    fn empty_cache(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
-        PytorchPolicy::empty_cache(self, dev)
-    }
-
-    fn set_capture_underway(&mut self, dev: &dyn Device, underway: bool) -> Result<(), AllocError> {
-        PytorchPolicy::set_capture_underway(self, dev, underway)
-    }
-
-    fn snapshot(&self) -> Vec<SegmentSnapshot> {
-        PytorchPolicy::snapshot(self)
-    }
-
-    fn restore_segment(
-        &mut self,
-        dev: &dyn Device,
-        image: &SegmentImage,
-    ) -> Result<Vec<DevicePtr>, AllocError> {
-        PytorchPolicy::restore_segment(self, dev, image)
-    }
-
-    fn check_invariants(&self) -> Result<(), String> {
-        PytorchPolicy::check_invariants(self)
-    }
-
-    fn state(&self) -> &PolicyState {
-        &self.state
-    }
-
-    fn state_mut(&mut self) -> &mut PolicyState {
-        &mut self.state
-    }
-}
+// The contract, served by the inherent methods of the same names.
+crate::policy::policy_by_inherent_methods!(PytorchPolicy);
