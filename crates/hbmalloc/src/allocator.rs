@@ -7,7 +7,7 @@ use crate::device::{Device, DevicePtr, StreamId};
 use crate::error::{AllocError, MAX_REQUEST_BYTES};
 use crate::hbm::{HbmConfig, HbmPolicy};
 use crate::history::History;
-use crate::policy::Policy;
+use crate::policy::{Policy, PolicyState};
 use crate::pytorch::PytorchPolicy;
 use crate::snapshot::{SegmentImage, Snapshot};
 use crate::stats::DeviceStats;
@@ -139,6 +139,39 @@ impl Engine {
             Engine::Hbm(p) => p,
         }
     }
+
+    // The hot path (malloc, free, and the state they and every replayed
+    // operation read) is matched to the concrete policy: through `&dyn
+    // Policy` each is an indirect call LLVM does not remove.
+
+    #[inline]
+    fn malloc(
+        &mut self,
+        dev: &dyn Device,
+        size: u64,
+        stream: StreamId,
+    ) -> Result<DevicePtr, AllocError> {
+        match self {
+            Engine::Pytorch(p) => Policy::malloc(p, dev, size, stream),
+            Engine::Hbm(p) => Policy::malloc(p, dev, size, stream),
+        }
+    }
+
+    #[inline]
+    fn free(&mut self, dev: &dyn Device, ptr: DevicePtr) -> Result<(), AllocError> {
+        match self {
+            Engine::Pytorch(p) => Policy::free(p, dev, ptr),
+            Engine::Hbm(p) => Policy::free(p, dev, ptr),
+        }
+    }
+
+    #[inline]
+    fn state(&self) -> &PolicyState {
+        match self {
+            Engine::Pytorch(p) => p.state(),
+            Engine::Hbm(p) => p.state(),
+        }
+    }
 }
 
 /// A caching allocator for one device.
@@ -186,7 +219,7 @@ impl<D: Device> Allocator<D> {
     /// Whether a CUDA graph capture is underway (as last set).
     #[inline]
     fn capture_underway(&self) -> bool {
-        self.engine.policy().state().capture_underway
+        self.engine.state().capture_underway
     }
 
     /// The device.
@@ -204,7 +237,7 @@ impl<D: Device> Allocator<D> {
             return self.malloc_during_capture(size, stream);
         }
         let dev: &dyn Device = &self.device;
-        self.engine.policy_mut().malloc(dev, size, stream)
+        self.engine.malloc(dev, size, stream)
     }
 
     #[cold]
@@ -214,7 +247,7 @@ impl<D: Device> Allocator<D> {
         stream: StreamId,
     ) -> Result<DevicePtr, AllocError> {
         let dev = CaptureSafeDevice(&self.device);
-        self.engine.policy_mut().malloc(&dev, size, stream)
+        self.engine.malloc(&dev, size, stream)
     }
 
     /// Frees `ptr`. Its memory is reused once every stream recorded with
@@ -225,13 +258,13 @@ impl<D: Device> Allocator<D> {
             return self.free_during_capture(ptr);
         }
         let dev: &dyn Device = &self.device;
-        self.engine.policy_mut().free(dev, ptr)
+        self.engine.free(dev, ptr)
     }
 
     #[cold]
     fn free_during_capture(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
         let dev = CaptureSafeDevice(&self.device);
-        self.engine.policy_mut().free(&dev, ptr)
+        self.engine.free(&dev, ptr)
     }
 
     /// Declares that `ptr` is used on `stream` as well as its own.
@@ -268,12 +301,12 @@ impl<D: Device> Allocator<D> {
     /// The share of the device's memory this allocator may hold (1 unless
     /// configured or set: `get_per_process_memory_fraction()`).
     pub fn memory_fraction(&self) -> f64 {
-        self.engine.policy().state().memory_fraction
+        self.engine.state().memory_fraction
     }
 
     /// PyTorch-compatible statistics.
     pub fn stats(&self) -> &DeviceStats {
-        &self.engine.policy().state().stats
+        &self.engine.state().stats
     }
 
     /// `reset_peak_memory_stats()`: every peak becomes the current value.
@@ -292,7 +325,7 @@ impl<D: Device> Allocator<D> {
 
     /// The history ring buffer.
     pub fn history(&self) -> &History {
-        &self.engine.policy().state().history
+        &self.engine.state().history
     }
 
     /// Keeps the last `entries` history entries from now on (0 stops

@@ -63,6 +63,7 @@ pub(crate) trait Policy {
 macro_rules! policy_by_inherent_methods {
     ($policy:ident) => {
         impl $crate::policy::Policy for $policy {
+            #[inline]
             fn malloc(
                 &mut self,
                 dev: &dyn $crate::device::Device,
@@ -72,6 +73,7 @@ macro_rules! policy_by_inherent_methods {
                 $policy::malloc(self, dev, size, stream)
             }
 
+            #[inline]
             fn free(
                 &mut self,
                 dev: &dyn $crate::device::Device,
@@ -80,6 +82,7 @@ macro_rules! policy_by_inherent_methods {
                 $policy::free(self, dev, ptr)
             }
 
+            #[inline]
             fn record_stream(
                 &mut self,
                 ptr: $crate::device::DevicePtr,
@@ -88,6 +91,7 @@ macro_rules! policy_by_inherent_methods {
                 $policy::record_stream(self, ptr, stream)
             }
 
+            #[inline]
             fn empty_cache(
                 &mut self,
                 dev: &dyn $crate::device::Device,
@@ -95,6 +99,7 @@ macro_rules! policy_by_inherent_methods {
                 $policy::empty_cache(self, dev)
             }
 
+            #[inline]
             fn set_capture_underway(
                 &mut self,
                 dev: &dyn $crate::device::Device,
@@ -103,10 +108,12 @@ macro_rules! policy_by_inherent_methods {
                 $policy::set_capture_underway(self, dev, underway)
             }
 
+            #[inline]
             fn snapshot(&self) -> Vec<$crate::snapshot::SegmentSnapshot> {
                 $policy::snapshot(self)
             }
 
+            #[inline]
             fn restore_segment(
                 &mut self,
                 dev: &dyn $crate::device::Device,
@@ -115,14 +122,17 @@ macro_rules! policy_by_inherent_methods {
                 $policy::restore_segment(self, dev, image)
             }
 
+            #[inline]
             fn check_invariants(&self) -> Result<(), String> {
                 $policy::check_invariants(self)
             }
 
+            #[inline]
             fn state(&self) -> &$crate::policy::PolicyState {
                 &self.state
             }
 
+            #[inline]
             fn state_mut(&mut self) -> &mut $crate::policy::PolicyState {
                 &mut self.state
             }
