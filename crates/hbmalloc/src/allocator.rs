@@ -7,6 +7,7 @@ use crate::device::{Device, DevicePtr, StreamId};
 use crate::error::{AllocError, MAX_REQUEST_BYTES};
 use crate::hbm::{HbmConfig, HbmPolicy};
 use crate::history::History;
+use crate::policy::{Policy, PolicyState};
 use crate::pytorch::PytorchPolicy;
 use crate::snapshot::{SegmentImage, Snapshot};
 use crate::stats::DeviceStats;
@@ -120,31 +121,65 @@ enum Engine {
     Hbm(HbmPolicy),
 }
 
+impl Engine {
+    /// The chosen policy, through its contract.
+    #[inline]
+    fn policy(&self) -> &dyn Policy {
+        match self {
+            Engine::Pytorch(p) => p,
+            Engine::Hbm(p) => p,
+        }
+    }
+
+    /// The chosen policy, through its contract, to change.
+    #[inline]
+    fn policy_mut(&mut self) -> &mut dyn Policy {
+        match self {
+            Engine::Pytorch(p) => p,
+            Engine::Hbm(p) => p,
+        }
+    }
+
+    // The hot path (malloc, free, and the state they and every replayed
+    // operation read) is matched to the concrete policy: through `&dyn
+    // Policy` each is an indirect call LLVM does not remove.
+
+    #[inline]
+    fn malloc(
+        &mut self,
+        dev: &dyn Device,
+        size: u64,
+        stream: StreamId,
+    ) -> Result<DevicePtr, AllocError> {
+        match self {
+            Engine::Pytorch(p) => Policy::malloc(p, dev, size, stream),
+            Engine::Hbm(p) => Policy::malloc(p, dev, size, stream),
+        }
+    }
+
+    #[inline]
+    fn free(&mut self, dev: &dyn Device, ptr: DevicePtr) -> Result<(), AllocError> {
+        match self {
+            Engine::Pytorch(p) => Policy::free(p, dev, ptr),
+            Engine::Hbm(p) => Policy::free(p, dev, ptr),
+        }
+    }
+
+    #[inline]
+    fn state(&self) -> &PolicyState {
+        match self {
+            Engine::Pytorch(p) => p.state(),
+            Engine::Hbm(p) => p.state(),
+        }
+    }
+}
+
 /// A caching allocator for one device.
 #[derive(Debug)]
 pub struct Allocator<D: Device> {
     device: D,
     engine: Engine,
     settings: String,
-    /// The share of the device's memory this allocator may hold.
-    memory_fraction: f64,
-    /// A CUDA graph capture is underway on the device (see [`crate::capture`]).
-    capture_underway: bool,
-}
-
-macro_rules! dispatch {
-    ($self:ident, $p:ident => $body:expr) => {
-        match &$self.engine {
-            Engine::Pytorch($p) => $body,
-            Engine::Hbm($p) => $body,
-        }
-    };
-    (mut $self:ident, $p:ident => $body:expr) => {
-        match &mut $self.engine {
-            Engine::Pytorch($p) => $body,
-            Engine::Hbm($p) => $body,
-        }
-    };
 }
 
 impl<D: Device> Allocator<D> {
@@ -153,7 +188,6 @@ impl<D: Device> Allocator<D> {
         let total = device.memory_info()?.total_bytes;
         let history = History::with_capacity(config.history_entries);
         let settings = config.policy.to_settings();
-        let memory_fraction = config.policy.memory_fraction();
         let engine = match config.policy {
             PolicyConfig::Pytorch(c) => Engine::Pytorch(PytorchPolicy::new(c, total, history)),
             PolicyConfig::Hbm(c) => Engine::Hbm(HbmPolicy::new(
@@ -168,8 +202,6 @@ impl<D: Device> Allocator<D> {
             device,
             engine,
             settings,
-            memory_fraction,
-            capture_underway: false,
         })
     }
 
@@ -180,9 +212,14 @@ impl<D: Device> Allocator<D> {
     /// says one could not be (that block then waits for the next
     /// synchronization).
     pub fn set_capture_underway(&mut self, underway: bool) -> Result<(), AllocError> {
-        self.capture_underway = underway;
         let dev: &dyn Device = &self.device;
-        dispatch!(mut self, p => p.set_capture_underway(dev, underway))
+        self.engine.policy_mut().set_capture_underway(dev, underway)
+    }
+
+    /// Whether a CUDA graph capture is underway (as last set).
+    #[inline]
+    fn capture_underway(&self) -> bool {
+        self.engine.state().capture_underway
     }
 
     /// The device.
@@ -196,11 +233,11 @@ impl<D: Device> Allocator<D> {
         if size == 0 || size > MAX_REQUEST_BYTES {
             return Err(AllocError::InvalidSize { size });
         }
-        if self.capture_underway {
+        if self.capture_underway() {
             return self.malloc_during_capture(size, stream);
         }
         let dev: &dyn Device = &self.device;
-        dispatch!(mut self, p => p.malloc(dev, size, stream))
+        self.engine.malloc(dev, size, stream)
     }
 
     #[cold]
@@ -210,41 +247,41 @@ impl<D: Device> Allocator<D> {
         stream: StreamId,
     ) -> Result<DevicePtr, AllocError> {
         let dev = CaptureSafeDevice(&self.device);
-        dispatch!(mut self, p => p.malloc(&dev, size, stream))
+        self.engine.malloc(&dev, size, stream)
     }
 
     /// Frees `ptr`. Its memory is reused once every stream recorded with
     /// [`Allocator::record_stream`] has finished with it.
     #[inline]
     pub fn free(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
-        if self.capture_underway {
+        if self.capture_underway() {
             return self.free_during_capture(ptr);
         }
         let dev: &dyn Device = &self.device;
-        dispatch!(mut self, p => p.free(dev, ptr))
+        self.engine.free(dev, ptr)
     }
 
     #[cold]
     fn free_during_capture(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
         let dev = CaptureSafeDevice(&self.device);
-        dispatch!(mut self, p => p.free(&dev, ptr))
+        self.engine.free(&dev, ptr)
     }
 
     /// Declares that `ptr` is used on `stream` as well as its own.
     pub fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
-        dispatch!(mut self, p => p.record_stream(ptr, stream))
+        self.engine.policy_mut().record_stream(ptr, stream)
     }
 
     /// Returns every wholly free cached segment (or page) to the driver.
     /// Refused while a CUDA graph capture is underway.
     pub fn empty_cache(&mut self) -> Result<(), AllocError> {
-        if self.capture_underway {
+        if self.capture_underway() {
             return Err(AllocError::CaptureUnderway {
                 operation: "empty_cache",
             });
         }
         let dev: &dyn Device = &self.device;
-        dispatch!(mut self, p => p.empty_cache(dev))
+        self.engine.policy_mut().empty_cache(dev)
     }
 
     /// Limits this allocator to `fraction` of the device's memory.
@@ -254,47 +291,57 @@ impl<D: Device> Allocator<D> {
                 "memory fraction {fraction} is not between 0 and 1"
             )));
         }
-        dispatch!(mut self, p => p.set_memory_fraction(fraction));
-        self.memory_fraction = fraction;
+        self.engine
+            .policy_mut()
+            .state_mut()
+            .set_memory_fraction(fraction);
         Ok(())
     }
 
     /// The share of the device's memory this allocator may hold (1 unless
     /// configured or set: `get_per_process_memory_fraction()`).
     pub fn memory_fraction(&self) -> f64 {
-        self.memory_fraction
+        self.engine.state().memory_fraction
     }
 
     /// PyTorch-compatible statistics.
     pub fn stats(&self) -> &DeviceStats {
-        dispatch!(self, p => p.stats())
+        &self.engine.state().stats
     }
 
     /// `reset_peak_memory_stats()`: every peak becomes the current value.
     pub fn reset_peak_stats(&mut self) {
-        dispatch!(mut self, p => p.stats_mut().reset_peak())
+        self.engine.policy_mut().state_mut().stats.reset_peak()
     }
 
     /// `reset_accumulated_memory_stats()`.
     pub fn reset_accumulated_stats(&mut self) {
-        dispatch!(mut self, p => p.stats_mut().reset_accumulated())
+        self.engine
+            .policy_mut()
+            .state_mut()
+            .stats
+            .reset_accumulated()
     }
 
     /// The history ring buffer.
     pub fn history(&self) -> &History {
-        dispatch!(self, p => p.history())
+        &self.engine.state().history
     }
 
     /// Keeps the last `entries` history entries from now on (0 stops
     /// recording); `clear` drops those kept. See [`History::set_capacity`].
     pub fn set_history_entries(&mut self, entries: usize, clear: bool) {
-        dispatch!(mut self, p => p.history_mut().set_capacity(entries, clear))
+        self.engine
+            .policy_mut()
+            .state_mut()
+            .history
+            .set_capacity(entries, clear)
     }
 
     /// Segments, blocks, history and settings.
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
-            segments: dispatch!(self, p => p.snapshot()),
+            segments: self.engine.policy().snapshot(),
             history: self.history().entries().copied().collect(),
             settings: self.settings(),
         }
@@ -305,7 +352,7 @@ impl<D: Device> Allocator<D> {
     /// can serve a larger request without new memory, by stitching idle
     /// granules of several free blocks together.
     pub fn largest_free_block_bytes(&self) -> u64 {
-        crate::snapshot::largest_free_block(&dispatch!(self, p => p.snapshot()))
+        crate::snapshot::largest_free_block(&self.engine.policy().snapshot())
     }
 
     /// The policy and configuration as one string (`policy:pytorch,expandable_segments:True`).
@@ -317,11 +364,11 @@ impl<D: Device> Allocator<D> {
     /// the address of each of its blocks.
     pub fn restore_segment(&mut self, image: &SegmentImage) -> Result<Vec<DevicePtr>, AllocError> {
         let dev: &dyn Device = &self.device;
-        dispatch!(mut self, p => p.restore_segment(dev, image))
+        self.engine.policy_mut().restore_segment(dev, image)
     }
 
     /// Checks the policy's invariants (`ARCHITECTURE.md`); the error says which one broke.
     pub fn check_invariants(&self) -> Result<(), String> {
-        dispatch!(self, p => p.check_invariants())
+        self.engine.policy().check_invariants()
     }
 }

@@ -28,6 +28,7 @@ use crate::device::{Device, DevicePtr, EventId, PhysicalHandle, StreamId};
 use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::fastmap::{FastMap, PointerHasher};
 use crate::history::{Action, History};
+use crate::policy::PolicyState;
 use crate::snapshot::SegmentImage;
 use crate::stats::{decrease_pool, increase_pool, DeviceStats, StatArray};
 
@@ -594,8 +595,6 @@ pub(crate) struct HbmPolicy {
     /// Events whose synchronization failed: retired at the next full
     /// synchronization, so none is leaked.
     stray_events: Vec<EventId>,
-    /// A CUDA graph capture is underway on the device (see [`crate::capture`]).
-    capture_underway: bool,
     /// Stretches mapped whose `set_access` failed and whose unmap did not
     /// happen (region, its base, first granule, end granule): access is
     /// granted again before the next request is served.
@@ -619,11 +618,9 @@ pub(crate) struct HbmPolicy {
     lifetimes: Vec<SizeLifetimes>,
     /// Where blocks were freed lately ([`RECENT_FREE_SLOTS`] slots).
     recent_frees: Vec<Option<RecentFree>>,
-    /// Hard limit on `held_bytes` (memory fraction).
-    limit_bytes: Option<u64>,
-    device_total: u64,
-    stats: DeviceStats,
-    history: History,
+    /// Statistics, history, device size, memory fraction (a hard limit on
+    /// `held_bytes`), capture flag.
+    state: PolicyState,
 }
 
 /// Statistics count blocks of at most 1 MiB in the small pool, as PyTorch does.
@@ -663,7 +660,6 @@ impl HbmPolicy {
             scratch_idle: Vec::new(),
             pending_events: BTreeMap::new(),
             stray_events: Vec::new(),
-            capture_underway: false,
             deferred_event_blocks: Vec::new(),
             without_access: Vec::new(),
             held_bytes: 0,
@@ -673,38 +669,17 @@ impl HbmPolicy {
             allocations: 0,
             lifetimes: Vec::new(),
             recent_frees: vec![None; RECENT_FREE_SLOTS],
-            limit_bytes: None,
-            device_total,
-            stats: config.initial_stats(),
-            history,
+            state: PolicyState::new(
+                config.initial_stats(),
+                history,
+                device_total,
+                config.per_process_memory_fraction,
+            ),
             config,
         };
         let small_sizes = policy.granule.unwrap_or(SEGMENT_ROUND) / MIN_BLOCK_SIZE;
         policy.lifetimes = vec![SizeLifetimes::default(); small_sizes as usize];
-        if policy.config.per_process_memory_fraction < 1.0 {
-            policy.set_memory_fraction(policy.config.per_process_memory_fraction);
-        }
         policy
-    }
-
-    pub(crate) fn stats(&self) -> &DeviceStats {
-        &self.stats
-    }
-
-    pub(crate) fn stats_mut(&mut self) -> &mut DeviceStats {
-        &mut self.stats
-    }
-
-    pub(crate) fn history(&self) -> &History {
-        &self.history
-    }
-
-    pub(crate) fn history_mut(&mut self) -> &mut History {
-        &mut self.history
-    }
-
-    pub(crate) fn set_memory_fraction(&mut self, fraction: f64) {
-        self.limit_bytes = Some((fraction * self.device_total as f64) as u64);
     }
 
     fn region(&self, index: u32) -> &Region {
@@ -722,12 +697,12 @@ impl HbmPolicy {
     fn add_held(&mut self, bytes: u64) {
         self.held_bytes += bytes;
         self.peak_held_bytes = self.peak_held_bytes.max(self.held_bytes);
-        increase(&mut self.stats.reserved_bytes, u64::MAX, bytes);
+        increase(&mut self.state.stats.reserved_bytes, u64::MAX, bytes);
     }
 
     fn sub_held(&mut self, bytes: u64) {
         self.held_bytes -= bytes;
-        decrease(&mut self.stats.reserved_bytes, u64::MAX, bytes);
+        decrease(&mut self.state.stats.reserved_bytes, u64::MAX, bytes);
     }
 
     // ----- malloc -----
@@ -752,7 +727,7 @@ impl HbmPolicy {
             self.grant_missing_access(dev)?;
         }
         self.process_events(dev)?;
-        let demand = self.stats.active_bytes[0].current as u64 + size;
+        let demand = self.state.stats.active_bytes[0].current as u64 + size;
         self.growing = demand > self.peak_demand_bytes;
         self.peak_demand_bytes = self.peak_demand_bytes.max(demand);
         let near_peak = demand * 100 >= self.peak_demand_bytes * SHORT_LIVED_NEAR_PEAK_PERCENT;
@@ -808,8 +783,8 @@ impl HbmPolicy {
             // Out of memory: let pending frees complete, give back wholly free
             // segments, and try once more, stealing without any allowance.
             retried = true;
-            self.stats.num_alloc_retries += 1;
-            if self.capture_underway {
+            self.state.stats.num_alloc_retries += 1;
+            if self.state.capture_underway {
                 // Nothing may be waited for or given back: only the retry's
                 // larger allowance for new memory.
                 continue;
@@ -846,12 +821,14 @@ impl HbmPolicy {
             },
         );
         self.allocations += 1;
-        self.history.record(Action::Alloc, ptr, requested, stream);
-        increase(&mut self.stats.allocation, size, 1);
-        increase(&mut self.stats.allocated_bytes, size, size);
-        increase(&mut self.stats.active, size, 1);
-        increase(&mut self.stats.active_bytes, size, size);
-        increase(&mut self.stats.requested_bytes, size, requested);
+        self.state
+            .history
+            .record(Action::Alloc, ptr, requested, stream);
+        increase(&mut self.state.stats.allocation, size, 1);
+        increase(&mut self.state.stats.allocated_bytes, size, size);
+        increase(&mut self.state.stats.active, size, 1);
+        increase(&mut self.state.stats.active_bytes, size, size);
+        increase(&mut self.state.stats.requested_bytes, size, requested);
         Ok(ptr)
     }
 
@@ -1019,7 +996,11 @@ impl HbmPolicy {
         };
         let region = match self.granule {
             Some(granule) => {
-                let wanted = (self.device_total.saturating_mul(REGION_CAPACITY_FACTOR)).max(size);
+                let wanted = (self
+                    .state
+                    .device_total
+                    .saturating_mul(REGION_CAPACITY_FACTOR))
+                .max(size);
                 let region_size = wanted.div_ceil(granule) * granule;
                 let base = dev.address_reserve(region_size)?;
                 Region::new(base, region_size, stream, size_index, region_size / granule)
@@ -1027,6 +1008,7 @@ impl HbmPolicy {
             None => {
                 let segment_size = size.div_ceil(SEGMENT_ROUND) * SEGMENT_ROUND;
                 if self
+                    .state
                     .limit_bytes
                     .is_some_and(|limit| self.held_bytes + segment_size > limit)
                 {
@@ -1038,8 +1020,9 @@ impl HbmPolicy {
                     Err(e) => return Err(e.into()),
                 };
                 self.add_held(segment_size);
-                self.stats.num_device_alloc += 1;
-                self.history
+                self.state.stats.num_device_alloc += 1;
+                self.state
+                    .history
                     .record(Action::SegmentAlloc, base, segment_size, stream);
                 // No granules: a plain segment, always fully backed.
                 Region::new(base, segment_size, stream, size_index, 0)
@@ -1047,7 +1030,7 @@ impl HbmPolicy {
         };
         let (base, region_size) = (region.base, region.size);
         self.regions.push(Some(region));
-        increase(&mut self.stats.segment, u64::MAX, 1);
+        increase(&mut self.state.stats.segment, u64::MAX, 1);
         let span = self.new_span(Span {
             start: base,
             size: region_size,
@@ -1070,11 +1053,12 @@ impl HbmPolicy {
         let (requested, stream, span) = (block.requested, block.stream, block.span);
         let uses_pending = !block.stream_uses.is_empty();
         let size = self.span(span).size;
-        decrease(&mut self.stats.allocation, size, 1);
-        decrease(&mut self.stats.allocated_bytes, size, size);
-        self.history
+        decrease(&mut self.state.stats.allocation, size, 1);
+        decrease(&mut self.state.stats.allocated_bytes, size, size);
+        self.state
+            .history
             .record(Action::FreeRequested, ptr, requested, stream);
-        if uses_pending && self.capture_underway {
+        if uses_pending && self.state.capture_underway {
             self.deferred_event_blocks.push(ptr);
             Ok(())
         } else if uses_pending {
@@ -1095,10 +1079,11 @@ impl HbmPolicy {
                 lifetimes.short += 1;
             }
         }
-        decrease(&mut self.stats.active, size, 1);
-        decrease(&mut self.stats.active_bytes, size, size);
-        decrease(&mut self.stats.requested_bytes, size, block.requested);
-        self.history
+        decrease(&mut self.state.stats.active, size, 1);
+        decrease(&mut self.state.stats.active_bytes, size, size);
+        decrease(&mut self.state.stats.requested_bytes, size, block.requested);
+        self.state
+            .history
             .record(Action::FreeCompleted, ptr, block.requested, block.stream);
         let free = self.release_span(block.span);
         if block.on_aliased {
@@ -1173,7 +1158,7 @@ impl HbmPolicy {
         dev: &dyn Device,
         underway: bool,
     ) -> Result<(), AllocError> {
-        self.capture_underway = underway;
+        self.state.capture_underway = underway;
         if underway {
             return Ok(());
         }
@@ -1182,7 +1167,7 @@ impl HbmPolicy {
     }
 
     fn process_events(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
-        if self.pending_events.is_empty() || self.capture_underway {
+        if self.pending_events.is_empty() || self.state.capture_underway {
             return Ok(());
         }
         let streams: Vec<StreamId> = self.pending_events.keys().copied().collect();
@@ -1209,7 +1194,7 @@ impl HbmPolicy {
     }
 
     fn synchronize_and_free_events(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
-        self.stats.num_sync_all_streams += 1;
+        self.state.stats.num_sync_all_streams += 1;
         while let Some(&event) = self.stray_events.last() {
             dev.synchronize_event(event)?;
             self.stray_events.pop();
@@ -1273,8 +1258,10 @@ impl HbmPolicy {
             if segment {
                 dev.segment_free(base, size)?;
                 self.sub_held(size);
-                self.stats.num_device_free += 1;
-                self.history.record(Action::SegmentFree, base, size, stream);
+                self.state.stats.num_device_free += 1;
+                self.state
+                    .history
+                    .record(Action::SegmentFree, base, size, stream);
             } else {
                 dev.address_free(base, size)?;
             }
@@ -1285,7 +1272,7 @@ impl HbmPolicy {
             self.unindex_free(span);
             self.retire_span(span);
             self.regions[index as usize] = None;
-            decrease(&mut self.stats.segment, u64::MAX, 1);
+            decrease(&mut self.state.stats.segment, u64::MAX, 1);
         }
         Ok(())
     }
@@ -1310,10 +1297,11 @@ impl HbmPolicy {
         stream: StreamId,
     ) -> AllocError {
         let device_free = dev.memory_info().map(|i| i.free_bytes).unwrap_or(0);
-        self.history
+        self.state
+            .history
             .record(Action::Oom, device_free, rounded, stream);
-        self.stats.num_ooms += 1;
-        let allocated = self.stats.allocated_bytes[0].current as u64;
+        self.state.stats.num_ooms += 1;
+        let allocated = self.state.stats.allocated_bytes[0].current as u64;
         // With remapping, every wholly free mapped granule is usable by any
         // request: that is the largest piece the allocator could offer. Idle
         // memory stitched in at several views is mapped (and listed) once per
@@ -1321,7 +1309,7 @@ impl HbmPolicy {
         // a capture, when the retry unmaps nothing).
         let cached_free = self
             .held_bytes
-            .saturating_sub(self.stats.allocated_bytes[0].current as u64);
+            .saturating_sub(self.state.stats.allocated_bytes[0].current as u64);
         let largest_free = match self.granule {
             Some(g) => self
                 .free_spans(g, u64::MAX, false)
@@ -1349,14 +1337,14 @@ impl HbmPolicy {
             rounded_bytes: rounded,
             device_request_bytes: rounded.div_ceil(granule) * granule,
             stream,
-            device_total_bytes: self.device_total,
+            device_total_bytes: self.state.device_total,
             device_free_bytes: device_free,
             allocated_bytes: allocated,
             reserved_bytes: self.held_bytes,
             cached_free_bytes: self.held_bytes.saturating_sub(allocated),
             largest_free_block_bytes: largest_free,
             pending_free_bytes: pending,
-            limit_bytes: self.limit_bytes,
+            limit_bytes: self.state.limit_bytes,
             policy: "hbm",
             verdict: OomVerdict::RealDemand,
         };
@@ -1405,6 +1393,9 @@ impl HbmPolicy {
         Ok(ptrs)
     }
 }
+
+// The contract, served by the inherent methods of the same names.
+crate::policy::policy_by_inherent_methods!(HbmPolicy);
 
 #[cfg(test)]
 mod tests {

@@ -22,6 +22,7 @@ mod hbm;
 pub mod history;
 #[cfg(any(test, feature = "sim"))]
 pub mod latency;
+mod policy;
 mod pytorch;
 #[cfg(any(test, feature = "sim"))]
 pub mod sim;

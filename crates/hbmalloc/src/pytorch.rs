@@ -29,9 +29,10 @@ use crate::device::{Device, DevicePtr, EventId, PhysicalHandle, StreamId};
 use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::fastmap::FastMap;
 use crate::history::{Action, History};
+use crate::policy::PolicyState;
 use crate::snapshot::SegmentImage;
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
-use crate::stats::{decrease_pool, increase_pool, pool_rows, DeviceStats, Stat};
+use crate::stats::{decrease_pool, increase_pool, pool_rows, Stat};
 
 /// Deliberately broken behaviour, for proving that the simulation harness
 /// catches it (test builds only).
@@ -147,17 +148,12 @@ pub(crate) struct PytorchPolicy {
     cuda_events: BTreeMap<StreamId, VecDeque<(EventId, BlockId)>>,
     /// Bytes held from the driver (PyTorch's `total_allocated_memory`).
     total_allocated_memory: u64,
-    /// Set by a memory fraction (PyTorch's `set_fraction` + `allowed_memory_maximum`).
-    allowed_memory_maximum: Option<u64>,
-    device_total: u64,
-    stats: DeviceStats,
-    history: History,
+    /// Statistics, history, device size, memory fraction, capture flag.
+    state: PolicyState,
     /// Pages to release at the next `release_cached_blocks` (counted as reserved).
     stray_pages: Vec<StrayPage>,
     /// Events whose synchronization failed, to retire at the next `release_cached_blocks`.
     stray_events: Vec<EventId>,
-    /// A CUDA graph capture is underway on the device (see [`crate::capture`]).
-    capture_underway: bool,
     /// Blocks freed with uses on other streams during a capture, whose
     /// events are recorded when it ends (PyTorch's
     /// `needs_events_deferred_until_no_capture`).
@@ -170,7 +166,7 @@ fn pool_index(small: bool) -> usize {
 
 impl PytorchPolicy {
     pub(crate) fn new(config: PytorchConfig, device_total: u64, history: History) -> Self {
-        let mut policy = PytorchPolicy {
+        PytorchPolicy {
             blocks: Vec::new(),
             free_block_ids: Vec::new(),
             pools: [BlockPool::default(), BlockPool::default()],
@@ -178,40 +174,17 @@ impl PytorchPolicy {
             expandable_segments: Vec::new(),
             cuda_events: BTreeMap::new(),
             total_allocated_memory: 0,
-            allowed_memory_maximum: None,
-            device_total,
-            stats: config.initial_stats(),
-            history,
+            state: PolicyState::new(
+                config.initial_stats(),
+                history,
+                device_total,
+                config.per_process_memory_fraction,
+            ),
             config,
             stray_pages: Vec::new(),
             stray_events: Vec::new(),
-            capture_underway: false,
             deferred_event_blocks: Vec::new(),
-        };
-        if policy.config.per_process_memory_fraction < 1.0 {
-            policy.set_memory_fraction(policy.config.per_process_memory_fraction);
         }
-        policy
-    }
-
-    pub(crate) fn stats(&self) -> &DeviceStats {
-        &self.stats
-    }
-
-    pub(crate) fn stats_mut(&mut self) -> &mut DeviceStats {
-        &mut self.stats
-    }
-
-    pub(crate) fn history(&self) -> &History {
-        &self.history
-    }
-
-    pub(crate) fn history_mut(&mut self) -> &mut History {
-        &mut self.history
-    }
-
-    pub(crate) fn set_memory_fraction(&mut self, fraction: f64) {
-        self.allowed_memory_maximum = Some((fraction * self.device_total as f64) as u64);
     }
 
     // ----- block arena -----
@@ -293,7 +266,7 @@ impl PytorchPolicy {
     }
 
     fn gc_enabled(&self) -> bool {
-        self.allowed_memory_maximum.is_some() && self.config.garbage_collection_threshold > 0.0
+        self.state.limit_bytes.is_some() && self.config.garbage_collection_threshold > 0.0
     }
 
     // ----- malloc -----
@@ -311,7 +284,7 @@ impl PytorchPolicy {
 
         let mut found = self.get_free_block(small, stream, size);
         // During a capture no memory is given back: only new memory.
-        let may_release = !self.capture_underway;
+        let may_release = !self.state.capture_underway;
         if found.is_none() {
             if self.gc_enabled() && may_release {
                 self.garbage_collect_cached_blocks(dev)?;
@@ -421,9 +394,9 @@ impl PytorchPolicy {
         is_retry: bool,
     ) -> Result<Option<BlockId>, AllocError> {
         if is_retry {
-            self.stats.num_alloc_retries += 1;
+            self.state.stats.num_alloc_retries += 1;
         }
-        if let Some(max) = self.allowed_memory_maximum {
+        if let Some(max) = self.state.limit_bytes {
             if self.total_allocated_memory + alloc_size > max {
                 return Ok(None);
             }
@@ -438,13 +411,14 @@ impl PytorchPolicy {
         };
         self.total_allocated_memory += alloc_size;
         let id = self.new_block(Block::new(ptr, alloc_size, stream, small));
-        increase_pool(&mut self.stats.segment, small, 1);
-        increase_pool(&mut self.stats.reserved_bytes, small, alloc_size);
+        increase_pool(&mut self.state.stats.segment, small, 1);
+        increase_pool(&mut self.state.stats.reserved_bytes, small, alloc_size);
         if alloc_size >= self.config.max_split_size {
-            self.stats.oversize_segments.increase(1);
+            self.state.stats.oversize_segments.increase(1);
         }
-        self.stats.num_device_alloc += 1;
-        self.history
+        self.state.stats.num_device_alloc += 1;
+        self.state
+            .history
             .record(Action::SegmentAlloc, ptr, alloc_size, stream);
         Ok(Some(id))
     }
@@ -482,30 +456,40 @@ impl PytorchPolicy {
             self.pool_insert(remaining);
             if already_split && !expandable {
                 // An already-split inactive block shrinks by `size` bytes.
-                decrease_pool(&mut self.stats.inactive_split_bytes, small, size);
+                decrease_pool(&mut self.state.stats.inactive_split_bytes, small, size);
             } else if !expandable {
                 // A new inactive split block is created from an unsplit one.
-                increase_pool(&mut self.stats.inactive_split_bytes, small, remaining_size);
-                increase_pool(&mut self.stats.inactive_split, small, 1);
+                increase_pool(
+                    &mut self.state.stats.inactive_split_bytes,
+                    small,
+                    remaining_size,
+                );
+                increase_pool(&mut self.state.stats.inactive_split, small, 1);
             }
         } else if already_split && !expandable {
             let block_size = self.b(id).size;
-            decrease_pool(&mut self.stats.inactive_split_bytes, small, block_size);
-            decrease_pool(&mut self.stats.inactive_split, small, 1);
+            decrease_pool(
+                &mut self.state.stats.inactive_split_bytes,
+                small,
+                block_size,
+            );
+            decrease_pool(&mut self.state.stats.inactive_split, small, 1);
         }
         let b = self.bm(block);
         b.allocated = true;
         b.requested_size = orig_size;
         let (ptr, block_size, stream) = (b.ptr, b.size, b.stream);
-        self.history.record(Action::Alloc, ptr, orig_size, stream);
+        self.state
+            .history
+            .record(Action::Alloc, ptr, orig_size, stream);
         self.allocated_blocks.insert(ptr, block);
-        increase_pool(&mut self.stats.allocation, small, 1);
-        increase_pool(&mut self.stats.allocated_bytes, small, block_size);
-        increase_pool(&mut self.stats.active, small, 1);
-        increase_pool(&mut self.stats.active_bytes, small, block_size);
-        increase_pool(&mut self.stats.requested_bytes, small, orig_size);
+        increase_pool(&mut self.state.stats.allocation, small, 1);
+        increase_pool(&mut self.state.stats.allocated_bytes, small, block_size);
+        increase_pool(&mut self.state.stats.active, small, 1);
+        increase_pool(&mut self.state.stats.active_bytes, small, block_size);
+        increase_pool(&mut self.state.stats.requested_bytes, small, orig_size);
         if block_size >= self.config.max_split_size {
-            self.stats.oversize_allocations.increase(1);
+            self.state.stats.oversize_allocations.increase(1);
         }
         ptr
     }
@@ -519,17 +503,18 @@ impl PytorchPolicy {
         let b = self.bm(id);
         b.allocated = false;
         let (small, size, requested, stream) = (b.small, b.size, b.requested_size, b.stream);
-        decrease_pool(&mut self.stats.allocation, small, 1);
-        decrease_pool(&mut self.stats.allocated_bytes, small, size);
-        self.history
+        decrease_pool(&mut self.state.stats.allocation, small, 1);
+        decrease_pool(&mut self.state.stats.allocated_bytes, small, size);
+        self.state
+            .history
             .record(Action::FreeRequested, ptr, requested, stream);
         if size >= self.config.max_split_size {
-            self.stats.oversize_allocations.decrease(1);
+            self.state.stats.oversize_allocations.decrease(1);
         }
         if self.b(id).stream_uses.is_empty() {
             self.free_block(id);
             Ok(())
-        } else if self.capture_underway {
+        } else if self.state.capture_underway {
             self.deferred_event_blocks.push(id);
             Ok(())
         } else {
@@ -544,7 +529,7 @@ impl PytorchPolicy {
         dev: &dyn Device,
         underway: bool,
     ) -> Result<(), AllocError> {
-        self.capture_underway = underway;
+        self.state.capture_underway = underway;
         if underway {
             return Ok(());
         }
@@ -594,7 +579,7 @@ impl PytorchPolicy {
     }
 
     fn process_events(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
-        if self.cuda_events.is_empty() || self.capture_underway {
+        if self.cuda_events.is_empty() || self.state.capture_underway {
             return Ok(());
         }
         let streams: Vec<StreamId> = self.cuda_events.keys().copied().collect();
@@ -624,7 +609,7 @@ impl PytorchPolicy {
     }
 
     fn synchronize_and_free_events(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
-        self.stats.num_sync_all_streams += 1;
+        self.state.stats.num_sync_all_streams += 1;
         // Blocks whose event could not be recorded wait on a whole-device sync.
         let stranded: Vec<BlockId> = self.allocated_blocks_stranded().into_iter().collect();
         if !stranded.is_empty() {
@@ -724,7 +709,8 @@ impl PytorchPolicy {
                 b.next,
             )
         };
-        self.history
+        self.state
+            .history
             .record(Action::FreeCompleted, ptr, requested, stream);
         let mut net_blocks: i64 = 0;
         let mut net_bytes: i64 = 0;
@@ -745,13 +731,13 @@ impl PytorchPolicy {
         // pages can always be released.
         if b.expandable.is_none() {
             for t in pool_rows(small) {
-                apply_net(&mut self.stats.inactive_split[t], net_blocks);
-                apply_net(&mut self.stats.inactive_split_bytes[t], net_bytes);
+                apply_net(&mut self.state.stats.inactive_split[t], net_blocks);
+                apply_net(&mut self.state.stats.inactive_split_bytes[t], net_bytes);
             }
         }
-        decrease_pool(&mut self.stats.active, small, 1);
-        decrease_pool(&mut self.stats.active_bytes, small, original_size);
-        decrease_pool(&mut self.stats.requested_bytes, small, requested);
+        decrease_pool(&mut self.state.stats.active, small, 1);
+        decrease_pool(&mut self.state.stats.active_bytes, small, original_size);
+        decrease_pool(&mut self.state.stats.requested_bytes, small, requested);
         self.bm(id).requested_size = 0;
     }
 
@@ -807,8 +793,8 @@ impl PytorchPolicy {
             let (size, small) = (page.size, page.small);
             self.stray_pages.pop();
             self.total_allocated_memory -= size;
-            decrease_pool(&mut self.stats.reserved_bytes, small, size);
-            self.stats.num_device_free += 1;
+            decrease_pool(&mut self.state.stats.reserved_bytes, small, size);
+            self.state.stats.num_device_free += 1;
         }
         Ok(())
     }
@@ -820,13 +806,15 @@ impl PytorchPolicy {
             (b.ptr, b.size, b.stream, b.small)
         };
         dev.segment_free(ptr, size)?;
-        self.stats.num_device_free += 1;
-        self.history.record(Action::SegmentFree, ptr, size, stream);
+        self.state.stats.num_device_free += 1;
+        self.state
+            .history
+            .record(Action::SegmentFree, ptr, size, stream);
         self.total_allocated_memory -= size;
-        decrease_pool(&mut self.stats.segment, small, 1);
-        decrease_pool(&mut self.stats.reserved_bytes, small, size);
+        decrease_pool(&mut self.state.stats.segment, small, 1);
+        decrease_pool(&mut self.state.stats.reserved_bytes, small, size);
         if size >= self.config.max_split_size {
-            self.stats.oversize_segments.decrease(1);
+            self.state.stats.oversize_segments.decrease(1);
         }
         self.pool_erase(id);
         self.delete_block(id);
@@ -884,7 +872,7 @@ impl PytorchPolicy {
     }
 
     fn garbage_collect_cached_blocks(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
-        let Some(max) = self.allowed_memory_maximum else {
+        let Some(max) = self.state.limit_bytes else {
             return Ok(());
         };
         let threshold = (self.config.garbage_collection_threshold * max as f64) as u64;
@@ -1001,8 +989,8 @@ impl PytorchPolicy {
         // so pages can be unmapped early and remapped at the end. PyTorch
         // computes `total + total / 8`; `total / 8 * 9` can come out a page short.
         let wanted = match self.config.expandable_segments_reserve {
-            Some(spec) => spec.bytes(self.device_total),
-            None => self.device_total + self.device_total / 8,
+            Some(spec) => spec.bytes(self.state.device_total),
+            None => self.state.device_total + self.state.device_total / 8,
         };
         let pages = wanted.div_ceil(page_size).max(1);
         let reserved_size = pages * page_size;
@@ -1037,7 +1025,7 @@ impl PytorchPolicy {
         // During a capture it stays there (nothing may be unmapped): a range
         // over it cannot be mapped until the capture ends.
         if self.stray_pages.iter().any(|p| p.mapped_at.is_some()) {
-            if !self.capture_underway {
+            if !self.state.capture_underway {
                 self.release_strays(dev)?;
             } else if self.stray_pages.iter().any(|p| {
                 p.mapped_at
@@ -1121,7 +1109,7 @@ impl PytorchPolicy {
         for mut page in pages {
             page.small = small;
             self.total_allocated_memory += page.size;
-            increase_pool(&mut self.stats.reserved_bytes, small, page.size);
+            increase_pool(&mut self.state.stats.reserved_bytes, small, page.size);
             self.stray_pages.push(page);
         }
     }
@@ -1171,9 +1159,10 @@ impl PytorchPolicy {
         self.try_merge_blocks(id, next);
         self.pool_insert(id);
         self.total_allocated_memory += mapped_size;
-        increase_pool(&mut self.stats.reserved_bytes, small, mapped_size);
-        self.stats.num_device_alloc += 1;
-        self.history
+        increase_pool(&mut self.state.stats.reserved_bytes, small, mapped_size);
+        self.state.stats.num_device_alloc += 1;
+        self.state
+            .history
             .record(Action::SegmentMap, mapped_ptr, mapped_size, stream);
         Ok(Some(id))
     }
@@ -1295,12 +1284,13 @@ impl PytorchPolicy {
         // Stray pages stay counted as reserved until they are released.
         self.total_allocated_memory -= unmapped_size - stray_bytes;
         decrease_pool(
-            &mut self.stats.reserved_bytes,
+            &mut self.state.stats.reserved_bytes,
             small,
             unmapped_size - stray_bytes,
         );
-        self.stats.num_device_free += 1;
-        self.history
+        self.state.stats.num_device_free += 1;
+        self.state
+            .history
             .record(Action::SegmentUnmap, unmapped_ptr, unmapped_size, stream);
         match failure {
             Some(e) => Err(e.into()),
@@ -1335,10 +1325,11 @@ impl PytorchPolicy {
         stream: StreamId,
     ) -> AllocError {
         let device_free = dev.memory_info().map(|i| i.free_bytes).unwrap_or(0);
-        self.history
+        self.state
+            .history
             .record(Action::Oom, device_free, rounded, stream);
-        self.stats.num_ooms += 1;
-        let allocated = self.stats.allocated_bytes[0].current as u64;
+        self.state.stats.num_ooms += 1;
+        let allocated = self.state.stats.allocated_bytes[0].current as u64;
         let largest_free = self
             .pools
             .iter()
@@ -1357,14 +1348,14 @@ impl PytorchPolicy {
             rounded_bytes: rounded,
             device_request_bytes: alloc_size,
             stream,
-            device_total_bytes: self.device_total,
+            device_total_bytes: self.state.device_total,
             device_free_bytes: device_free,
             allocated_bytes: allocated,
             reserved_bytes: self.total_allocated_memory,
             cached_free_bytes: self.total_allocated_memory.saturating_sub(allocated),
             largest_free_block_bytes: largest_free,
             pending_free_bytes: pending,
-            limit_bytes: self.allowed_memory_maximum,
+            limit_bytes: self.state.limit_bytes,
             policy: "pytorch",
             verdict: OomVerdict::RealDemand,
         };
@@ -1551,16 +1542,16 @@ impl PytorchPolicy {
                 self.total_allocated_memory, mapped_total
             ));
         }
-        if self.stats.reserved_bytes[0].current as u64 != mapped_total {
+        if self.state.stats.reserved_bytes[0].current as u64 != mapped_total {
             return Err("reserved_bytes stat disagrees with the segments".into());
         }
-        if self.stats.allocated_bytes[0].current as u64 != allocated_total {
+        if self.state.stats.allocated_bytes[0].current as u64 != allocated_total {
             return Err(format!(
                 "allocated_bytes stat {} != sum of live blocks {}",
-                self.stats.allocated_bytes[0].current, allocated_total
+                self.state.stats.allocated_bytes[0].current, allocated_total
             ));
         }
-        if self.allocated_blocks.len() as i64 != self.stats.allocation[0].current {
+        if self.allocated_blocks.len() as i64 != self.state.stats.allocation[0].current {
             return Err("allocation stat disagrees with the pointer map".into());
         }
         Ok(())
@@ -1574,3 +1565,6 @@ fn apply_net(stat: &mut Stat, net: i64) {
         stat.decrease(-net);
     }
 }
+
+// The contract, served by the inherent methods of the same names.
+crate::policy::policy_by_inherent_methods!(PytorchPolicy);

@@ -314,6 +314,17 @@ fn large_pool_does_not_split_requests_at_or_above_max_split_size() {
     consistent(&b);
 }
 
+/// `large_segment_size_mb` is the segment a large request under 10 MiB gets.
+#[test]
+fn large_segment_size_sets_the_segment_of_a_mid_sized_request() {
+    for (conf, segment) in [("", 20 * MIB), ("large_segment_size_mb:32", 32 * MIB)] {
+        let mut a = allocator(conf, 80 * GIB);
+        a.malloc(4 * MIB, S0).unwrap();
+        assert_eq!(seg_sizes(&a, Action::SegmentAlloc), vec![segment], "{conf}");
+        consistent(&a);
+    }
+}
+
 // ----- oversize rules -----
 
 #[test]

@@ -113,7 +113,7 @@ impl HbmPolicy {
         region.lent.any(first, end)
             || (region.aliased.any(first, end)
                 && (self.twice_end(region_index, first, end).is_some()
-                    || (self.capture_underway
+                    || (self.state.capture_underway
                         && self.other_stream_end(region_index, first, end).is_some())))
     }
 
@@ -132,7 +132,7 @@ impl HbmPolicy {
         let granule = self.granule.unwrap_or(1);
         let region = self.region(region_index);
         let lent_end = region.lent.last_set(first, end).map(|index| index + 1);
-        let other_stream_end = if self.capture_underway {
+        let other_stream_end = if self.state.capture_underway {
             self.other_stream_end(region_index, first, end)
         } else {
             None
@@ -553,7 +553,7 @@ impl HbmPolicy {
         let region_index = span.0;
         let wanted = (end - cursor) * plenty;
         let mut donors = self.idle_donors(granule, wanted * granule, span);
-        if self.capture_underway {
+        if self.state.capture_underway {
             self.keep_same_stream_donors(&mut donors, span);
         }
         if plenty > 1 {

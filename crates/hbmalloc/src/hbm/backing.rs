@@ -38,7 +38,7 @@ impl HbmPolicy {
             Ok(handle) => {
                 self.add_held(bytes);
                 self.handles.insert(handle, HandleInfo { bytes, mapped: 0 });
-                self.stats.num_device_alloc += 1;
+                self.state.stats.num_device_alloc += 1;
                 Ok(Some(handle))
             }
             Err(e) if e.is_out_of_memory() => Ok(None),
@@ -80,7 +80,7 @@ impl HbmPolicy {
             }
             return Err(e.into());
         }
-        self.stats.num_device_alloc += 1;
+        self.state.stats.num_device_alloc += 1;
         if let Some(info) = self.handles.get_mut(&handle) {
             info.mapped += bytes;
         }
@@ -95,7 +95,9 @@ impl HbmPolicy {
         );
         region.chunk_starts.set(first, 1, true);
         region.mapped.set(first, count, true);
-        self.history.record(Action::SegmentMap, va, bytes, stream);
+        self.state
+            .history
+            .record(Action::SegmentMap, va, bytes, stream);
         Ok(())
     }
 
@@ -129,7 +131,7 @@ impl HbmPolicy {
             runs.push((start, stop - start));
             i = stop;
         }
-        let hard_limit = self.limit_bytes.unwrap_or(u64::MAX);
+        let hard_limit = self.state.limit_bytes.unwrap_or(u64::MAX);
         let soft_limit = if pressed {
             0
         } else {
@@ -215,8 +217,8 @@ impl HbmPolicy {
                 // mapped. Either way, access is granted again before any
                 // later request is served.
                 let base = region.base;
-                let undone =
-                    !self.capture_underway && self.unmap_spans(dev, granule, &victims).is_ok();
+                let undone = !self.state.capture_underway
+                    && self.unmap_spans(dev, granule, &victims).is_ok();
                 if !undone {
                     self.without_access.push((region_index, base, from, to));
                 }
@@ -305,7 +307,7 @@ impl HbmPolicy {
             return Ok(true);
         }
         // Stealing waits for the victims' streams: never during a capture.
-        let victims = if self.capture_underway {
+        let victims = if self.state.capture_underway {
             Vec::new()
         } else {
             self.free_spans(granule, (end - cursor) * granule, true)
@@ -556,8 +558,10 @@ impl HbmPolicy {
                 self.region_mut(region_index).chunks.insert(start, chunk);
                 return Err(e.into());
             }
-            self.stats.num_device_free += 1;
-            self.history.record(Action::SegmentUnmap, va, bytes, stream);
+            self.state.stats.num_device_free += 1;
+            self.state
+                .history
+                .record(Action::SegmentUnmap, va, bytes, stream);
             if let Some(info) = self.handles.get_mut(&chunk.handle) {
                 info.mapped -= bytes;
             }
@@ -614,7 +618,7 @@ impl HbmPolicy {
             let info = self.handles.remove(&handle).expect("a held handle");
             self.spare.retain(|p| p.handle != handle);
             self.sub_held(info.bytes);
-            self.stats.num_device_free += 1;
+            self.state.stats.num_device_free += 1;
         }
         Ok(())
     }

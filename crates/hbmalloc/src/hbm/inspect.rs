@@ -123,7 +123,7 @@ impl HbmPolicy {
                 self.held_bytes
             ));
         }
-        if self.stats.reserved_bytes[0].current as u64 != held {
+        if self.state.stats.reserved_bytes[0].current as u64 != held {
             return Err("reserved_bytes stat disagrees with the mapped memory".into());
         }
         let allocated: u64 = self
@@ -132,14 +132,14 @@ impl HbmPolicy {
             .filter(|b| b.allocated)
             .map(|b| self.span(b.span).size)
             .sum();
-        if self.stats.allocated_bytes[0].current as u64 != allocated {
+        if self.state.stats.allocated_bytes[0].current as u64 != allocated {
             return Err(format!(
                 "allocated_bytes stat {} != sum of live blocks {allocated}",
-                self.stats.allocated_bytes[0].current
+                self.state.stats.allocated_bytes[0].current
             ));
         }
         let active: u64 = self.live.values().map(|b| self.span(b.span).size).sum();
-        if self.stats.active_bytes[0].current as u64 != active {
+        if self.state.stats.active_bytes[0].current as u64 != active {
             return Err("active_bytes stat disagrees with the live blocks".into());
         }
         // No check of `held` against the memory fraction: a fraction lowered
