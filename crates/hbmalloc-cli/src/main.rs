@@ -34,7 +34,11 @@ macro_rules! outln {
     };
 }
 
+mod advise;
 mod bench;
+mod budget;
+mod report;
+mod summary;
 mod table;
 
 /// Writes to standard output for [`out!`]: a closed pipe ends the program
@@ -343,6 +347,20 @@ enum Command {
         #[arg(long, default_value_t = 200_000)]
         churn: u64,
     },
+    /// Print PyTorch's memory_summary() table for a trace, from a replay
+    /// under policy pytorch with the trace's recorded configuration.
+    Summary(summary::SummaryArgs),
+    /// Sweep policies and settings by replay and say which to use: the
+    /// smallest device that fits, then peak reserved, then driver time.
+    Advise(advise::AdviseArgs),
+    /// Write one self-contained HTML page showing where memory went under
+    /// each configuration: memory over time, the map at the peak, the
+    /// largest live allocations, driver calls, OOMs and the comparison.
+    Report(report::ReportArgs),
+    /// The memory budget of transformer training or inference (weights,
+    /// gradients, optimizer, activations, KV cache) from a model
+    /// description or a Hugging Face config.json.
+    Plan(budget::PlanArgs),
 }
 
 fn main() -> ExitCode {
@@ -586,6 +604,10 @@ fn run(command: Command) -> Result<(), String> {
             }
             bench::threads(&traces, &policy, &threads, shards, repeat)
         }
+        Command::Summary(args) => summary::run(args),
+        Command::Advise(args) => advise::run(args),
+        Command::Report(args) => report::run(args),
+        Command::Plan(args) => budget::run(args),
     }
 }
 
