@@ -35,6 +35,7 @@ macro_rules! outln {
 }
 
 mod bench;
+mod summary;
 mod table;
 
 /// Writes to standard output for [`out!`]: a closed pipe ends the program
@@ -343,6 +344,9 @@ enum Command {
         #[arg(long, default_value_t = 200_000)]
         churn: u64,
     },
+    /// Print PyTorch's memory_summary() table for a trace, from a replay
+    /// under policy pytorch with the trace's recorded configuration.
+    Summary(summary::SummaryArgs),
 }
 
 fn main() -> ExitCode {
@@ -586,6 +590,7 @@ fn run(command: Command) -> Result<(), String> {
             }
             bench::threads(&traces, &policy, &threads, shards, repeat)
         }
+        Command::Summary(args) => summary::run(args),
     }
 }
 
