@@ -34,6 +34,7 @@ macro_rules! outln {
     };
 }
 
+mod advise;
 mod bench;
 mod summary;
 mod table;
@@ -347,6 +348,9 @@ enum Command {
     /// Print PyTorch's memory_summary() table for a trace, from a replay
     /// under policy pytorch with the trace's recorded configuration.
     Summary(summary::SummaryArgs),
+    /// Sweep policies and settings by replay and say which to use: the
+    /// smallest device that fits, then peak reserved, then driver time.
+    Advise(advise::AdviseArgs),
 }
 
 fn main() -> ExitCode {
@@ -591,6 +595,7 @@ fn run(command: Command) -> Result<(), String> {
             bench::threads(&traces, &policy, &threads, shards, repeat)
         }
         Command::Summary(args) => summary::run(args),
+        Command::Advise(args) => advise::run(args),
     }
 }
 

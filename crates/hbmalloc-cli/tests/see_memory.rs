@@ -74,3 +74,79 @@ fn summary_refuses_what_is_not_a_trace() {
     assert_clear_error(&hbmalloc(&["summary", path.to_str().unwrap()]), "x.pickle");
     assert_clear_error(&hbmalloc(&["summary"]), "required");
 }
+
+/// The table rows of `advise`'s output: (fits, min device, settings).
+fn advise_rows(text: &str) -> Vec<(String, String, String)> {
+    text.lines()
+        .skip_while(|l| !l.trim_start().starts_with("#  fits"))
+        .skip(1)
+        .take_while(|l| !l.is_empty())
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .map(|l| {
+            let cells: Vec<&str> = l.split_whitespace().collect();
+            // #, fits, min device (2 words), reserved (2 words), driver, calls, settings
+            (
+                cells[1].to_string(),
+                format!("{} {}", cells[2], cells[3]),
+                cells[8].to_string(),
+            )
+        })
+        .collect()
+}
+
+/// Bytes of a `format_bytes` string (`2.54 GiB`).
+fn bytes_of(text: &str) -> f64 {
+    let (number, unit) = text.split_once(' ').unwrap();
+    let shift = ["B", "KiB", "MiB", "GiB", "TiB"]
+        .iter()
+        .position(|u| *u == unit)
+        .unwrap_or_else(|| panic!("unit of {text}"));
+    number.parse::<f64>().unwrap() * (1u64 << (10 * shift)) as f64
+}
+
+#[test]
+fn advise_recommends_the_smallest_device_and_says_what_it_saves() {
+    let text = succeed(&["advise"]);
+    let rows = advise_rows(&text);
+    assert_eq!(rows.len(), 12, "{text}");
+    let devices: Vec<f64> = rows.iter().map(|r| bytes_of(&r.1)).collect();
+    assert!(
+        devices.windows(2).all(|w| w[0] <= w[1]),
+        "not ranked by the smallest device:\n{text}"
+    );
+    let best = &rows[0].2;
+    let line = text.lines().next().unwrap();
+    let expected = if best.starts_with("hbm") {
+        format!("use: HBMALLOC_CONF=policy:{best}")
+    } else {
+        format!(
+            "use: PYTORCH_CUDA_ALLOC_CONF={}",
+            best.trim_start_matches("pytorch,")
+        )
+    };
+    assert!(line.starts_with(&expected), "{line} vs {expected}:\n{text}");
+    // The bundled trace fits a smaller device than under PyTorch's defaults.
+    let default = rows
+        .iter()
+        .find(|r| r.2 == "pytorch")
+        .expect("the baseline row");
+    assert!(bytes_of(&rows[0].1) < bytes_of(&default.1), "{text}");
+    assert!(
+        text.contains("against PyTorch's defaults it saves"),
+        "{text}"
+    );
+    assert!(
+        text.lines().all(|l| l.chars().count() <= 100),
+        "wider than 100:\n{text}"
+    );
+}
+
+#[test]
+fn advise_says_when_nothing_fits_the_capacity() {
+    let text = succeed(&["advise", "--capacity", "64MiB"]);
+    assert!(
+        text.starts_with("no setting swept fits every trace"),
+        "{text}"
+    );
+    assert_clear_error(&hbmalloc(&["advise", "--capacity", "lots"]), "capacity");
+}

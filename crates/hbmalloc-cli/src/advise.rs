@@ -1,0 +1,363 @@
+//! `hbmalloc advise`: replays traces under a sweep of policies and settings
+//! on the simulated device and says which one to use, with the evidence.
+//!
+//! Rank: the smallest device the trace fits (or, given `--capacity`, how
+//! many traces fit it), then peak reserved memory, then simulated driver time.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use hbmalloc::PolicyConfig;
+use hbmalloc_replay::{evaluate, EvalOptions, Metrics};
+use hbmalloc_trace::DeviceTrace;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rayon::prelude::*;
+
+use crate::{human, Capacity};
+
+/// The settings swept: PyTorch's defaults first (the baseline every saving
+/// is measured against), then each PyTorch knob on its own at values its
+/// documentation suggests, then policy hbm and its allowance of waste.
+/// `garbage_collection_threshold` acts only under a memory fraction, so it
+/// comes with one.
+pub const SWEEP: &[&str] = &[
+    "policy:pytorch",
+    "policy:pytorch,expandable_segments:True",
+    "policy:pytorch,max_split_size_mb:128",
+    "policy:pytorch,max_split_size_mb:512",
+    "policy:pytorch,roundup_power2_divisions:4",
+    "policy:pytorch,roundup_power2_divisions:8",
+    "policy:pytorch,garbage_collection_threshold:0.8,per_process_memory_fraction:0.99",
+    "policy:pytorch,expandable_segments:True,roundup_power2_divisions:4",
+    "policy:hbm",
+    "policy:hbm,max_waste_percent:0",
+    "policy:hbm,max_waste_percent:5",
+    "policy:hbm,max_views:4",
+];
+
+/// The sweep shows a progress bar once it has run this long.
+const PROGRESS_AFTER: Duration = Duration::from_secs(1);
+
+/// Arguments of `hbmalloc advise`.
+#[derive(Args)]
+pub struct AdviseArgs {
+    /// Trace files (several: runs of one program; the advice fits them all).
+    /// Default: the bundled trace.
+    traces: Vec<PathBuf>,
+    /// The device to fit: a size (80GiB) or a multiple of each trace's peak
+    /// live memory (1.03x). Without it, the settings are ranked by the
+    /// smallest device each fits.
+    #[arg(long, value_parser = crate::parse_capacity)]
+    capacity: Option<Capacity>,
+}
+
+/// One configuration's results summed over every trace and device.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    /// The settings string (`policy:...`).
+    pub settings: String,
+    /// Devices that completed (at `--capacity`, or unbounded).
+    pub fits: usize,
+    /// Sum of each device's smallest capacity; `None` when one has none.
+    pub min_capacity_bytes: Option<u64>,
+    /// Sum of peak reserved bytes.
+    pub peak_reserved_bytes: u64,
+    /// Sum of simulated driver seconds.
+    pub driver_seconds: f64,
+    /// Sum of memory-moving driver calls.
+    pub calls: u64,
+}
+
+impl Row {
+    fn of(settings: &str, metrics: &[&Metrics]) -> Row {
+        Row {
+            settings: settings.to_string(),
+            fits: metrics.iter().filter(|m| m.out_of_memory.is_none()).count(),
+            min_capacity_bytes: metrics.iter().map(|m| m.min_capacity_bytes).sum(),
+            peak_reserved_bytes: metrics.iter().map(|m| m.peak_reserved_bytes).sum(),
+            driver_seconds: metrics.iter().map(|m| m.simulated_driver_seconds).sum(),
+            calls: metrics.iter().map(|m| m.memory_device_calls).sum(),
+        }
+    }
+}
+
+/// Sorts `rows` best first: most devices fitting, then (without a capacity
+/// to fit) the smallest device, then peak reserved, then driver time; ties
+/// keep the sweep's order, so PyTorch's defaults win a tie.
+pub fn rank(rows: &mut [Row], capacity_given: bool) {
+    rows.sort_by(|a, b| {
+        b.fits
+            .cmp(&a.fits)
+            .then_with(|| {
+                if capacity_given {
+                    std::cmp::Ordering::Equal
+                } else {
+                    let key = |r: &Row| r.min_capacity_bytes.unwrap_or(u64::MAX);
+                    key(a).cmp(&key(b))
+                }
+            })
+            .then(a.peak_reserved_bytes.cmp(&b.peak_reserved_bytes))
+            .then(a.driver_seconds.total_cmp(&b.driver_seconds))
+    });
+}
+
+/// The environment line that selects `settings`.
+pub fn environment_line(settings: &str) -> String {
+    match settings.strip_prefix("policy:pytorch") {
+        Some(rest) => {
+            let conf = rest.trim_start_matches(',');
+            if conf.is_empty() {
+                "PYTORCH_CUDA_ALLOC_CONF= (PyTorch's defaults: set nothing)".to_string()
+            } else {
+                format!("PYTORCH_CUDA_ALLOC_CONF={conf}")
+            }
+        }
+        None => format!("HBMALLOC_CONF={settings}"),
+    }
+}
+
+/// Runs the sweep and prints the advice.
+pub fn run(args: AdviseArgs) -> Result<(), String> {
+    let traces = crate::load_or_bundled(&args.traces)?;
+    let devices: Vec<(&str, &DeviceTrace)> = traces
+        .iter()
+        .flat_map(|t| t.devices.iter().map(move |d| (t.source.as_str(), d)))
+        .collect();
+    if devices.is_empty() {
+        return Err("the traces hold no device".into());
+    }
+    let policies = SWEEP
+        .iter()
+        .map(|s| PolicyConfig::from_settings(s).map_err(|e| format!("{s}: {e}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let jobs: Vec<(usize, usize)> = (0..policies.len())
+        .flat_map(|p| (0..devices.len()).map(move |d| (p, d)))
+        .collect();
+
+    let bar = ProgressBar::hidden();
+    bar.set_length(jobs.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("advise {bar:40} {pos}/{len} replays, {elapsed} (eta {eta})")
+            .map_err(|e| e.to_string())?,
+    );
+    let started = Instant::now();
+    let show = std::io::stderr().is_terminal();
+    let results: Vec<Metrics> = jobs
+        .par_iter()
+        .map(|&(p, d)| {
+            let (source, device) = devices[d];
+            let options = EvalOptions {
+                policy: policies[p].clone(),
+                capacity_bytes: args.capacity.map(|c| c.bytes(device)),
+                find_min_capacity: true,
+                reproduce_recorded_ooms: false,
+                maps_handle_parts: true,
+            };
+            let metrics = evaluate(source, device, &options)
+                .map_err(|e| format!("{source} device {}: {e}", device.device));
+            if show && bar.is_hidden() && started.elapsed() > PROGRESS_AFTER {
+                bar.set_draw_target(ProgressDrawTarget::stderr());
+            }
+            bar.inc(1);
+            metrics
+        })
+        .collect::<Result<_, _>>()?;
+    bar.finish_and_clear();
+
+    let mut rows: Vec<Row> = SWEEP
+        .iter()
+        .enumerate()
+        .map(|(p, settings)| {
+            let of_policy: Vec<&Metrics> = jobs
+                .iter()
+                .zip(&results)
+                .filter(|((q, _), _)| *q == p)
+                .map(|(_, m)| m)
+                .collect();
+            Row::of(settings, &of_policy)
+        })
+        .collect();
+    let baseline = rows[0].clone();
+    rank(&mut rows, args.capacity.is_some());
+    out!(
+        "{}",
+        advice_text(&rows, &baseline, devices.len(), args.capacity.is_some())
+    );
+    outln!(
+        "swept {} settings on {} trace device(s) in {:.1} s",
+        SWEEP.len(),
+        devices.len(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Width of the settings column; longer settings go on a line of their own.
+const SETTINGS_WIDTH: usize = 44;
+
+/// The recommendation, its saving against PyTorch's defaults, and the
+/// table (at most 100 columns).
+pub fn advice_text(rows: &[Row], baseline: &Row, devices: usize, capacity_given: bool) -> String {
+    let best = &rows[0];
+    let mut text = String::new();
+    if best.fits < devices {
+        text += &format!(
+            "no setting swept fits every trace in the capacity given (the best fits {} of {})\n",
+            best.fits, devices
+        );
+    } else {
+        text += &format!("use: {}\n", environment_line(&best.settings));
+        let saving = |new: Option<u64>, old: Option<u64>| match (new, old) {
+            (Some(new), Some(old)) if old > 0 => format!(
+                "{} ({:.1}%)",
+                signed(old as i128 - new as i128),
+                100.0 * (old as f64 - new as f64) / old as f64
+            ),
+            _ => "-".to_string(),
+        };
+        text += &format!(
+            "against PyTorch's defaults it saves {} of device (the smallest that fits)\n\
+             and {} of peak reserved memory\n",
+            saving(best.min_capacity_bytes, baseline.min_capacity_bytes),
+            saving(
+                Some(best.peak_reserved_bytes),
+                Some(baseline.peak_reserved_bytes)
+            ),
+        );
+    }
+    text += "\n";
+    text += &format!(
+        "{:>2} {:>5} {:>11} {:>11} {:>9} {:>6}  {}\n",
+        "#", "fits", "min device", "reserved", "driver", "calls", "settings"
+    );
+    for (i, row) in rows.iter().enumerate() {
+        let settings = row
+            .settings
+            .strip_prefix("policy:")
+            .unwrap_or(&row.settings);
+        let numbers = format!(
+            "{:>2} {:>5} {:>11} {:>11} {:>7.0}ms {:>6}  ",
+            i + 1,
+            format!("{}/{}", row.fits, devices),
+            row.min_capacity_bytes.map_or("-".into(), human),
+            human(row.peak_reserved_bytes),
+            row.driver_seconds * 1e3,
+            row.calls,
+        );
+        let indent = " ".repeat(numbers.len());
+        text += &numbers;
+        text += &wrap(settings, SETTINGS_WIDTH).join(&format!("\n{indent}"));
+        text += "\n";
+    }
+    text += &format!(
+        "\nfits: trace devices that completed {}; min device: the smallest device on which\n\
+         each completes (2 MiB resolution; summed over devices, as are the other columns);\n\
+         reserved: peak device memory held; driver: simulated driver time; calls: driver calls\n\
+         that allocate, free, map or unmap memory. Ranked by fits, then {}peak reserved,\n\
+         then driver time; ties keep the sweep's order (PyTorch's defaults first).\n",
+        if capacity_given {
+            "in --capacity"
+        } else {
+            "(unbounded device)"
+        },
+        if capacity_given {
+            ""
+        } else {
+            "min device, then "
+        },
+    );
+    text
+}
+
+/// Splits settings at commas into lines of at most `width` characters
+/// (a single key longer than that stays whole).
+fn wrap(settings: &str, width: usize) -> Vec<String> {
+    let mut lines = vec![String::new()];
+    for part in settings.split(',') {
+        let line = lines.last_mut().expect("never empty");
+        if line.is_empty() {
+            *line = part.to_string();
+        } else if line.len() + 1 + part.len() <= width {
+            *line += ",";
+            *line += part;
+        } else {
+            *line += ",";
+            lines.push(part.to_string());
+        }
+    }
+    lines
+}
+
+/// A signed byte difference.
+fn signed(bytes: i128) -> String {
+    if bytes < 0 {
+        format!("-{}", human(bytes.unsigned_abs() as u64))
+    } else {
+        human(bytes as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{environment_line, rank, wrap, Row, SWEEP};
+
+    fn row(settings: &str, fits: usize, min: Option<u64>, reserved: u64, driver: f64) -> Row {
+        Row {
+            settings: settings.into(),
+            fits,
+            min_capacity_bytes: min,
+            peak_reserved_bytes: reserved,
+            driver_seconds: driver,
+            calls: 0,
+        }
+    }
+
+    #[test]
+    fn ranking_puts_fitting_first_then_the_smallest_device_then_reserved_then_time() {
+        let mut rows = vec![
+            row("a", 1, Some(100), 100, 1.0),
+            row("b", 2, Some(300), 300, 1.0),
+            row("c", 2, Some(200), 250, 1.0),
+            row("d", 2, Some(200), 240, 2.0),
+            row("e", 2, Some(200), 240, 1.0),
+            row("f", 2, None, 10, 0.0),
+        ];
+        rank(&mut rows, false);
+        let order: Vec<&str> = rows.iter().map(|r| r.settings.as_str()).collect();
+        assert_eq!(order, ["e", "d", "c", "b", "f", "a"]);
+        // Given a capacity, the smallest device no longer matters.
+        rank(&mut rows, true);
+        let order: Vec<&str> = rows.iter().map(|r| r.settings.as_str()).collect();
+        assert_eq!(order, ["f", "e", "d", "c", "b", "a"]);
+    }
+
+    #[test]
+    fn the_line_to_use_names_the_right_variable() {
+        assert_eq!(
+            environment_line("policy:pytorch,expandable_segments:True"),
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+        );
+        assert!(environment_line("policy:pytorch").contains("set nothing"));
+        assert_eq!(
+            environment_line("policy:hbm,max_waste_percent:5"),
+            "HBMALLOC_CONF=policy:hbm,max_waste_percent:5"
+        );
+    }
+
+    #[test]
+    fn every_swept_setting_parses_and_reads_back_the_same() {
+        for settings in SWEEP {
+            let policy = hbmalloc::PolicyConfig::from_settings(settings).unwrap();
+            let back = hbmalloc::PolicyConfig::from_settings(&policy.to_settings()).unwrap();
+            assert_eq!(policy, back, "{settings}");
+        }
+    }
+
+    #[test]
+    fn long_settings_wrap_at_commas() {
+        assert_eq!(wrap("a:1,b:2,c:3", 7), ["a:1,b:2,", "c:3"]);
+        assert_eq!(wrap("a:1", 1), ["a:1"]);
+    }
+}
