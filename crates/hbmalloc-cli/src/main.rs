@@ -36,6 +36,7 @@ macro_rules! outln {
 
 mod advise;
 mod bench;
+mod report;
 mod summary;
 mod table;
 
@@ -351,6 +352,10 @@ enum Command {
     /// Sweep policies and settings by replay and say which to use: the
     /// smallest device that fits, then peak reserved, then driver time.
     Advise(advise::AdviseArgs),
+    /// Write one self-contained HTML page showing where memory went under
+    /// each configuration: memory over time, the map at the peak, the
+    /// largest live allocations, driver calls, OOMs and the comparison.
+    Report(report::ReportArgs),
 }
 
 fn main() -> ExitCode {
@@ -596,6 +601,7 @@ fn run(command: Command) -> Result<(), String> {
         }
         Command::Summary(args) => summary::run(args),
         Command::Advise(args) => advise::run(args),
+        Command::Report(args) => report::run(args),
     }
 }
 

@@ -150,3 +150,68 @@ fn advise_says_when_nothing_fits_the_capacity() {
     );
     assert_clear_error(&hbmalloc(&["advise", "--capacity", "lots"]), "capacity");
 }
+
+/// Writes `hbmalloc report ARGS -o PAGE` and returns the page.
+fn report(args: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let page = dir.path().join("report.html");
+    let mut all = vec!["report", "-o", page.to_str().unwrap()];
+    all.extend_from_slice(args);
+    succeed(&all);
+    std::fs::read_to_string(&page).unwrap()
+}
+
+#[test]
+fn report_is_one_page_with_every_part_and_nothing_fetched() {
+    let page = report(&[]);
+    assert!(page.starts_with("<!DOCTYPE html>"));
+    assert_eq!(
+        page.matches("<svg class='plot'").count(),
+        3,
+        "memory, waste, driver calls"
+    );
+    // A map at the peak and a table row per default configuration.
+    assert_eq!(page.matches("<svg class='map'").count(), 3);
+    for settings in [
+        "policy:pytorch",
+        "policy:pytorch,expandable_segments:True",
+        "policy:hbm",
+    ] {
+        assert!(
+            page.contains(&format!("<tr><td>{settings}</td>")),
+            "{settings}"
+        );
+    }
+    assert!(page.contains("Largest live allocations at the peak"));
+    assert!(
+        page.contains("No stack frames"),
+        "a profiler trace has none"
+    );
+    for outside in ["src=", "href=", "url(", "<script"] {
+        assert!(!page.contains(outside), "{outside}");
+    }
+    // Bounded by the buckets, not the trace's 20,182 ops.
+    assert!(page.len() < 1 << 20, "{} bytes", page.len());
+    assert!(page.matches("<polyline").count() == 3 + 4 + 3);
+}
+
+#[test]
+fn report_shows_where_a_small_device_runs_out() {
+    let page = report(&["--capacity", "2GiB", "--run", "policy:pytorch"]);
+    assert!(
+        page.contains("Out of memory under policy:pytorch at op"),
+        "no OOM report"
+    );
+    assert!(page.contains("class='oom'"), "no OOM marker on the plots");
+}
+
+#[test]
+fn report_lists_the_stack_frames_a_snapshot_recorded() {
+    let Some(path) = shared("pytorch-snapshots/cs336_silmont2000__memory_forward_bf16_128.pickle")
+    else {
+        return;
+    };
+    let page = report(&[&path]);
+    assert!(!page.contains("No stack frames"));
+    assert!(page.contains(".py:"), "the Python frames");
+}

@@ -1,0 +1,853 @@
+//! `hbmalloc report`: one self-contained HTML page (inline SVG and CSS, no
+//! script, nothing fetched) showing where a trace's memory went under each
+//! configuration: memory over time, the memory map at the peak, the largest
+//! live allocations with their stack frames, driver activity, the
+//! out-of-memory point and the comparison table.
+//!
+//! Every plot is drawn from a bounded number of points (each series is cut
+//! into buckets that keep their minimum and maximum), so the page stays
+//! light however long the trace is.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use clap::Args;
+use hbmalloc::{BlockState, PolicyConfig, SegmentSnapshot, SimConfig, Snapshot};
+use hbmalloc_replay::{
+    evaluate, live_bytes_after_ops, snapshot, EvalOptions, FreeBreakdown, Metrics, PreparedTrace,
+    ReplayOptions, ReplaySnapshot, SnapshotMoment,
+};
+use hbmalloc_trace::pickle::{self, Document, Value, ValueId};
+use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op};
+use rayon::prelude::*;
+
+use crate::{human, Capacity};
+
+/// Arguments of `hbmalloc report`.
+#[derive(Args)]
+pub struct ReportArgs {
+    /// Trace files; default: the bundled trace.
+    traces: Vec<PathBuf>,
+    /// Where to write the page.
+    #[arg(short, long, value_name = "PATH")]
+    output: PathBuf,
+    /// A configuration to show; repeat for several. Default: pytorch,
+    /// pytorch with expandable segments, and hbm.
+    #[arg(long = "run", value_name = "SETTINGS")]
+    runs: Vec<String>,
+    /// Device capacity for the replays (80GiB, or 1.03x of peak live);
+    /// default unbounded. Shows where each configuration runs out of memory.
+    #[arg(long, value_parser = crate::parse_capacity)]
+    capacity: Option<Capacity>,
+    /// Buckets each plot's x axis is cut into (each keeps its minimum and
+    /// maximum).
+    #[arg(long, default_value_t = 1000, value_parser = crate::count(100_000))]
+    buckets: usize,
+}
+
+/// Largest live allocations listed.
+const TOP_ALLOCATIONS: usize = 15;
+/// Stack frames shown per allocation.
+const FRAMES_SHOWN: usize = 6;
+/// Rows of the memory map.
+const MAP_ROWS: u64 = 40;
+/// Rectangles one memory map draws at most; past it, the rest of the map
+/// is left out and the page says so.
+const MAP_RECTS: usize = 20_000;
+/// Plot size in CSS pixels.
+const PLOT_W: f64 = 960.0;
+const PLOT_H: f64 = 260.0;
+/// Colours of the configurations, live memory, and the memory map's classes.
+const COLOURS: [&str; 6] = [
+    "#d62728", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2",
+];
+const LIVE: &str = "#1f77b4";
+const ALLOCATED: &str = "#4c72b0";
+const IDLE: &str = "#8fd18a";
+const EDGE: &str = "#f0a35e";
+const BETWEEN: &str = "#d65f5f";
+
+/// Writes the page and says what it took.
+pub fn run(args: ReportArgs) -> Result<(), String> {
+    let started = Instant::now();
+    let runs = crate::parse_runs(&args.runs)?;
+    let traces = crate::load_or_bundled(&args.traces)?;
+    let mut body = String::new();
+    for (i, trace) in traces.iter().enumerate() {
+        let frames = match args.traces.get(i) {
+            Some(path) => frames_of(path),
+            None => Err("the bundled trace is a torch.profiler trace, which records none".into()),
+        };
+        for device in &trace.devices {
+            let frames = frames.as_ref().map_err(Clone::clone).and_then(|f| {
+                f.get(&device.device)
+                    .cloned()
+                    .ok_or_else(|| "the snapshot has no history for this device".to_string())
+                    .and_then(|entries| frames_by_alloc(device, entries))
+            });
+            body += &device_section(
+                &trace.source,
+                device,
+                &runs,
+                args.capacity,
+                args.buckets,
+                frames,
+            )
+            .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
+        }
+    }
+    let page = page(
+        &traces.iter().map(|t| t.source.as_str()).collect::<Vec<_>>(),
+        &body,
+    );
+    std::fs::write(&args.output, &page).map_err(|e| format!("{}: {e}", args.output.display()))?;
+    eprintln!(
+        "hbmalloc: wrote {} ({}) in {:.1} s",
+        args.output.display(),
+        human(page.len() as u64),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Stack frames of each `alloc` entry of a snapshot's history, by device.
+type FramesByDevice = HashMap<i64, Vec<(u64, Vec<String>)>>;
+
+/// The frames of every `alloc` entry in a PyTorch snapshot, in order, by
+/// device; an error says why there are none (not a snapshot, compressed).
+fn frames_of(path: &Path) -> Result<FramesByDevice, String> {
+    let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
+    if !bytes.starts_with(&[0x80]) {
+        return Err("the trace is not an uncompressed PyTorch snapshot".into());
+    }
+    let doc = pickle::parse(&bytes).map_err(|e| e.to_string())?;
+    let list = |id: ValueId| match doc.get(id) {
+        Value::List(items) | Value::Tuple(items) => Some(items.clone()),
+        _ => None,
+    };
+    let traces = doc
+        .dict_get(doc.root(), "device_traces")
+        .and_then(list)
+        .ok_or("the snapshot has no history")?;
+    let mut by_device = HashMap::new();
+    for (device, entries) in traces.into_iter().enumerate() {
+        let mut allocs = Vec::new();
+        for entry in list(entries).unwrap_or_default() {
+            if str_of(&doc, doc.dict_get(entry, "action")) != Some("alloc") {
+                continue;
+            }
+            let size = match doc.dict_get(entry, "size").map(|id| doc.get(id)) {
+                Some(Value::Int(n)) => u64::try_from(*n).unwrap_or(0),
+                _ => 0,
+            };
+            let frames: Vec<(bool, String)> = doc
+                .dict_get(entry, "frames")
+                .and_then(list)
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(|frame| frame_text(&doc, frame))
+                .collect();
+            // The program's own (Python) frames say where; C++ frames only
+            // when there is nothing else.
+            let python = frames.iter().any(|(py, _)| *py);
+            let frames = frames
+                .into_iter()
+                .filter(|(py, _)| *py || !python)
+                .map(|(_, text)| text)
+                .collect();
+            allocs.push((size, frames));
+        }
+        by_device.insert(device as i64, allocs);
+    }
+    Ok(by_device)
+}
+
+fn str_of(doc: &Document, id: Option<ValueId>) -> Option<&str> {
+    match doc.get(id?) {
+        Value::Str(s) => Some(s),
+        _ => None,
+    }
+}
+
+/// Whether a frame is Python's, and `name (file:line)`; frames with no
+/// file (`??`: C++ unwinding) are left out.
+fn frame_text(doc: &Document, frame: ValueId) -> Option<(bool, String)> {
+    let file = str_of(doc, doc.dict_get(frame, "filename"))?;
+    if file == "??" {
+        return None;
+    }
+    let name = str_of(doc, doc.dict_get(frame, "name")).unwrap_or("?");
+    let line = match doc.dict_get(frame, "line").map(|id| doc.get(id)) {
+        Some(Value::Int(n)) => *n,
+        _ => 0,
+    };
+    Some((file.ends_with(".py"), format!("{name} ({file}:{line})")))
+}
+
+/// Frames by the trace's allocation id: the importer turns the history's
+/// `alloc` entries into `Alloc` ops one for one and in order, which the
+/// sizes confirm (anything else: no frames rather than wrong ones).
+fn frames_by_alloc(
+    device: &DeviceTrace,
+    entries: Vec<(u64, Vec<String>)>,
+) -> Result<HashMap<u64, Vec<String>>, String> {
+    let allocs: Vec<(u64, u64)> = device
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            Op::Alloc { id, size, .. } => Some((*id, *size)),
+            _ => None,
+        })
+        .collect();
+    if allocs.len() != entries.len() || allocs.iter().zip(&entries).any(|(a, e)| a.1 != e.0) {
+        return Err(format!(
+            "the history's {} allocations do not line up with the trace's {}",
+            entries.len(),
+            allocs.len()
+        ));
+    }
+    Ok(allocs
+        .into_iter()
+        .zip(entries)
+        .map(|((id, _), (_, frames))| (id, frames))
+        .collect())
+}
+
+/// What one configuration did on one device.
+struct Replayed {
+    metrics: Metrics,
+    reserved: Vec<u64>,
+    /// Op index of each segment event (alloc, free, map, unmap).
+    segment_event_ops: Vec<usize>,
+    peak: ReplaySnapshot,
+}
+
+fn replay_one(
+    source: &str,
+    device: &DeviceTrace,
+    policy: &PolicyConfig,
+    capacity: Option<u64>,
+) -> Result<Replayed, String> {
+    let options = EvalOptions {
+        policy: policy.clone(),
+        capacity_bytes: capacity,
+        find_min_capacity: true,
+        reproduce_recorded_ooms: false,
+        maps_handle_parts: true,
+    };
+    let metrics = evaluate(source, device, &options).map_err(|e| e.to_string())?;
+    let mut replay = ReplayOptions::new(policy.clone());
+    replay.capacity_bytes = capacity.unwrap_or(hbmalloc_replay::UNBOUNDED_CAPACITY_BYTES);
+    replay.record_reserved_after_ops = true;
+    replay.record_history = true;
+    let run = PreparedTrace::new(device)
+        .and_then(|p| p.run(&replay))
+        .map_err(|e| e.to_string())?;
+    let peak = snapshot(device, &options, SnapshotMoment::Peak).map_err(|e| e.to_string())?;
+    Ok(Replayed {
+        metrics,
+        reserved: run.reserved_after_ops,
+        segment_event_ops: run.segment_events.iter().map(|(op, _)| *op).collect(),
+        peak,
+    })
+}
+
+fn device_section(
+    source: &str,
+    device: &DeviceTrace,
+    runs: &[PolicyConfig],
+    capacity: Option<Capacity>,
+    buckets: usize,
+    frames: Result<HashMap<u64, Vec<String>>, String>,
+) -> Result<String, String> {
+    let capacity = capacity.map(|c| c.bytes(device));
+    let replayed: Vec<Replayed> = runs
+        .par_iter()
+        .map(|policy| replay_one(source, device, policy, capacity))
+        .collect::<Result<_, _>>()?;
+    let live = live_bytes_after_ops(device);
+    let ops = live.len().saturating_sub(1).max(1);
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        "<section><h2>{} — device {}</h2><p>{} operations; peak live {}{}.</p>",
+        esc(source),
+        device.device,
+        ops,
+        human(live.iter().copied().max().unwrap_or(0)),
+        capacity.map_or(String::new(), |c| format!("; device capacity {}", human(c))),
+    );
+
+    // Memory over time.
+    let mut series = vec![Series {
+        name: "live".into(),
+        colour: LIVE,
+        points: min_max_points(&live, buckets),
+    }];
+    for (i, r) in replayed.iter().enumerate() {
+        series.push(Series {
+            name: format!("reserved: {}", r.metrics.settings),
+            colour: COLOURS[i % COLOURS.len()],
+            points: min_max_points(&r.reserved, buckets),
+        });
+    }
+    let mut markers: Vec<(usize, String)> = replayed
+        .iter()
+        .filter_map(|r| {
+            r.metrics
+                .out_of_memory
+                .as_ref()
+                .map(|(op, _)| (*op, format!("OOM {}", r.metrics.settings)))
+        })
+        .collect();
+    for (op_index, op) in device.ops.iter().enumerate() {
+        if let Op::Oom { .. } = op {
+            markers.push((op_index, "recorded OOM".into()));
+        }
+    }
+    s += "<h3>Memory over time</h3>";
+    s += &chart(&series, ops, &markers, "bytes");
+    s += &legend(&series);
+
+    // Waste and driver activity over time.
+    let waste: Vec<Series> = replayed
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let waste: Vec<u64> = r
+                .reserved
+                .iter()
+                .zip(&live)
+                .map(|(r, l)| r.saturating_sub(*l))
+                .collect();
+            Series {
+                name: r.metrics.settings.clone(),
+                colour: COLOURS[i % COLOURS.len()],
+                points: min_max_points(&waste, buckets),
+            }
+        })
+        .collect();
+    s += "<h3>Waste over time (reserved − live)</h3>";
+    s += &chart(&waste, ops, &markers, "bytes");
+    s += &legend(&waste);
+    let calls: Vec<Series> = replayed
+        .iter()
+        .enumerate()
+        .map(|(i, r)| Series {
+            name: r.metrics.settings.clone(),
+            colour: COLOURS[i % COLOURS.len()],
+            points: counts_per_bucket(&r.segment_event_ops, ops, buckets),
+        })
+        .collect();
+    s += "<h3>Driver calls over time</h3><p class='note'>Segment events (allocate, free, map, \
+          unmap) per bucket of operations.</p>";
+    s += &chart(&calls, ops, &markers, "count");
+    s += &legend(&calls);
+
+    // The comparison table.
+    s += "<h3>Comparison</h3><table><tr><th>settings</th><th>peak reserved</th>\
+          <th>efficiency</th><th>waste</th><th>smallest device</th><th>driver calls</th>\
+          <th>driver time</th><th>out of memory</th></tr>";
+    for r in &replayed {
+        let m = &r.metrics;
+        let _ = write!(
+            s,
+            "<tr><td>{}</td><td>{}</td><td>{:.3}</td><td>{}</td><td>{}</td><td>{}</td>\
+             <td>{:.1} ms</td><td>{}</td></tr>",
+            esc(&m.settings),
+            human(m.peak_reserved_bytes),
+            m.efficiency,
+            human(m.waste_bytes),
+            m.min_capacity_bytes.map_or("-".into(), human),
+            m.memory_device_calls,
+            m.simulated_driver_seconds * 1e3,
+            m.out_of_memory
+                .as_ref()
+                .map_or("no".into(), |(op, _)| format!("at op {op}")),
+        );
+    }
+    s += "</table>";
+
+    // Out-of-memory reports.
+    for r in &replayed {
+        if let Some((op, report)) = &r.metrics.out_of_memory {
+            let _ = write!(
+                s,
+                "<h3>Out of memory under {} at op {op}</h3><pre>{}</pre>",
+                esc(&r.metrics.settings),
+                esc(&report.render())
+            );
+        }
+    }
+
+    // The memory map at each configuration's peak.
+    s += "<h3>Memory at the peak</h3><p class='note'>Each configuration's segments (for \
+          virtual memory, contiguous mapped ranges) laid end to end in address order, left to \
+          right and top to bottom, at the moment its reserved memory first peaked (or where it \
+          ran out of memory). Free memory is coloured by what keeps it from serving a request: \
+          <span class='sw' style='background:#8fd18a'></span>idle (no live block pins it: \
+          reusable anywhere, or given back by empty_cache), \
+          <span class='sw' style='background:#f0a35e'></span>at a segment's edge (the free part \
+          of a granule or segment a live block holds), \
+          <span class='sw' style='background:#d65f5f'></span>between live blocks (holes); \
+          <span class='sw' style='background:#4c72b0'></span>allocated. Hover a segment for its \
+          numbers.</p>";
+    for r in &replayed {
+        s += &memory_map(&r.metrics.settings, &r.peak);
+    }
+
+    // The largest live allocations.
+    s += &largest_live(device, &live, frames);
+    s += "</section>";
+    Ok(s)
+}
+
+/// One plotted line: points (op index, value).
+struct Series {
+    name: String,
+    colour: &'static str,
+    points: Vec<(f64, f64)>,
+}
+
+/// `values` cut into at most `buckets` buckets, each giving its minimum and
+/// its maximum in the order they came: spikes and dips survive.
+fn min_max_points(values: &[u64], buckets: usize) -> Vec<(f64, f64)> {
+    let n = values.len();
+    if n == 0 {
+        return Vec::new();
+    }
+    let buckets = buckets.clamp(1, n);
+    let mut points = Vec::with_capacity(2 * buckets);
+    for b in 0..buckets {
+        let (start, end) = (
+            b * n / buckets,
+            ((b + 1) * n / buckets).max(b * n / buckets + 1),
+        );
+        let slice = &values[start..end.min(n)];
+        let (mut lo, mut hi) = (0, 0);
+        for (i, v) in slice.iter().enumerate() {
+            if *v < slice[lo] {
+                lo = i;
+            }
+            if *v > slice[hi] {
+                hi = i;
+            }
+        }
+        let mut pair = [(start + lo, slice[lo]), (start + hi, slice[hi])];
+        pair.sort_unstable();
+        for (x, v) in pair {
+            if points.last() != Some(&(x as f64, v as f64)) {
+                points.push((x as f64, v as f64));
+            }
+        }
+    }
+    points
+}
+
+/// How many of `ops` (op indices) fall in each of `buckets` buckets of
+/// `0..total`, as points at each bucket's start.
+fn counts_per_bucket(ops: &[usize], total: usize, buckets: usize) -> Vec<(f64, f64)> {
+    let buckets = buckets.clamp(1, total.max(1));
+    let mut counts = vec![0u64; buckets];
+    for &op in ops {
+        counts[(op.min(total - 1) * buckets / total).min(buckets - 1)] += 1;
+    }
+    counts
+        .iter()
+        .enumerate()
+        .map(|(b, c)| ((b * total / buckets) as f64, *c as f64))
+        .collect()
+}
+
+/// An SVG line chart of `series` over `0..ops`, with vertical markers.
+fn chart(series: &[Series], ops: usize, markers: &[(usize, String)], unit: &str) -> String {
+    let (left, right, top, bottom) = (80.0, 10.0, 10.0, 30.0);
+    let (w, h) = (PLOT_W - left - right, PLOT_H - top - bottom);
+    let y_max = series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|p| p.1))
+        .fold(0.0_f64, f64::max)
+        .max(1.0);
+    let x = |op: f64| left + w * op / ops as f64;
+    let y = |v: f64| top + h - h * v / y_max;
+    let mut svg = format!(
+        "<svg class='plot' viewBox='0 0 {PLOT_W} {PLOT_H}' width='{PLOT_W}' height='{PLOT_H}' \
+         role='img'><rect x='{left}' y='{top}' width='{w}' height='{h}' class='frame'/>"
+    );
+    for i in 0..=4 {
+        let v = y_max * i as f64 / 4.0;
+        let label = if unit == "bytes" {
+            human(v as u64)
+        } else {
+            format!("{v:.0}")
+        };
+        let _ = write!(
+            svg,
+            "<line x1='{left}' x2='{}' y1='{yy:.1}' y2='{yy:.1}' class='grid'/>\
+             <text x='{}' y='{:.1}' class='ylab'>{label}</text>",
+            left + w,
+            left - 4.0,
+            y(v) + 4.0,
+            yy = y(v),
+        );
+        let op = ops as f64 * i as f64 / 4.0;
+        let anchor = ["start", "middle", "middle", "middle", "end"][i];
+        let _ = write!(
+            svg,
+            "<text x='{:.1}' y='{}' class='xlab' text-anchor='{anchor}'>op {op:.0}</text>",
+            x(op),
+            PLOT_H - 8.0
+        );
+    }
+    for (op, label) in markers {
+        let _ = write!(
+            svg,
+            "<line x1='{xx:.1}' x2='{xx:.1}' y1='{top}' y2='{}' class='oom'><title>{}</title></line>",
+            top + h,
+            esc(label),
+            xx = x(*op as f64),
+        );
+    }
+    // The first series (live memory) is drawn last, on top.
+    for s in series.iter().rev() {
+        let mut d = String::with_capacity(s.points.len() * 14);
+        for (px, py) in &s.points {
+            let _ = write!(d, "{:.1},{:.1} ", x(*px), y(*py));
+        }
+        let _ = write!(
+            svg,
+            "<polyline points='{}' stroke='{}' class='line'><title>{}</title></polyline>",
+            d.trim_end(),
+            s.colour,
+            esc(&s.name)
+        );
+    }
+    svg += "</svg>";
+    svg
+}
+
+fn legend(series: &[Series]) -> String {
+    let mut s = String::from("<p class='legend'>");
+    for series in series {
+        let _ = write!(
+            s,
+            "<span><span class='sw' style='background:{}'></span>{}</span> ",
+            series.colour,
+            esc(&series.name)
+        );
+    }
+    s + "</p>"
+}
+
+/// The free bytes of block `index` of `segment` by class: FreeBreakdown's
+/// own rule, applied to that block alone (the segment's other free blocks
+/// counted as empty).
+fn classify(segment: &mut SegmentSnapshot, index: usize, granule: Option<u64>) -> FreeBreakdown {
+    let sizes: Vec<u64> = segment.blocks.iter().map(|b| b.size).collect();
+    for (i, block) in segment.blocks.iter_mut().enumerate() {
+        if i != index && block.state == BlockState::Inactive {
+            block.size = 0;
+        }
+    }
+    let one = Snapshot {
+        segments: vec![segment.clone()],
+        history: Vec::new(),
+        settings: String::new(),
+    };
+    for (block, size) in segment.blocks.iter_mut().zip(sizes) {
+        block.size = size;
+    }
+    FreeBreakdown::of(&one, granule)
+}
+
+/// The memory map of one configuration at its peak.
+fn memory_map(settings: &str, peak: &ReplaySnapshot) -> String {
+    let granule = SimConfig::default().granularity;
+    let total: u64 = peak.reserved_bytes.max(1);
+    let per_row = total.div_ceil(MAP_ROWS).max(1);
+    let row_h = 10.0;
+    let height = MAP_ROWS as f64 * (row_h + 2.0);
+    let px = |bytes: u64| PLOT_W * bytes as f64 / per_row as f64;
+    let mut rects = 0usize;
+    let mut body = String::new();
+    let mut segments: Vec<SegmentSnapshot> = peak.snapshot.segments.clone();
+    segments.sort_by_key(|s| s.address);
+    let mut cursor = 0u64;
+    let mut left_out = 0usize;
+    // Draws bytes [start, start + len) of the laid-out map in `colour`,
+    // split across rows.
+    let draw = |start: u64, len: u64, colour: &str, title: Option<&str>, out: &mut String| {
+        let mut at = start;
+        let end = start + len;
+        while at < end {
+            let row = at / per_row;
+            let row_end = ((row + 1) * per_row).min(end);
+            let _ = write!(
+                out,
+                "<rect x='{:.2}' y='{:.0}' width='{:.2}' height='{row_h}' fill='{colour}'>",
+                px(at - row * per_row),
+                row as f64 * (row_h + 2.0),
+                px(row_end - at).max(0.3),
+            );
+            if let Some(title) = title {
+                let _ = write!(out, "<title>{}</title>", esc(title));
+            }
+            out.push_str("</rect>");
+            at = row_end;
+        }
+    };
+    for segment in &mut segments {
+        if rects > MAP_RECTS {
+            left_out += 1;
+            continue;
+        }
+        let breakdown = {
+            let one = Snapshot {
+                segments: vec![segment.clone()],
+                history: Vec::new(),
+                settings: String::new(),
+            };
+            FreeBreakdown::of(&one, granule)
+        };
+        let title = format!(
+            "segment at {:#x}: {} ({} blocks), {} allocated; free: {} idle, {} at the edges, \
+             {} between live blocks",
+            segment.address,
+            human(segment.total_size),
+            segment.blocks.len(),
+            human(segment.allocated_size()),
+            human(breakdown.idle_bytes),
+            human(breakdown.segment_edge_bytes),
+            human(breakdown.between_blocks_bytes),
+        );
+        draw(
+            cursor,
+            segment.total_size,
+            "#ffffff",
+            Some(&title),
+            &mut body,
+        );
+        rects += 1;
+        // Runs of blocks of one colour become one rectangle.
+        let mut run: Option<(u64, u64, &str)> = None;
+        let mut offset = cursor;
+        for index in 0..segment.blocks.len() {
+            let size = segment.blocks[index].size;
+            let colour = if segment.blocks[index].state == BlockState::Inactive {
+                let b = classify(segment, index, granule);
+                if b.idle_bytes >= b.segment_edge_bytes.max(b.between_blocks_bytes) {
+                    IDLE
+                } else if b.segment_edge_bytes >= b.between_blocks_bytes {
+                    EDGE
+                } else {
+                    BETWEEN
+                }
+            } else {
+                ALLOCATED
+            };
+            run = match run {
+                Some((start, len, c)) if c == colour => Some((start, len + size, c)),
+                Some((start, len, c)) => {
+                    draw(start, len, c, None, &mut body);
+                    rects += 1;
+                    Some((offset, size, colour))
+                }
+                None => Some((offset, size, colour)),
+            };
+            offset += size;
+        }
+        if let Some((start, len, c)) = run {
+            draw(start, len, c, None, &mut body);
+            rects += 1;
+        }
+        cursor += segment.total_size;
+    }
+    let free = &peak.free_breakdown;
+    let moment = match peak.out_of_memory_op {
+        Some(op) => format!("where it ran out of memory (op {op})"),
+        None => format!(
+            "at its peak (after op {} of {})",
+            peak.ops_replayed, peak.ops
+        ),
+    };
+    let mut s = format!(
+        "<h4>{}</h4><p>{moment}: {} reserved in {} segments, {} in use; {} free in {} blocks \
+         (largest {}): {} idle, {} at segment edges, {} between live blocks. One row is {}.</p>",
+        esc(settings),
+        human(peak.reserved_bytes),
+        peak.segments,
+        human(peak.active_bytes),
+        human(peak.free_bytes),
+        peak.free_blocks,
+        human(peak.largest_free_block_bytes),
+        human(free.idle_bytes),
+        human(free.segment_edge_bytes),
+        human(free.between_blocks_bytes),
+        human(per_row),
+    );
+    if left_out > 0 {
+        let _ = write!(
+            s,
+            "<p class='note'>The last {left_out} segments are left out: the map stops at \
+             {MAP_RECTS} rectangles.</p>"
+        );
+    }
+    let _ = write!(
+        s,
+        "<svg class='map' viewBox='0 0 {PLOT_W} {height}' width='{PLOT_W}' height='{height}' \
+         role='img'>{body}</svg>"
+    );
+    s
+}
+
+/// The largest allocations live when live memory first peaked, with their
+/// stack frames where the trace has them.
+fn largest_live(
+    device: &DeviceTrace,
+    live: &[u64],
+    frames: Result<HashMap<u64, Vec<String>>, String>,
+) -> String {
+    let peak_op = live
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(&a.0)))
+        .map_or(0, |(i, _)| i);
+    // (id, size, op allocated at; None: live at the window start)
+    let mut alive: HashMap<u64, (u64, Option<usize>)> = HashMap::new();
+    for segment in &device.initial_segments {
+        for block in &segment.blocks {
+            if let InitialBlockState::Allocated(id) = block.state {
+                alive.insert(id, (block.requested_size, None));
+            }
+        }
+    }
+    for (i, op) in device.ops.iter().take(peak_op).enumerate() {
+        match op {
+            Op::Alloc { id, size, .. } => {
+                alive.insert(*id, (*size, Some(i + 1)));
+            }
+            Op::Free { id } => {
+                alive.remove(id);
+            }
+            _ => {}
+        }
+    }
+    let count = alive.len();
+    let mut largest: Vec<(u64, u64, Option<usize>)> = alive
+        .into_iter()
+        .map(|(id, (size, at))| (id, size, at))
+        .collect();
+    largest.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut s = format!(
+        "<h3>Largest live allocations at the peak</h3><p>Live memory first peaked after op \
+         {peak_op}: {} in {count} allocations (requested sizes; the same for every \
+         configuration).{}</p><table><tr><th>size</th><th>allocated at</th><th>stack \
+         frames (innermost first; Python's where there are any)</th></tr>",
+        human(live.get(peak_op).copied().unwrap_or(0)),
+        match &frames {
+            Ok(_) => String::new(),
+            Err(why) => format!(" No stack frames: {}.", esc(why)),
+        }
+    );
+    for (id, size, at) in largest.into_iter().take(TOP_ALLOCATIONS) {
+        let shown = frames
+            .as_ref()
+            .ok()
+            .and_then(|f| f.get(&id))
+            .map(|f| {
+                f.iter()
+                    .take(FRAMES_SHOWN)
+                    .map(|l| esc(l))
+                    .collect::<Vec<_>>()
+                    .join("<br>")
+            })
+            .unwrap_or_default();
+        let _ = write!(
+            s,
+            "<tr><td>{}</td><td>{}</td><td class='frames'>{}</td></tr>",
+            human(size),
+            at.map_or("before the window".into(), |op| format!("op {op}")),
+            if shown.is_empty() && frames.is_ok() && at.is_none() {
+                "(live before the window: the history has no frames for it)".to_string()
+            } else {
+                shown
+            }
+        );
+    }
+    s + "</table>"
+}
+
+/// The whole page.
+fn page(sources: &[&str], body: &str) -> String {
+    format!(
+        "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>\
+         <title>hbmalloc report: {}</title><style>{STYLE}</style></head><body>\
+         <h1>Where the memory went</h1><p class='note'>Made by <code>hbmalloc report</code>: each \
+         configuration replayed on a simulated GPU. Plots have the operation index on the x \
+         axis and are drawn from at most two points per bucket (the bucket's minimum and \
+         maximum, in the order they came), so peaks and dips stay visible however long the \
+         trace; red vertical lines mark out-of-memory errors (hover for which).</p>{body}\
+         </body></html>\n",
+        esc(&sources.join(", ")),
+    )
+}
+
+const STYLE: &str =
+    "body{font:14px/1.4 system-ui,sans-serif;margin:20px;color:#222;max-width:1000px}\
+h2{border-bottom:1px solid #ccc}.note{color:#555}.plot .frame{fill:none;stroke:#999}\
+.plot .grid{stroke:#eee}.plot .line{fill:none;stroke-width:1.3;stroke-opacity:.85}.plot .oom{stroke:#d00;\
+stroke-dasharray:4 3}.ylab{font-size:11px;text-anchor:end}.xlab{font-size:11px;\
+}.sw{display:inline-block;width:12px;height:12px;margin:0 4px 0 8px;\
+vertical-align:middle}.legend span{white-space:nowrap}table{border-collapse:collapse}\
+td,th{border:1px solid #ddd;padding:3px 6px;text-align:right;vertical-align:top}\
+td:first-child,th:first-child,.frames{text-align:left}.frames{font:11px monospace}\
+.map{background:#f4f4f4}pre{background:#f6f6f6;padding:8px;overflow:auto}";
+
+/// Escapes text for HTML.
+fn esc(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '&' => out.push_str("&amp;"),
+            '\'' => out.push_str("&#39;"),
+            '"' => out.push_str("&quot;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{counts_per_bucket, esc, min_max_points};
+
+    #[test]
+    fn downsampling_keeps_each_buckets_extremes() {
+        let mut values = vec![5u64; 10_000];
+        values[1234] = 900;
+        values[7777] = 1;
+        let points = min_max_points(&values, 100);
+        assert!(points.len() <= 200);
+        assert!(points.contains(&(1234.0, 900.0)), "{points:?}");
+        assert!(points.contains(&(7777.0, 1.0)));
+        assert!(points.windows(2).all(|w| w[0].0 < w[1].0));
+        // Short series are kept whole.
+        assert_eq!(min_max_points(&[3, 1, 2], 100).len(), 3);
+        assert!(min_max_points(&[], 10).is_empty());
+    }
+
+    #[test]
+    fn counts_fall_in_their_buckets() {
+        let points = counts_per_bucket(&[0, 1, 99, 99, 50], 100, 4);
+        assert_eq!(points, [(0.0, 2.0), (25.0, 0.0), (50.0, 1.0), (75.0, 2.0)]);
+    }
+
+    #[test]
+    fn text_is_escaped() {
+        assert_eq!(esc("<a href='x'>&"), "&lt;a href=&#39;x&#39;&gt;&amp;");
+    }
+}
