@@ -36,6 +36,7 @@ macro_rules! outln {
 
 mod advise;
 mod bench;
+mod budget;
 mod report;
 mod summary;
 mod table;
@@ -356,6 +357,10 @@ enum Command {
     /// each configuration: memory over time, the map at the peak, the
     /// largest live allocations, driver calls, OOMs and the comparison.
     Report(report::ReportArgs),
+    /// The memory budget of transformer training or inference (weights,
+    /// gradients, optimizer, activations, KV cache) from a model
+    /// description or a Hugging Face config.json.
+    Plan(budget::PlanArgs),
 }
 
 fn main() -> ExitCode {
@@ -602,6 +607,7 @@ fn run(command: Command) -> Result<(), String> {
         Command::Summary(args) => summary::run(args),
         Command::Advise(args) => advise::run(args),
         Command::Report(args) => report::run(args),
+        Command::Plan(args) => budget::run(args),
     }
 }
 
