@@ -280,19 +280,28 @@ fn device_section(
         capacity.map_or(String::new(), |c| format!("; device capacity {}", human(c))),
     );
 
+    // One line per configuration, in its colour.
+    let per_config = |name: &str, points: &dyn Fn(&Replayed) -> Vec<(f64, f64)>| {
+        replayed
+            .iter()
+            .enumerate()
+            .map(|(i, r)| Series {
+                name: format!("{name}{}", r.metrics.settings),
+                colour: COLOURS[i % COLOURS.len()],
+                points: points(r),
+            })
+            .collect::<Vec<_>>()
+    };
+
     // Memory over time.
     let mut series = vec![Series {
         name: "live".into(),
         colour: LIVE,
         points: min_max_points(&live, buckets),
     }];
-    for (i, r) in replayed.iter().enumerate() {
-        series.push(Series {
-            name: format!("reserved: {}", r.metrics.settings),
-            colour: COLOURS[i % COLOURS.len()],
-            points: min_max_points(&r.reserved, buckets),
-        });
-    }
+    series.extend(per_config("reserved: ", &|r| {
+        min_max_points(&r.reserved, buckets)
+    }));
     let mut markers: Vec<(usize, String)> = replayed
         .iter()
         .filter_map(|r| {
@@ -312,35 +321,21 @@ fn device_section(
     s += &legend(&series);
 
     // Waste and driver activity over time.
-    let waste: Vec<Series> = replayed
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let waste: Vec<u64> = r
-                .reserved
-                .iter()
-                .zip(&live)
-                .map(|(r, l)| r.saturating_sub(*l))
-                .collect();
-            Series {
-                name: r.metrics.settings.clone(),
-                colour: COLOURS[i % COLOURS.len()],
-                points: min_max_points(&waste, buckets),
-            }
-        })
-        .collect();
+    let waste = per_config("", &|r| {
+        let waste: Vec<u64> = r
+            .reserved
+            .iter()
+            .zip(&live)
+            .map(|(r, l)| r.saturating_sub(*l))
+            .collect();
+        min_max_points(&waste, buckets)
+    });
     s += "<h3>Waste over time (reserved − live)</h3>";
     s += &chart(&waste, ops, &markers, "bytes");
     s += &legend(&waste);
-    let calls: Vec<Series> = replayed
-        .iter()
-        .enumerate()
-        .map(|(i, r)| Series {
-            name: r.metrics.settings.clone(),
-            colour: COLOURS[i % COLOURS.len()],
-            points: counts_per_bucket(&r.segment_event_ops, ops, buckets),
-        })
-        .collect();
+    let calls = per_config("", &|r| {
+        counts_per_bucket(&r.segment_event_ops, ops, buckets)
+    });
     s += "<h3>Driver calls over time</h3><p class='note'>Segment events (allocate, free, map, \
           unmap) per bucket of operations.</p>";
     s += &chart(&calls, ops, &markers, "count");

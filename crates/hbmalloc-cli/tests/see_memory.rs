@@ -2,31 +2,9 @@
 //! which setting to use, and what a model needs.
 
 use std::path::PathBuf;
-use std::process::{Command, Output};
 
-fn hbmalloc(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_hbmalloc"))
-        .args(args)
-        .output()
-        .expect("run hbmalloc")
-}
-
-fn succeed(args: &[&str]) -> String {
-    let out = hbmalloc(args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn assert_clear_error(out: &Output, needle: &str) {
-    assert!(!out.status.success(), "expected failure");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains(needle), "{needle:?} not in:\n{stderr}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
-}
+mod common;
+use common::{assert_clear_error, hbmalloc, stdout_of_success, succeed};
 
 /// A file under `../shared/traces`, or `None` (a failure under `CI=true`).
 fn shared(path: &str) -> Option<String> {
@@ -157,7 +135,7 @@ fn report(args: &[&str]) -> String {
     let page = dir.path().join("report.html");
     let mut all = vec!["report", "-o", page.to_str().unwrap()];
     all.extend_from_slice(args);
-    succeed(&all);
+    stdout_of_success(hbmalloc(&all));
     std::fs::read_to_string(&page).unwrap()
 }
 
