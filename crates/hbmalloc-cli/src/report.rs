@@ -45,6 +45,10 @@ pub struct ReportArgs {
     /// maximum).
     #[arg(long, default_value_t = 1000, value_parser = crate::count(100_000))]
     buckets: usize,
+    /// Skip the smallest-device bisection (about ten replays a
+    /// configuration; the table shows "-").
+    #[arg(long)]
+    no_min_capacity: bool,
 }
 
 /// Largest live allocations listed.
@@ -87,15 +91,8 @@ pub fn run(args: ReportArgs) -> Result<(), String> {
                     .ok_or_else(|| "the snapshot has no history for this device".to_string())
                     .and_then(|entries| frames_by_alloc(device, entries))
             });
-            body += &device_section(
-                &trace.source,
-                device,
-                &runs,
-                args.capacity,
-                args.buckets,
-                frames,
-            )
-            .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
+            body += &device_section(&trace.source, device, &runs, &args, frames)
+                .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
         }
     }
     let page = page(
@@ -229,11 +226,12 @@ fn replay_one(
     device: &DeviceTrace,
     policy: &PolicyConfig,
     capacity: Option<u64>,
+    find_min_capacity: bool,
 ) -> Result<Replayed, String> {
     let options = EvalOptions {
         policy: policy.clone(),
         capacity_bytes: capacity,
-        find_min_capacity: true,
+        find_min_capacity,
         reproduce_recorded_ooms: false,
         maps_handle_parts: true,
     };
@@ -258,14 +256,14 @@ fn device_section(
     source: &str,
     device: &DeviceTrace,
     runs: &[PolicyConfig],
-    capacity: Option<Capacity>,
-    buckets: usize,
+    args: &ReportArgs,
     frames: Result<HashMap<u64, Vec<String>>, String>,
 ) -> Result<String, String> {
-    let capacity = capacity.map(|c| c.bytes(device));
+    let capacity = args.capacity.map(|c| c.bytes(device));
+    let buckets = args.buckets;
     let replayed: Vec<Replayed> = runs
         .par_iter()
-        .map(|policy| replay_one(source, device, policy, capacity))
+        .map(|policy| replay_one(source, device, policy, capacity, !args.no_min_capacity))
         .collect::<Result<_, _>>()?;
     let live = live_bytes_after_ops(device);
     let ops = live.len().saturating_sub(1).max(1);

@@ -175,7 +175,17 @@ fn report_is_one_page_with_every_part_and_nothing_fetched() {
 
 #[test]
 fn report_shows_where_a_small_device_runs_out() {
-    let page = report(&["--capacity", "2GiB", "--run", "policy:pytorch"]);
+    let page = report(&[
+        "--capacity",
+        "2GiB",
+        "--run",
+        "policy:pytorch",
+        "--no-min-capacity",
+    ]);
+    assert!(
+        page.contains("<td>-</td>"),
+        "no bisection asked, no smallest device"
+    );
     assert!(
         page.contains("Out of memory under policy:pytorch at op"),
         "no OOM report"
