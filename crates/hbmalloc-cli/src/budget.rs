@@ -53,6 +53,11 @@ pub struct PlanArgs {
     /// A gated feed-forward (SwiGLU: three matrices instead of two).
     #[arg(long)]
     gated_mlp: bool,
+    /// The feed-forward's activation is composed of elementwise operations
+    /// that each keep a feed-forward-sized tensor for backward (GPT-2's
+    /// `gelu_new`): three more per token and layer.
+    #[arg(long)]
+    composed_gelu: bool,
     /// The LM head has its own weights (not tied to the embedding).
     #[arg(long)]
     untied: bool,
@@ -157,6 +162,8 @@ pub struct Model {
     pub positions: u64,
     /// SwiGLU feed-forward.
     pub gated_mlp: bool,
+    /// The activation keeps three feed-forward-sized tensors of its own.
+    pub composed_gelu: bool,
     /// LM head weights of its own.
     pub untied: bool,
     /// Linear layers and norms have biases (GPT-2, ViT, BERT: yes; LLaMA: no).
@@ -198,6 +205,7 @@ impl Model {
             vocab: 50257,
             positions: 1024,
             gated_mlp: false,
+            composed_gelu: true,
             untied: false,
             bias: true,
             extra_params: 0,
@@ -218,6 +226,7 @@ impl Model {
                 vocab: 32000,
                 positions: 0,
                 gated_mlp: true,
+                composed_gelu: false,
                 untied: true,
                 bias: false,
                 extra_params: 0,
@@ -270,6 +279,7 @@ impl Model {
                 get(&["n_positions", "max_position_embeddings"]).unwrap_or(0)
             },
             gated_mlp: gated,
+            composed_gelu: act == "gelu_new",
             untied: config
                 .get("tie_word_embeddings")
                 .and_then(Value::as_bool)
@@ -302,6 +312,7 @@ fn vit(
         vocab: 0,
         positions: tokens,
         gated_mlp: false,
+        composed_gelu: false,
         untied: false,
         bias: true,
         extra_params: 3 * patch * patch * hidden + hidden + hidden + hidden * labels + labels,
@@ -386,7 +397,9 @@ pub fn budget(model: &Model, args: &PlanArgs, seq: u64) -> Budget {
     };
     // Per layer and token: 16 hidden-sized values and 2 one-byte masks;
     // eager attention adds scores, softmax and dropout per head and key.
+    let composed = if model.composed_gelu { 3 } else { 0 };
     let per_layer = s * b * h * (16 * act + 2)
+        + composed * s * b * model.ffn * act
         + match args.attention {
             Attention::Eager => a * s * s * b * (2 * act + 1),
             Attention::Sdpa => 0,
@@ -472,6 +485,7 @@ pub fn model_of(args: &PlanArgs) -> Result<Model, String> {
                 vocab: need(args.vocab, "vocab")?,
                 positions: 0,
                 gated_mlp: false,
+                composed_gelu: false,
                 untied: false,
                 bias: true,
                 extra_params: 0,
@@ -492,6 +506,7 @@ pub fn model_of(args: &PlanArgs) -> Result<Model, String> {
     set(&mut model.vocab, args.vocab);
     set(&mut model.positions, args.positions);
     model.gated_mlp |= args.gated_mlp;
+    model.composed_gelu |= args.composed_gelu;
     model.untied |= args.untied;
     for (value, what) in [
         (model.layers, "layers"),
@@ -593,8 +608,8 @@ pub fn run(args: PlanArgs) -> Result<(), String> {
         human(budget.peak_bytes)
     );
     outln!(
-        "live tensors only: add the allocator's waste (hbmalloc advise) and the CUDA context \
-         and library workspaces"
+        "live tensors only: add the allocator's waste (hbmalloc advise),\n\
+         the CUDA context and library workspaces"
     );
     Ok(())
 }
@@ -646,6 +661,13 @@ mod tests {
             Model::from_hf_config(&llama).unwrap(),
             Model::named("llama-2-7b").unwrap()
         );
+        // A fused GELU keeps only its input.
+        let fused: serde_json::Value = serde_json::from_str(
+            r#"{"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257,
+                "activation_function": "gelu"}"#,
+        )
+        .unwrap();
+        assert!(!Model::from_hf_config(&fused).unwrap().composed_gelu);
         let broken: serde_json::Value = serde_json::from_str(r#"{"n_layer": 2}"#).unwrap();
         assert!(Model::from_hf_config(&broken)
             .unwrap_err()

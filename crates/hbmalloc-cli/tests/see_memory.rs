@@ -228,7 +228,7 @@ fn measured_peak(trace: &str) -> f64 {
 
 /// The planned peak of GPT-2 small trained with AdamW, batch 2 x 256 in
 /// fp32, against the bundled trace of that run: within 10% (it measures
-/// 8.4% under: docs/see-memory.md).
+/// 8.3% under: docs/see-memory.md).
 #[test]
 fn plan_is_within_ten_percent_of_the_bundled_gpt2_run() {
     let bundled = concat!(
