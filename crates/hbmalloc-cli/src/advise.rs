@@ -217,15 +217,26 @@ pub fn advice_text(rows: &[Row], baseline: &Row, devices: usize, capacity_given:
             ),
             _ => "-".to_string(),
         };
-        text += &format!(
-            "against PyTorch's defaults it saves {} of device (the smallest that fits)\n\
-             and {} of peak reserved memory\n",
-            saving(best.min_capacity_bytes, baseline.min_capacity_bytes),
-            saving(
-                Some(best.peak_reserved_bytes),
-                Some(baseline.peak_reserved_bytes)
-            ),
-        );
+        if baseline.fits < devices {
+            // A replay that ran out of memory stopped early: its peak
+            // reserved is no baseline.
+            text += &format!(
+                "PyTorch's defaults run out of memory on {} of the {devices} trace devices here; \
+                 this fits them all,\nand needs {} less device (the smallest that fits)\n",
+                devices - baseline.fits,
+                saving(best.min_capacity_bytes, baseline.min_capacity_bytes),
+            );
+        } else {
+            text += &format!(
+                "against PyTorch's defaults it saves {} of device (the smallest that fits)\n\
+                 and {} of peak reserved memory\n",
+                saving(best.min_capacity_bytes, baseline.min_capacity_bytes),
+                saving(
+                    Some(best.peak_reserved_bytes),
+                    Some(baseline.peak_reserved_bytes)
+                ),
+            );
+        }
     }
     text += "\n";
     text += &format!(

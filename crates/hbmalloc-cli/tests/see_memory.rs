@@ -120,6 +120,17 @@ fn advise_recommends_the_smallest_device_and_says_what_it_saves() {
 }
 
 #[test]
+fn advise_in_a_capacity_says_when_pytorchs_defaults_do_not_fit() {
+    // 2.6 GiB: the bundled trace needs 2.79 GiB under PyTorch's defaults.
+    let text = succeed(&["advise", "--capacity", "2.6GiB"]);
+    assert!(
+        text.contains("PyTorch's defaults run out of memory on 1 of the 1 trace devices"),
+        "{text}"
+    );
+    assert!(!text.contains("of peak reserved memory"), "{text}");
+}
+
+#[test]
 fn advise_says_when_nothing_fits_the_capacity() {
     let text = succeed(&["advise", "--capacity", "64MiB"]);
     assert!(
