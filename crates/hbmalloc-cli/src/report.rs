@@ -8,7 +8,7 @@
 //! into buckets that keep their minimum and maximum), so the page stays
 //! light however long the trace is.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -85,12 +85,10 @@ pub fn run(args: ReportArgs) -> Result<(), String> {
             None => Err("the bundled trace is a torch.profiler trace, which records none".into()),
         };
         for device in &trace.devices {
-            let frames = frames.as_ref().map_err(Clone::clone).and_then(|f| {
-                f.get(&device.device)
-                    .cloned()
-                    .ok_or_else(|| "the snapshot has no history for this device".to_string())
-                    .and_then(|entries| frames_by_alloc(device, entries))
-            });
+            let frames = frames
+                .as_ref()
+                .map_err(Clone::clone)
+                .and_then(|f| frames_by_alloc(device, f));
             body += &device_section(&trace.source, device, &runs, &args, frames)
                 .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
         }
@@ -109,56 +107,75 @@ pub fn run(args: ReportArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// Stack frames of each `alloc` entry of a snapshot's history, by device.
-type FramesByDevice = HashMap<i64, Vec<(u64, Vec<String>)>>;
+/// What a PyTorch snapshot says of its allocations' stack frames.
+#[derive(Default)]
+struct SnapshotFrames {
+    /// Each device's `alloc` entries in order: size and frames.
+    allocs: HashMap<i64, Vec<(u64, Vec<String>)>>,
+    /// Each device's blocks allocated at the dump, by address.
+    at_dump: HashMap<i64, HashMap<u64, Vec<String>>>,
+}
 
-/// The frames of every `alloc` entry in a PyTorch snapshot, in order, by
-/// device; an error says why there are none (not a snapshot, compressed).
-fn frames_of(path: &Path) -> Result<FramesByDevice, String> {
+/// The frames of a PyTorch snapshot's `alloc` entries and dumped blocks;
+/// an error says why there are none (not a snapshot, compressed).
+fn frames_of(path: &Path) -> Result<SnapshotFrames, String> {
     let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
     if !bytes.starts_with(&[0x80]) {
         return Err("the trace is not an uncompressed PyTorch snapshot".into());
     }
     let doc = pickle::parse(&bytes).map_err(|e| e.to_string())?;
-    let list = |id: ValueId| match doc.get(id) {
-        Value::List(items) | Value::Tuple(items) => Some(items.clone()),
+    let list = |id: Option<ValueId>| match id.map(|id| doc.get(id)) {
+        Some(Value::List(items) | Value::Tuple(items)) => items.clone(),
+        _ => Vec::new(),
+    };
+    let int = |id: Option<ValueId>| match id.map(|id| doc.get(id)) {
+        Some(Value::Int(n)) => u64::try_from(*n).ok(),
         _ => None,
     };
-    let traces = doc
-        .dict_get(doc.root(), "device_traces")
-        .and_then(list)
-        .ok_or("the snapshot has no history")?;
-    let mut by_device = HashMap::new();
+    // The program's own (Python) frames say where; C++ frames only when
+    // there is nothing else.
+    let frames = |of: ValueId| {
+        let frames: Vec<(bool, String)> = list(doc.dict_get(of, "frames"))
+            .into_iter()
+            .filter_map(|frame| frame_text(&doc, frame))
+            .collect();
+        let python = frames.iter().any(|(py, _)| *py);
+        frames
+            .into_iter()
+            .filter(|(py, _)| *py || !python)
+            .map(|(_, text)| text)
+            .collect::<Vec<_>>()
+    };
+    let mut found = SnapshotFrames::default();
+    let traces = list(doc.dict_get(doc.root(), "device_traces"));
     for (device, entries) in traces.into_iter().enumerate() {
-        let mut allocs = Vec::new();
-        for entry in list(entries).unwrap_or_default() {
-            if str_of(&doc, doc.dict_get(entry, "action")) != Some("alloc") {
-                continue;
-            }
-            let size = match doc.dict_get(entry, "size").map(|id| doc.get(id)) {
-                Some(Value::Int(n)) => u64::try_from(*n).unwrap_or(0),
-                _ => 0,
-            };
-            let frames: Vec<(bool, String)> = doc
-                .dict_get(entry, "frames")
-                .and_then(list)
-                .unwrap_or_default()
-                .into_iter()
-                .filter_map(|frame| frame_text(&doc, frame))
-                .collect();
-            // The program's own (Python) frames say where; C++ frames only
-            // when there is nothing else.
-            let python = frames.iter().any(|(py, _)| *py);
-            let frames = frames
-                .into_iter()
-                .filter(|(py, _)| *py || !python)
-                .map(|(_, text)| text)
-                .collect();
-            allocs.push((size, frames));
-        }
-        by_device.insert(device as i64, allocs);
+        let allocs = list(Some(entries))
+            .into_iter()
+            .filter(|&e| str_of(&doc, doc.dict_get(e, "action")) == Some("alloc"))
+            .map(|e| (int(doc.dict_get(e, "size")).unwrap_or(0), frames(e)))
+            .collect();
+        found.allocs.insert(device as i64, allocs);
     }
-    Ok(by_device)
+    for segment in list(doc.dict_get(doc.root(), "segments")) {
+        let device = int(doc.dict_get(segment, "device")).unwrap_or(0) as i64;
+        let mut address = int(doc.dict_get(segment, "address")).unwrap_or(0);
+        for block in list(doc.dict_get(segment, "blocks")) {
+            // Blocks without an address tile their segment.
+            let at = int(doc.dict_get(block, "address")).unwrap_or(address);
+            address = at + int(doc.dict_get(block, "size")).unwrap_or(0);
+            if str_of(&doc, doc.dict_get(block, "state")) == Some("active_allocated") {
+                found
+                    .at_dump
+                    .entry(device)
+                    .or_default()
+                    .insert(at, frames(block));
+            }
+        }
+    }
+    if found.allocs.is_empty() && found.at_dump.is_empty() {
+        return Err("the snapshot has no history".into());
+    }
+    Ok(found)
 }
 
 fn str_of(doc: &Document, id: Option<ValueId>) -> Option<&str> {
@@ -183,13 +200,19 @@ fn frame_text(doc: &Document, frame: ValueId) -> Option<(bool, String)> {
     Some((file.ends_with(".py"), format!("{name} ({file}:{line})")))
 }
 
-/// Frames by the trace's allocation id: the importer turns the history's
+/// Frames by the trace's allocation id. The importer turns the history's
 /// `alloc` entries into `Alloc` ops one for one and in order, which the
-/// sizes confirm (anything else: no frames rather than wrong ones).
+/// sizes confirm (anything else: no frames rather than wrong ones). A block
+/// live from the window start to the dump is the dumped block at its
+/// address.
 fn frames_by_alloc(
     device: &DeviceTrace,
-    entries: Vec<(u64, Vec<String>)>,
+    snapshot: &SnapshotFrames,
 ) -> Result<HashMap<u64, Vec<String>>, String> {
+    let entries = snapshot
+        .allocs
+        .get(&device.device)
+        .map_or(&[][..], Vec::as_slice);
     let allocs: Vec<(u64, u64)> = device
         .ops
         .iter()
@@ -198,18 +221,41 @@ fn frames_by_alloc(
             _ => None,
         })
         .collect();
-    if allocs.len() != entries.len() || allocs.iter().zip(&entries).any(|(a, e)| a.1 != e.0) {
+    if allocs.len() != entries.len() || allocs.iter().zip(entries).any(|(a, e)| a.1 != e.0) {
         return Err(format!(
             "the history's {} allocations do not line up with the trace's {}",
             entries.len(),
             allocs.len()
         ));
     }
-    Ok(allocs
+    let mut by_id: HashMap<u64, Vec<String>> = allocs
         .into_iter()
         .zip(entries)
-        .map(|((id, _), (_, frames))| (id, frames))
-        .collect())
+        .map(|((id, _), (_, frames))| (id, frames.clone()))
+        .collect();
+    let freed: HashSet<u64> = device
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            Op::Free { id } => Some(*id),
+            _ => None,
+        })
+        .collect();
+    let at_dump = snapshot.at_dump.get(&device.device);
+    for segment in &device.initial_segments {
+        let mut address = segment.address;
+        for block in &segment.blocks {
+            if let InitialBlockState::Allocated(id) = block.state {
+                if let Some(frames) = at_dump.and_then(|d| d.get(&address)) {
+                    if !freed.contains(&id) {
+                        by_id.insert(id, frames.clone());
+                    }
+                }
+            }
+            address += block.size;
+        }
+    }
+    Ok(by_id)
 }
 
 /// What one configuration did on one device.
@@ -763,7 +809,7 @@ fn largest_live(
             human(size),
             at.map_or("before the window".into(), |op| format!("op {op}")),
             if shown.is_empty() && frames.is_ok() && at.is_none() {
-                "(live before the window: the history has no frames for it)".to_string()
+                "(live before the window: the snapshot has no frames for it)".to_string()
             } else {
                 shown
             }

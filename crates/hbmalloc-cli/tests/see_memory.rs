@@ -291,3 +291,17 @@ fn plan_refuses_what_it_cannot_plan() {
         "not JSON",
     );
 }
+
+/// Blocks live since before the history's window take the frames of the
+/// dumped block at their address (the optimizer's states here).
+#[test]
+fn report_finds_frames_of_blocks_older_than_the_window() {
+    let Some(path) = shared("pytorch-snapshots/cs336_notHanmin__memory_snapshot.pickle") else {
+        return;
+    };
+    let page = report(&[&path, "--no-min-capacity", "--run", "policy:hbm"]);
+    assert!(
+        page.contains("<td>before the window</td><td class='frames'>step ("),
+        "no frames for an allocation older than the window"
+    );
+}
