@@ -44,6 +44,30 @@ fn summary_of_a_snapshot_replays_its_recorded_peak() {
     );
 }
 
+/// The recorded out-of-memory error on device 1 is counted, and each
+/// device's peak reserved is the MANIFEST's recorded max reserved.
+#[test]
+fn summary_counts_a_recorded_oom_on_each_device_of_a_snapshot() {
+    let Some(path) = shared("pytorch-snapshots/Constructor-Sun__memory_snapshot.pickle") else {
+        return;
+    };
+    let text = succeed(&["summary", "--abbreviated", &path]);
+    let tables: Vec<&str> = text.split("memory summary, device ID").skip(1).collect();
+    assert_eq!(tables.len(), 3, "{text}");
+    for (table, (ooms, reserved)) in tables.iter().zip([(0, 8146), (1, 80302), (0, 20870)]) {
+        assert!(table.contains(&format!("CUDA OOMs: {ooms} ")), "{table}");
+        let row = table
+            .lines()
+            .find(|l| l.starts_with("| GPU reserved memory"))
+            .unwrap();
+        // Current and peak usage alike: the peak is where the window ended.
+        assert!(
+            row.contains(&format!("| {reserved:>6} MiB | {reserved:>6} MiB |")),
+            "{row}"
+        );
+    }
+}
+
 #[test]
 fn summary_refuses_what_is_not_a_trace() {
     let dir = tempfile::tempdir().unwrap();
