@@ -149,11 +149,9 @@ pub fn run(args: AdviseArgs) -> Result<(), String> {
         .map(|&(p, d)| {
             let (source, device) = devices[d];
             let options = EvalOptions {
-                policy: policies[p].clone(),
                 capacity_bytes: args.capacity.map(|c| c.bytes(device)),
                 find_min_capacity: true,
-                reproduce_recorded_ooms: false,
-                maps_handle_parts: true,
+                ..EvalOptions::new(policies[p].clone())
             };
             let metrics = evaluate(source, device, &options)
                 .map_err(|e| format!("{source} device {}: {e}", device.device));

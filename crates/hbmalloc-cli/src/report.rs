@@ -275,15 +275,17 @@ fn replay_one(
     find_min_capacity: bool,
 ) -> Result<Replayed, String> {
     let options = EvalOptions {
-        policy: policy.clone(),
         capacity_bytes: capacity,
         find_min_capacity,
-        reproduce_recorded_ooms: false,
-        maps_handle_parts: true,
+        ..EvalOptions::new(policy.clone())
     };
     let metrics = evaluate(source, device, &options).map_err(|e| e.to_string())?;
     let mut replay = ReplayOptions::new(policy.clone());
     replay.capacity_bytes = capacity.unwrap_or(hbmalloc_replay::UNBOUNDED_CAPACITY_BYTES);
+    // The same simulated device as the metrics' replay.
+    replay.maps_handle_parts = options.maps_handle_parts;
+    replay.latency = options.latency.clone();
+    replay.use_recorded_addresses = options.use_recorded_addresses;
     replay.record_reserved_after_ops = true;
     replay.record_history = true;
     let run = PreparedTrace::new(device)
