@@ -1,26 +1,17 @@
 //! `summary`, `advise`, `report` and `plan` end to end: where memory went,
 //! which setting to use, and what a model needs.
 
-use std::path::PathBuf;
-
 mod common;
 use common::{assert_clear_error, hbmalloc, stdout_of_success, succeed};
 
-/// A file under `../shared/traces`, or `None` (a failure under `CI=true`).
+#[path = "../../hbmalloc-trace/tests/common/shared.rs"]
+mod common_shared;
+
+/// A file under `shared/traces` (see `common/shared.rs`: `None` skips on a
+/// developer's machine, a failure under `CI=true`).
 fn shared(path: &str) -> Option<String> {
-    let full = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/traces")
-        .join(path);
-    if full.exists() {
-        return Some(full.to_string_lossy().into_owned());
-    }
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "{} is missing under CI",
-        full.display()
-    );
-    eprintln!("skipped: {} is missing", full.display());
-    None
+    let dir = common_shared::shared_traces(env!("CARGO_MANIFEST_DIR"))?;
+    Some(dir.join(path).to_string_lossy().into_owned())
 }
 
 #[test]
