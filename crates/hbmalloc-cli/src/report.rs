@@ -16,8 +16,8 @@ use std::time::Instant;
 use clap::Args;
 use hbmalloc::{BlockState, PolicyConfig, SegmentSnapshot, SimConfig, Snapshot};
 use hbmalloc_replay::{
-    evaluate, live_bytes_after_ops, snapshot, EvalOptions, FreeBreakdown, Metrics, PreparedTrace,
-    ReplayOptions, ReplaySnapshot, SnapshotMoment,
+    evaluate, live_bytes_after_ops, snapshot, EvalOptions, FreeBreakdown, Metrics, Outcome,
+    PreparedTrace, ReplayOptions, ReplaySnapshot, SnapshotMoment,
 };
 use hbmalloc_trace::pickle::{self, Document, Value, ValueId};
 use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op};
@@ -291,7 +291,15 @@ fn replay_one(
     let run = PreparedTrace::new(device)
         .and_then(|p| p.run(&replay))
         .map_err(|e| e.to_string())?;
-    let peak = snapshot(device, &options, SnapshotMoment::Peak).map_err(|e| e.to_string())?;
+    // This replay found the peak already: one more replay to it, not the
+    // two of `SnapshotMoment::Peak` (where it ran out of memory, the
+    // snapshot is taken at the failure, as there).
+    let moment = match run.outcome {
+        Outcome::Completed => run.ops_at_peak_reserved,
+        Outcome::OutOfMemory { op_index, .. } => op_index + 1,
+    };
+    let peak =
+        snapshot(device, &options, SnapshotMoment::AfterOps(moment)).map_err(|e| e.to_string())?;
     Ok(Replayed {
         metrics,
         reserved: run.reserved_after_ops,
