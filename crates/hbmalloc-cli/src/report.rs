@@ -403,12 +403,13 @@ fn device_section(
         let m = &r.metrics;
         let _ = write!(
             s,
-            "<tr><td>{}</td><td>{}</td><td>{:.3}</td><td>{}</td><td>{}</td><td>{}</td>\
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
              <td>{:.1} ms</td><td>{}</td></tr>",
             esc(&m.settings),
             human(m.peak_reserved_bytes),
-            m.efficiency,
-            human(m.waste_bytes),
+            // A replay that ran out of memory has neither.
+            m.efficiency.map_or("-".into(), |e| format!("{e:.3}")),
+            m.waste_bytes.map_or("-".into(), human),
             m.min_capacity_bytes.map_or("-".into(), human),
             m.memory_device_calls,
             m.simulated_driver_seconds * 1e3,
