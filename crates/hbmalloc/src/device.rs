@@ -249,7 +249,7 @@ impl CallCounts {
 
 /// The only door from the engine to a driver.
 ///
-/// Implementations: [`crate::SimDevice`] (deterministic simulated GPU),
+/// Implementations: `SimDevice` (deterministic simulated GPU, feature `sim`),
 /// `hbmalloc_cuda::CudaDevice` (the CUDA driver, loaded at run time).
 pub trait Device: Send + Sync {
     /// A short human name ("simulated GPU, 80.0 GiB", "NVIDIA H100 80GB HBM3").
