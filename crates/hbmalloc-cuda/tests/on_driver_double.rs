@@ -635,8 +635,13 @@ fn threads_share_one_device() {
 fn the_double_behaves_like_the_simulated_device() {
     let (_serial, _double) = exclusive();
     let cuda = open(0);
-    // The double's default capacity.
-    let sim = SimDevice::with_capacity(1 << 30);
+    // The double's default capacity; like the double by default, a driver
+    // that maps part of a handle (the simulated one's what-if).
+    let sim = SimDevice::with_config(SimConfig {
+        capacity_bytes: 1 << 30,
+        maps_handle_parts: true,
+        ..SimConfig::default()
+    });
     let on_cuda = exercise_device(&cuda).expect("exercise on the double");
     let on_sim = exercise_device(&sim).expect("exercise on SimDevice");
     assert_eq!(on_cuda, on_sim);
