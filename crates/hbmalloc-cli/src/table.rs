@@ -479,6 +479,12 @@ pub fn metrics_text(m: &Metrics) -> String {
             "  efficiency                 none: the trace did not run to its end"
         ),
     };
+    if let Some(half) = m.efficiency_at_half {
+        let _ = writeln!(
+            out,
+            "  efficiency_at_half         {half:.4} (the first half of the ops alone)"
+        );
+    }
     if let Some(c) = m.min_capacity_bytes {
         let _ = writeln!(
             out,
@@ -512,6 +518,16 @@ pub fn metrics_text(m: &Metrics) -> String {
         "  simulated_driver_seconds   {:.6}",
         m.simulated_driver_seconds
     );
+    if let Some(seconds) = m.recorded_seconds {
+        let _ = writeln!(out, "  recorded_seconds           {seconds:.3}");
+    }
+    if let Some(fraction) = m.driver_time_fraction {
+        let _ = writeln!(
+            out,
+            "  driver_time_fraction       {:.4}% of the recorded time",
+            fraction * 100.0
+        );
+    }
     let _ = writeln!(out, "  ns_per_op                  {:.1}", m.ns_per_op);
     if let Some(r) = &m.recorded {
         if let Some(p) = r.peak_reserved_bytes {
