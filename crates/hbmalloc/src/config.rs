@@ -1068,6 +1068,8 @@ mod tests {
         error("]");
         // A separator is never a value, even for a key that ignores bad ones.
         error("expandable_segments_reserve:,");
+        // Integers are ASCII digits only: Rust's parser alone would take `+40`.
+        error("max_split_size_mb:+40");
     }
 
     #[test]
