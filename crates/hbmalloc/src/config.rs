@@ -1066,6 +1066,10 @@ mod tests {
         error("roundup_power2_divisions:[256]");
         error("roundup_power2_divisions:[256:1,,512:2]");
         error("]");
+        // A separator is never a value, even for a key that ignores bad ones.
+        error("expandable_segments_reserve:,");
+        // Integers are ASCII digits only: Rust's parser alone would take `+40`.
+        error("max_split_size_mb:+40");
     }
 
     #[test]
@@ -1181,6 +1185,14 @@ mod tests {
         error("pinned_max_round_threshold_mb:-1");
         error("pinned_max_cached_size_mb:big");
         assert!(parse("pinned_use_background_threads:True").pinned_use_background_threads);
+    }
+
+    #[test]
+    fn a_reserve_is_a_share_of_the_device_or_whole_gib() {
+        assert_eq!(ReserveSpec::FractionOfDevice(0.5).bytes(3 << 30), 3 << 29);
+        assert_eq!(ReserveSpec::FractionOfDevice(1.125).bytes(8 << 30), 9 << 30);
+        assert_eq!(ReserveSpec::Gib(2.0).bytes(1 << 30), 2 << 30);
+        assert_eq!(ReserveSpec::Gib(0.25).bytes(1 << 40), 1 << 28);
     }
 
     #[test]

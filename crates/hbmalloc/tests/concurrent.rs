@@ -328,6 +328,26 @@ fn sharded_totals_sum_what_every_shard_freed() {
     }
 }
 
+/// The event counters are summed over shards too: out-of-memory errors,
+/// retries and synchronizations of every shard.
+#[test]
+fn sharded_event_counters_sum_every_shards() {
+    let device = SimDevice::with_capacity(64 * MIB);
+    let alloc = SharedAllocator::new(device, config("policy:pytorch"), 8).unwrap();
+    for s in 1..=4 {
+        assert!(alloc.malloc(1 << 30, StreamId(s)).is_err());
+    }
+    alloc.empty_cache().unwrap();
+    let stats = alloc.stats();
+    // Each request fails on its shard after one retry, and again after the
+    // other 7 shards emptied their caches: 8 failures and 8 retries. Every
+    // retry, every emptied cache (7 per request) and the final empty_cache
+    // of all 8 shards synchronize once: 8 + 28 + 8.
+    assert_eq!(stats.num_ooms, 8);
+    assert_eq!(stats.num_alloc_retries, 8);
+    assert_eq!(stats.num_sync_all_streams, 44);
+}
+
 #[test]
 fn resetting_statistics_reaches_every_shard() {
     for settings in ["policy:pytorch", "policy:hbm"] {
