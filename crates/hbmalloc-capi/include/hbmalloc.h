@@ -225,6 +225,12 @@ ssize_t hbmalloc_summary(int device, int abbreviated, char *buf, size_t len);
  * Returns a status. */
 int hbmalloc_snapshot(int device, const char *path);
 
+/* Production log: with log:PATH in HBMALLOC_CONF (and log_entries:N, default
+ * 1000000 per device), writes each device's snapshot and kept history, which
+ * hbmalloc replay reads, to PATH (device 0) or PATH.dev<N>. Returns a status
+ * (HBMALLOC_INVALID_STATE when no log is configured). */
+int hbmalloc_write_log(void);
+
 /* Copies the calling thread's last error message into buf, as
  * hbmalloc_stats_json. Returns its length (0 when the last call succeeded). */
 ssize_t hbmalloc_last_error(char *buf, size_t len);
