@@ -274,6 +274,72 @@ pub fn threads(
     Ok(())
 }
 
+/// `hbmalloc bench-log`: ns per malloc or free on the sharded allocator (the
+/// C ABI's engine, its default shard count) with no history, and keeping
+/// `entries` history entries per engine as `log:PATH` does; one thread,
+/// runs interleaved, medians of `repeat`.
+pub fn log(
+    traces: &[Trace],
+    policy: &PolicyConfig,
+    entries: usize,
+    repeat: usize,
+) -> Result<(), String> {
+    let mut prepared = Vec::new();
+    for trace in traces {
+        for device in &trace.devices {
+            prepared.push(
+                PreparedTrace::new(device)
+                    .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?,
+            );
+        }
+    }
+    let workloads = [
+        ("traces", Workload::Traces(&prepared)),
+        (
+            "small-block churn",
+            Workload::SmallBlockChurn {
+                ops_per_thread: 1_000_000,
+            },
+        ),
+    ];
+    outln!(
+        "{:<18} {:>12} {:>12} {:>8}",
+        "workload",
+        "off ns/op",
+        "log ns/op",
+        "ratio"
+    );
+    for (name, workload) in &workloads {
+        let mut samples = [Vec::new(), Vec::new()];
+        for _ in 0..repeat {
+            for (sample, history_entries) in samples.iter_mut().zip([0, entries]) {
+                let config = AllocatorConfig {
+                    policy: policy.clone(),
+                    history_entries,
+                };
+                let shared = SharedAllocator::new(zero_latency_device(), config, 8)
+                    .map_err(|e| e.to_string())?;
+                let (ops, secs) = run_workload(workload, &shared, 1)?;
+                sample.push(secs * 1e9 / ops.max(1) as f64);
+            }
+        }
+        let [off, on] = samples.map(|mut s| median(&mut s));
+        outln!("{name:<18} {off:>12.1} {on:>12.1} {:>8.2}", on / off);
+    }
+    out!(
+        "\n{}",
+        wrap(
+            &format!(
+                "ns/op: wall time per malloc or free, one thread, the sharded allocator (8 \
+                 shards) on a zero-latency simulated device, median of {repeat}; log: {entries} \
+                 history entries kept per engine. ratio: log / off, measured in the same run."
+            ),
+            100
+        )
+    );
+    Ok(())
+}
+
 /// `hbmalloc bench-scaling`: cost per operation as the number of live blocks
 /// grows. For each count N, N blocks are allocated, then `churn` operations
 /// free a random live block and allocate a new one, keeping N live; the

@@ -330,6 +330,26 @@ enum Command {
         #[arg(long, default_value_t = 3, value_parser = count(1000))]
         repeat: usize,
     },
+    /// Measure what the production log (`log:PATH`: history kept on every
+    /// engine) costs per operation: the sharded allocator with and without
+    /// it, side by side in one run.
+    BenchLog {
+        /// Trace files; default: the bundled trace.
+        traces: Vec<PathBuf>,
+        /// Settings of the engine.
+        #[arg(
+            long = "run",
+            value_name = "SETTINGS",
+            default_value = "policy:pytorch"
+        )]
+        settings: String,
+        /// History entries each engine keeps (the log's `log_entries`).
+        #[arg(long, default_value_t = 1_000_000, value_parser = count(1 << 30))]
+        entries: usize,
+        /// Runs per measurement (the median is reported).
+        #[arg(long, default_value_t = 5, value_parser = count(1000))]
+        repeat: usize,
+    },
     /// Measure cost per operation and driver calls as the number of live
     /// blocks grows (10^2 to 10^6 by default), side by side.
     BenchScaling {
@@ -603,6 +623,16 @@ fn run(command: Command) -> Result<(), String> {
                 return Err("--threads: each count must be between 1 and 256".into());
             }
             bench::threads(&traces, &policy, &threads, shards, repeat)
+        }
+        Command::BenchLog {
+            traces,
+            settings,
+            entries,
+            repeat,
+        } => {
+            let policy = PolicyConfig::from_settings(&settings).map_err(|e| e.to_string())?;
+            let traces = load_or_bundled(&traces)?;
+            bench::log(&traces, &policy, entries, repeat)
         }
         Command::Summary(args) => summary::run(args),
         Command::Advise(args) => advise::run(args),
