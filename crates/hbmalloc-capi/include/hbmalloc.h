@@ -31,6 +31,7 @@
  *
  * Configuration, read once at first use from the environment:
  *   HBMALLOC_CONF            settings string, e.g. "policy:pytorch,expandable_segments:True"
+ *                            (log:PATH[,log_entries:N] keeps a log: hbmalloc_write_log)
  *   PYTORCH_CUDA_ALLOC_CONF  (else PYTORCH_ALLOC_CONF) PyTorch's syntax, policy pytorch
  *   HBMALLOC_HISTORY_ENTRIES history entries kept for snapshots (default 0)
  *   HBMALLOC_SHARDS          engine shards per device (default 8; 1 = one lock per device)
