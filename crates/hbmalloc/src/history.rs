@@ -170,7 +170,7 @@ impl History {
     }
 
     fn drop_oldest(&mut self, count: usize) {
-        if let Some(last) = self.entries.drain(..count).last() {
+        if let Some(last) = self.entries.drain(..count).next_back() {
             self.complete_from = last.sequence + 1;
         }
     }
