@@ -227,7 +227,7 @@ ssize_t hbmalloc_summary(int device, int abbreviated, char *buf, size_t len);
 int hbmalloc_snapshot(int device, const char *path);
 
 /* Production log: with log:PATH in HBMALLOC_CONF (and log_entries:N, default
- * 1000000 per device), writes each device's snapshot and kept history, which
+ * 1000000 per stream shard), writes each device's snapshot and kept history, which
  * hbmalloc replay reads, to PATH (device 0) or PATH.dev<N>. Returns a status
  * (HBMALLOC_INVALID_STATE when no log is configured). */
 int hbmalloc_write_log(void);

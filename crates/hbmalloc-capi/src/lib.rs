@@ -28,9 +28,9 @@
 //! - `HBMALLOC_SHARDS`: engine shards per device (default 8; 1 gives a single
 //!   lock per device, exactly PyTorch's locking).
 //!
-//! Production logging: `log:PATH` in `HBMALLOC_CONF` keeps every device's last
-//! `log_entries:N` ([`DEFAULT_LOG_ENTRIES`] unless given) history entries
-//! and [`write_log`] writes them as snapshots `hbmalloc replay` reads: `PATH`
+//! Production logging: `log:PATH` in `HBMALLOC_CONF` keeps the last
+//! `log_entries:N` ([`DEFAULT_LOG_ENTRIES`] unless given) history entries of
+//! each engine and [`write_log`] writes them as snapshots `hbmalloc replay` reads: `PATH`
 //! for device 0, `PATH.dev<N>` for device N.
 
 pub mod ffi;
@@ -57,8 +57,9 @@ pub const HISTORY_ENV: &str = "HBMALLOC_HISTORY_ENTRIES";
 pub const SHARDS_ENV: &str = "HBMALLOC_SHARDS";
 /// Engine shards per device unless [`SHARDS_ENV`] says otherwise.
 pub const DEFAULT_SHARDS: usize = 8;
-/// History entries a device keeps for the log (`log_entries:N`) unless told:
-/// a few tens of MiB per device.
+/// History entries each engine of a device (a stream shard in use, a private
+/// pool) keeps for the log (`log_entries:N`) unless told: at 40 bytes an
+/// entry, 40 MB for each engine that allocates.
 pub const DEFAULT_LOG_ENTRIES: usize = 1_000_000;
 
 /// Where and how much the production log keeps (`log:PATH`,
@@ -67,7 +68,7 @@ pub const DEFAULT_LOG_ENTRIES: usize = 1_000_000;
 pub struct LogConfig {
     /// The log of device 0; device N's is this path with `.dev<N>` appended.
     pub path: std::path::PathBuf,
-    /// History entries each device keeps (older ones are dropped).
+    /// History entries each engine keeps (older ones are dropped).
     pub entries: usize,
 }
 
