@@ -192,6 +192,20 @@ fn small_block_churn(
     Ok(done)
 }
 
+/// Every device of `traces`, prepared for replay.
+fn prepare_devices(traces: &[Trace]) -> Result<Vec<PreparedTrace>, String> {
+    let mut prepared = Vec::new();
+    for trace in traces {
+        for device in &trace.devices {
+            prepared.push(
+                PreparedTrace::new(device)
+                    .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?,
+            );
+        }
+    }
+    Ok(prepared)
+}
+
 fn zero_latency_device() -> SimDevice {
     SimDevice::with_config(SimConfig {
         capacity_bytes: 1 << 40,
@@ -209,15 +223,7 @@ pub fn threads(
     shards: usize,
     repeat: usize,
 ) -> Result<(), String> {
-    let mut prepared = Vec::new();
-    for trace in traces {
-        for device in &trace.devices {
-            prepared.push(
-                PreparedTrace::new(device)
-                    .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?,
-            );
-        }
-    }
+    let prepared = prepare_devices(traces)?;
     let config = AllocatorConfig {
         policy: policy.clone(),
         history_entries: 0,
@@ -284,15 +290,7 @@ pub fn log(
     entries: usize,
     repeat: usize,
 ) -> Result<(), String> {
-    let mut prepared = Vec::new();
-    for trace in traces {
-        for device in &trace.devices {
-            prepared.push(
-                PreparedTrace::new(device)
-                    .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?,
-            );
-        }
-    }
+    let prepared = prepare_devices(traces)?;
     let workloads = [
         ("traces", Workload::Traces(&prepared)),
         (
@@ -311,8 +309,13 @@ pub fn log(
     );
     for (name, workload) in &workloads {
         let mut samples = [Vec::new(), Vec::new()];
-        for _ in 0..repeat {
-            for (sample, history_entries) in samples.iter_mut().zip([0, entries]) {
+        for r in 0..repeat {
+            // Alternate which runs first, so neither always finds the caches cold.
+            let mut order = [(0, 0), (1, entries)];
+            if r % 2 == 1 {
+                order.reverse();
+            }
+            for (i, history_entries) in order {
                 let config = AllocatorConfig {
                     policy: policy.clone(),
                     history_entries,
@@ -320,7 +323,7 @@ pub fn log(
                 let shared = SharedAllocator::new(zero_latency_device(), config, 8)
                     .map_err(|e| e.to_string())?;
                 let (ops, secs) = run_workload(workload, &shared, 1)?;
-                sample.push(secs * 1e9 / ops.max(1) as f64);
+                samples[i].push(secs * 1e9 / ops.max(1) as f64);
             }
         }
         let [off, on] = samples.map(|mut s| median(&mut s));
@@ -331,7 +334,8 @@ pub fn log(
         wrap(
             &format!(
                 "ns/op: wall time per malloc or free, one thread, the sharded allocator (8 \
-                 shards) on a zero-latency simulated device, median of {repeat}; log: {entries} \
+                 shards) on a zero-latency simulated device, median of {repeat}, the two alternating \
+                 which runs first; log: {entries} \
                  history entries kept per engine. ratio: log / off, measured in the same run."
             ),
             100
