@@ -18,7 +18,8 @@ Configuration comes from the environment, read once at first use:
 ``HBMALLOC_CONF`` (``policy:NAME,key:value,...``), else
 ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` (policy ``pytorch``);
 ``HBMALLOC_HISTORY_ENTRIES`` (history kept for snapshots, default 0; later
-``set_history_entries()``);
+``set_history_entries()``); ``log:PATH`` (and ``log_entries:N``) in
+``HBMALLOC_CONF`` keeps a replayable log that ``write_log()`` writes;
 ``HBMALLOC_CUDA_DRIVER`` (the CUDA driver library to load).
 
 Errors: ``ValueError`` for bad arguments, devices and configuration,
@@ -45,6 +46,7 @@ __all__ = [
     "replay",
     "library_path",
     "settings",
+    "write_log",
 ]
 
 
@@ -65,6 +67,15 @@ def snapshot(path, device=0):
     and ``python -m torch.cuda._memory_viz`` read it). Set
     ``HBMALLOC_HISTORY_ENTRIES`` before first use to include a trace."""
     _native.snapshot(os.fspath(path), device)
+
+
+def write_log():
+    """Writes the production log that ``log:PATH`` in ``HBMALLOC_CONF`` asks
+    for: each device's snapshot with the allocations and frees it kept,
+    which ``hbmalloc replay`` reads, to ``PATH`` (device 0) or
+    ``PATH.dev<N>``. Returns the paths written; ``RuntimeError`` when no log
+    is configured. ``hbmalloc.torch.install()`` calls it at exit."""
+    return [str(p) for p in _native.write_log()]
 
 
 def empty_cache(device=0):

@@ -92,6 +92,7 @@ Importing this module does not import torch; its functions raise
 ``ImportError`` when torch is missing.
 """
 
+import atexit
 import ctypes
 import hashlib
 import importlib.util
@@ -471,6 +472,15 @@ def _warn_of_pytorch_policy():
     )
 
 
+def _write_log_at_exit():
+    """Writes the production log (``log:PATH`` in ``HBMALLOC_CONF``) as the
+    process ends; a failure warns, as nothing can be raised then."""
+    try:
+        hbmalloc.write_log()
+    except Exception as e:  # noqa: BLE001 - at exit, every failure is reported the same way
+        warnings.warn(f"hbmalloc: the log was not written: {e}", RuntimeWarning)
+
+
 def _refuse_graph_capture(torch):
     """Makes CUDA graph capture raise (see the module documentation)."""
 
@@ -535,6 +545,8 @@ def install(compiled=False):
             raise RuntimeError(f"{_TOO_LATE} (PyTorch said: {e})") from e
     # Swapped: installed, whatever follows.
     _installed = True
+    if _native.log_path() is not None:
+        atexit.register(_write_log_at_exit)
     if not compiled:
         _forward_record_streams(torch)
         _keep_cudnn_benchmark_off(torch)

@@ -184,6 +184,23 @@ fn configuration_source() -> Option<(&'static str, String)> {
     hbmalloc_capi::configuration_source()
 }
 
+/// Writes the production log (`log:PATH` in `HBMALLOC_CONF`): each device
+/// that has allocated to `PATH` (device 0) or `PATH.dev<N>`; the paths
+/// written.
+#[pyfunction]
+fn write_log() -> PyResult<Vec<std::path::PathBuf>> {
+    hbmalloc_capi::write_log().map_err(to_py)
+}
+
+/// The production log's path (`log:PATH` in `HBMALLOC_CONF`), or `None`;
+/// read from the environment, creating no allocator.
+#[pyfunction]
+fn log_path() -> PyResult<Option<std::path::PathBuf>> {
+    Ok(hbmalloc_capi::log_config_from_env()
+        .map_err(to_py)?
+        .map(|log| log.path))
+}
+
 /// The native module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -203,5 +220,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_history_entries, m)?)?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
     m.add_function(wrap_pyfunction!(existing_snapshot_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(write_log, m)?)?;
+    m.add_function(wrap_pyfunction!(log_path, m)?)?;
     Ok(())
 }

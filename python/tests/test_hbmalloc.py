@@ -268,3 +268,32 @@ def test_replay_bad_input():
         hbmalloc.replay(os.path.join(os.path.dirname(__file__), "missing.pickle"))
     with pytest.raises(ValueError, match="capacity"):
         hbmalloc.replay(__file__, capacity=0)
+
+
+@needs_driver
+def test_log_is_written_and_replays_to_the_peak_the_run_saw(tmp_path):
+    log = tmp_path / "run.pickle"
+    code = textwrap.dedent(
+        """
+        import ctypes, hbmalloc
+        lib = ctypes.CDLL(hbmalloc.library_path())
+        lib.hbmalloc_alloc.restype = ctypes.c_void_p
+        lib.hbmalloc_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.hbmalloc_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        live = [lib.hbmalloc_alloc(size << 20, 0, None) for size in (3, 1, 4, 1, 5)]
+        lib.hbmalloc_free(live[1], 1 << 20, 0, None)
+        lib.hbmalloc_free(live[2], 4 << 20, 0, None)
+        print(hbmalloc.memory_stats(0)["requested_bytes.all.peak"])
+        print(hbmalloc.write_log())
+        """
+    )
+    result = run_python(code, env={"HBMALLOC_CONF": f"policy:pytorch,log:{log}"})
+    assert result.returncode == 0, result.stderr
+    peak, written = result.stdout.split("\n")[:2]
+    assert int(peak) == 14 * MIB
+    assert written == str([str(log)])
+    replayed = hbmalloc.replay(str(log), policy="pytorch")
+    assert replayed[0]["peak_live_bytes"] == int(peak)
+
+    no_log = run_python("import hbmalloc\ntry:\n    hbmalloc.write_log()\nexcept RuntimeError as e:\n    print(e)")
+    assert "log:PATH" in no_log.stdout

@@ -31,6 +31,7 @@
  *
  * Configuration, read once at first use from the environment:
  *   HBMALLOC_CONF            settings string, e.g. "policy:pytorch,expandable_segments:True"
+ *                            (log:PATH[,log_entries:N] keeps a log: hbmalloc_write_log)
  *   PYTORCH_CUDA_ALLOC_CONF  (else PYTORCH_ALLOC_CONF) PyTorch's syntax, policy pytorch
  *   HBMALLOC_HISTORY_ENTRIES history entries kept for snapshots (default 0)
  *   HBMALLOC_SHARDS          engine shards per device (default 8; 1 = one lock per device)
@@ -224,6 +225,12 @@ ssize_t hbmalloc_summary(int device, int abbreviated, char *buf, size_t len);
  * torch.cuda.memory._dump_snapshot (pytorch.org/memory_viz reads it).
  * Returns a status. */
 int hbmalloc_snapshot(int device, const char *path);
+
+/* Production log: with log:PATH in HBMALLOC_CONF (and log_entries:N, default
+ * 1000000 per stream shard), writes each device's snapshot and kept history, which
+ * hbmalloc replay reads, to PATH (device 0) or PATH.dev<N>. Returns a status
+ * (HBMALLOC_INVALID_STATE when no log is configured). */
+int hbmalloc_write_log(void);
 
 /* Copies the calling thread's last error message into buf, as
  * hbmalloc_stats_json. Returns its length (0 when the last call succeeded). */

@@ -577,6 +577,15 @@ pub unsafe extern "C" fn hbmalloc_snapshot(device: c_int, path: *const c_char) -
     })
 }
 
+/// Writes the production log (`log:PATH` in `HBMALLOC_CONF`): each device
+/// that has allocated, its snapshot with the history it kept, to `PATH`
+/// (device 0) or `PATH.dev<N>`. `HBMALLOC_INVALID_STATE` when no log is
+/// configured.
+#[no_mangle]
+pub extern "C" fn hbmalloc_write_log() -> c_int {
+    status_of(|| crate::write_log().map(|_| ()))
+}
+
 #[cfg(unix)]
 fn path_from_c(path: &CStr) -> Result<std::path::PathBuf, ApiError> {
     use std::os::unix::ffi::OsStrExt;

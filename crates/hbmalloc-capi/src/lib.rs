@@ -27,6 +27,11 @@
 //!   `_record_memory_history`);
 //! - `HBMALLOC_SHARDS`: engine shards per device (default 8; 1 gives a single
 //!   lock per device, exactly PyTorch's locking).
+//!
+//! Production logging: `log:PATH` in `HBMALLOC_CONF` keeps the last
+//! `log_entries:N` ([`DEFAULT_LOG_ENTRIES`] unless given) history entries of
+//! each engine and [`write_log`] writes them as snapshots `hbmalloc replay` reads: `PATH`
+//! for device 0, `PATH.dev<N>` for device N.
 
 pub mod ffi;
 
@@ -52,6 +57,20 @@ pub const HISTORY_ENV: &str = "HBMALLOC_HISTORY_ENTRIES";
 pub const SHARDS_ENV: &str = "HBMALLOC_SHARDS";
 /// Engine shards per device unless [`SHARDS_ENV`] says otherwise.
 pub const DEFAULT_SHARDS: usize = 8;
+/// History entries each engine of a device (a stream shard in use, a private
+/// pool) keeps for the log (`log_entries:N`) unless told: at 40 bytes an
+/// entry, 40 MB for each engine that allocates.
+pub const DEFAULT_LOG_ENTRIES: usize = 1_000_000;
+
+/// Where and how much the production log keeps (`log:PATH`,
+/// `log_entries:N` in [`CONF_ENV`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LogConfig {
+    /// The log of device 0; device N's is this path with `.dev<N>` appended.
+    pub path: std::path::PathBuf,
+    /// History entries each engine keeps (older ones are dropped).
+    pub entries: usize,
+}
 
 /// Status codes of the C ABI (`hbmalloc_status` in the header).
 #[repr(C)]
@@ -144,6 +163,7 @@ fn device_error(e: DeviceError) -> ApiError {
 struct Runtime {
     driver: Arc<CudaDriver>,
     config: AllocatorConfig,
+    log: Option<LogConfig>,
     shards: usize,
     devices: Vec<OnceLock<SharedAllocator<CudaDevice>>>,
     /// Serialises creating allocators (and changing how much history they
@@ -189,19 +209,77 @@ pub fn configuration_source() -> Option<(&'static str, String)> {
         .find_map(|var| env(var).map(|value| (var, value)))
 }
 
+fn config_error(var: &str, e: &dyn fmt::Display) -> ApiError {
+    ApiError::new(
+        Status::ConfigError,
+        format!("hbmalloc: invalid configuration in {var}: {e}"),
+    )
+}
+
+/// Takes the log's keys (`log:PATH`, `log_entries:N`) out of a settings
+/// string: the rest, and the log when `log:` is there.
+fn split_log_settings(settings: &str) -> Result<(String, Option<LogConfig>), ApiError> {
+    let mut rest = Vec::new();
+    let (mut path, mut entries) = (None, None);
+    for item in settings.split(',') {
+        match item.split_once(':').map(|(k, v)| (k.trim(), v.trim())) {
+            Some(("log", "")) => return Err(config_error(CONF_ENV, &"log: needs a path")),
+            Some(("log", value)) => path = Some(std::path::PathBuf::from(value)),
+            Some(("log_entries", value)) => {
+                entries = Some(
+                    value
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|&n| n > 0)
+                        .ok_or_else(|| {
+                            config_error(
+                                CONF_ENV,
+                                &format!(
+                                    "log_entries: expected a number above 0, got '{}'",
+                                    value.escape_debug()
+                                ),
+                            )
+                        })?,
+                )
+            }
+            _ => rest.push(item),
+        }
+    }
+    let log = match (path, entries) {
+        (Some(path), entries) => Some(LogConfig {
+            path,
+            entries: entries.unwrap_or(DEFAULT_LOG_ENTRIES),
+        }),
+        (None, Some(_)) => {
+            return Err(config_error(
+                CONF_ENV,
+                &"log_entries: is given without log:PATH",
+            ))
+        }
+        (None, None) => None,
+    };
+    Ok((rest.join(","), log))
+}
+
+/// The production log [`CONF_ENV`] asks for (`log:PATH`), if any.
+pub fn log_config_from_env() -> Result<Option<LogConfig>, ApiError> {
+    match configuration_source() {
+        Some((CONF_ENV, settings)) => Ok(split_log_settings(&settings)?.1),
+        _ => Ok(None),
+    }
+}
+
 /// Reads the configuration from the environment (see the crate docs).
 pub fn config_from_env() -> Result<AllocatorConfig, ApiError> {
-    let config_error = |var: &str, e: &dyn fmt::Display| {
-        ApiError::new(
-            Status::ConfigError,
-            format!("hbmalloc: invalid configuration in {var}: {e}"),
-        )
-    };
     let mut config = AllocatorConfig::default();
     match configuration_source() {
         Some((CONF_ENV, settings)) => {
+            let (settings, log) = split_log_settings(&settings)?;
             config.policy =
                 PolicyConfig::from_settings(&settings).map_err(|e| config_error(CONF_ENV, &e))?;
+            if let Some(log) = log {
+                config.history_entries = log.entries;
+            }
         }
         Some((var, conf)) => {
             config.policy =
@@ -210,7 +288,7 @@ pub fn config_from_env() -> Result<AllocatorConfig, ApiError> {
         None => {}
     }
     if let Some(entries) = env(HISTORY_ENV) {
-        config.history_entries = entries.trim().parse().map_err(|_| {
+        let entries: usize = entries.trim().parse().map_err(|_| {
             config_error(
                 HISTORY_ENV,
                 &format!(
@@ -219,6 +297,8 @@ pub fn config_from_env() -> Result<AllocatorConfig, ApiError> {
                 ),
             )
         })?;
+        // A log keeps at least what it was configured to.
+        config.history_entries = config.history_entries.max(entries);
     }
     Ok(config)
 }
@@ -226,6 +306,7 @@ pub fn config_from_env() -> Result<AllocatorConfig, ApiError> {
 impl Runtime {
     fn load() -> Result<Runtime, ApiError> {
         let config = config_from_env()?;
+        let log = log_config_from_env()?;
         let shards = shards_from_env()?;
         let driver = CudaDriver::load().map_err(device_error)?;
         let count = driver.device_count().map_err(device_error)?;
@@ -234,6 +315,7 @@ impl Runtime {
             driver,
             creating: Mutex::new(config.history_entries),
             config,
+            log,
             shards,
             devices,
             captures: AtomicUsize::new(0),
@@ -600,6 +682,45 @@ pub fn write_snapshot(device: i32, path: &std::path::Path) -> Result<(), ApiErro
             format!("hbmalloc: cannot write snapshot to {}: {e}", path.display()),
         )
     })
+}
+
+/// The log file of `device` under the log path `path` ([`LogConfig`]).
+pub fn log_path_of_device(path: &std::path::Path, device: i32) -> std::path::PathBuf {
+    if device == 0 {
+        return path.to_path_buf();
+    }
+    let mut name = path.as_os_str().to_owned();
+    name.push(format!(".dev{device}"));
+    name.into()
+}
+
+/// The production log's path (`log:PATH` in [`CONF_ENV`]), if one is configured.
+pub fn log_path() -> Result<Option<std::path::PathBuf>, ApiError> {
+    Ok(runtime()?.log.as_ref().map(|log| log.path.clone()))
+}
+
+/// Writes the production log: the snapshot of every device that has
+/// allocated, with the history it kept, to [`log_path_of_device`]; the
+/// paths written. An error when no log is configured.
+pub fn write_log() -> Result<Vec<std::path::PathBuf>, ApiError> {
+    let runtime = runtime()?;
+    let Some(log) = &runtime.log else {
+        return Err(ApiError::new(
+            Status::InvalidState,
+            format!("hbmalloc: no log is configured: add log:PATH to {CONF_ENV}"),
+        ));
+    };
+    let mut written = Vec::new();
+    for (device, slot) in runtime.devices.iter().enumerate() {
+        if slot.get().is_none() {
+            continue;
+        }
+        // `devices` has at most i32::MAX entries: the driver counts in an int.
+        let path = log_path_of_device(&log.path, device as i32);
+        write_snapshot(device as i32, &path)?;
+        written.push(path);
+    }
+    Ok(written)
 }
 
 /// Checks `device`'s allocator invariants (`Ok` when it has none yet).

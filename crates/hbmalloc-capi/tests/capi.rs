@@ -20,7 +20,8 @@ use hbmalloc_capi::{
     hbmalloc_mem_get_info, hbmalloc_memory_fraction, hbmalloc_pool_alloc,
     hbmalloc_pool_live_allocations, hbmalloc_record_stream, hbmalloc_release_pool, hbmalloc_reset,
     hbmalloc_set_history_entries, hbmalloc_set_memory_fraction, hbmalloc_snapshot,
-    hbmalloc_stats_json, hbmalloc_stats_values, hbmalloc_summary, settings, stats_map, Status,
+    hbmalloc_stats_json, hbmalloc_stats_values, hbmalloc_summary, hbmalloc_write_log, settings,
+    stats_map, Status,
 };
 use hbmalloc_cuda::byte_check::{byte_program, Buffers, DeviceBytes};
 
@@ -455,6 +456,8 @@ fn snapshot_file_loads_as_a_trace() {
     let status = unsafe { hbmalloc_snapshot(0, bad.as_ptr()) };
     assert_eq!(status, Status::InvalidArgument as i32);
     assert!(last_error().contains("/nonexistent-dir/x.pickle"));
+    assert_eq!(hbmalloc_write_log(), Status::InvalidState as i32);
+    assert!(last_error().contains("log:PATH"));
     free(keep, 0);
     assert_consistent();
 }
@@ -626,6 +629,15 @@ fn child_entry() {
             assert_error(Status::NoDriver, &["CUDA_ERROR_NO_DEVICE"]);
         }
         "hbm_bytes" => hbm_keeps_every_buffer_its_own_bytes(),
+        "log" => a_logged_run_replays_to_the_peak_it_saw(),
+        "bad_log_entries" => {
+            assert!(alloc(512, 0).is_null());
+            assert_error(Status::ConfigError, &["HBMALLOC_CONF", "log_entries", "0"]);
+        }
+        "log_entries_without_log" => {
+            assert!(alloc(512, 0).is_null());
+            assert_error(Status::ConfigError, &["log_entries", "without log:PATH"]);
+        }
         "unused_device" => {
             // Reading device 1, which never allocated, creates no allocator
             // there (whose CUDA context would take memory on that GPU).
@@ -652,6 +664,76 @@ fn child_entry() {
             assert_eq!(hbmalloc_capi::memory_fraction(1).unwrap(), 0.5);
         }
         other => panic!("unknown child case {other}"),
+    }
+}
+
+/// A production run through the C ABI on three streams (several shards),
+/// logged with a ring far smaller than the run: the log replays, and the
+/// replay's peak live is the peak of requested bytes the run saw.
+fn a_logged_run_replays_to_the_peak_it_saw() {
+    let streams = [NO_STREAM, 0x100 as *mut c_void, 0x200 as *mut c_void];
+    let mut rng = 1u64;
+    let mut next = || {
+        rng = rng
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (rng >> 33) as usize
+    };
+    let (mut live, mut live_bytes, mut peak) = (Vec::new(), 0isize, 0isize);
+    let allocate = |size: isize, stream: *mut c_void, live: &mut Vec<_>, bytes: &mut isize| {
+        let ptr = hbmalloc_alloc(size, 0, stream.cast());
+        assert!(!ptr.is_null(), "{}", last_error());
+        live.push((ptr, size));
+        *bytes += size;
+    };
+    // Churn that overflows every shard's ring, then the run's peak, late
+    // enough that the log's window holds it.
+    let mut operations = 0;
+    for _ in 0..600 {
+        if live.len() < 20 || next() % 3 != 0 {
+            let (size, stream) = (512 * (1 + next() % 2000) as isize, streams[next() % 3]);
+            allocate(size, stream, &mut live, &mut live_bytes);
+        } else {
+            let (ptr, size) = live.swap_remove(next() % live.len());
+            free(ptr, 0);
+            live_bytes -= size;
+        }
+        peak = peak.max(live_bytes);
+        operations += 1;
+    }
+    let peak_before = peak;
+    for i in 0..8 {
+        allocate(8 * MIB, streams[i % 3], &mut live, &mut live_bytes);
+        peak = peak.max(live_bytes);
+    }
+    for _ in 0..4 {
+        let (ptr, _) = live.pop().unwrap();
+        free(ptr, 0);
+    }
+    assert!(
+        peak > peak_before,
+        "the run's peak is in its last operations"
+    );
+    assert_eq!(stat(0, "requested_bytes.all.peak"), peak as i64);
+
+    assert_eq!(hbmalloc_write_log(), 0, "{}", last_error());
+    let path = hbmalloc_capi::log_path().unwrap().unwrap();
+    let trace = hbmalloc_trace::load(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let device = trace.devices.iter().find(|d| d.device == 0).unwrap();
+    assert!(
+        device.ops.len() < operations,
+        "the log keeps a window, not the run: {} ops",
+        device.ops.len()
+    );
+    let options = hbmalloc_replay::EvalOptions::new(
+        hbmalloc::PolicyConfig::from_settings("policy:pytorch").unwrap(),
+    );
+    let metrics = hbmalloc_replay::evaluate("log", device, &options).unwrap();
+    assert!(metrics.out_of_memory.is_none());
+    assert_eq!(metrics.peak_live_bytes, peak as u64);
+    for (ptr, _) in live {
+        free(ptr, 0);
     }
 }
 
@@ -801,6 +883,22 @@ fn config_cases_in_child_processes() {
         &[("HBMALLOC_CUDA_DRIVER", "/nonexistent/libcuda.so")],
     );
     child_case("no_device", &[("HBM_DOUBLE_NO_DEVICE", "1")]);
+    let log = std::env::temp_dir().join(format!("hbmalloc-capi-log-{}.pickle", std::process::id()));
+    child_case(
+        "log",
+        &[(
+            "HBMALLOC_CONF",
+            &format!("policy:pytorch,log:{},log_entries:200", log.display()),
+        )],
+    );
+    child_case(
+        "bad_log_entries",
+        &[("HBMALLOC_CONF", "log:/tmp/x.pickle,log_entries:0")],
+    );
+    child_case(
+        "log_entries_without_log",
+        &[("HBMALLOC_CONF", "policy:pytorch,log_entries:10")],
+    );
     child_case(
         "unused_device",
         &[(

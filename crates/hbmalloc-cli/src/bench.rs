@@ -192,6 +192,20 @@ fn small_block_churn(
     Ok(done)
 }
 
+/// Every device of `traces`, prepared for replay.
+fn prepare_devices(traces: &[Trace]) -> Result<Vec<PreparedTrace>, String> {
+    let mut prepared = Vec::new();
+    for trace in traces {
+        for device in &trace.devices {
+            prepared.push(
+                PreparedTrace::new(device)
+                    .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?,
+            );
+        }
+    }
+    Ok(prepared)
+}
+
 fn zero_latency_device() -> SimDevice {
     SimDevice::with_config(SimConfig {
         capacity_bytes: 1 << 40,
@@ -209,15 +223,7 @@ pub fn threads(
     shards: usize,
     repeat: usize,
 ) -> Result<(), String> {
-    let mut prepared = Vec::new();
-    for trace in traces {
-        for device in &trace.devices {
-            prepared.push(
-                PreparedTrace::new(device)
-                    .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?,
-            );
-        }
-    }
+    let prepared = prepare_devices(traces)?;
     let config = AllocatorConfig {
         policy: policy.clone(),
         history_entries: 0,
@@ -267,6 +273,70 @@ pub fn threads(
                  {repeat}); each thread uses its own streams. This machine has {} cores: beyond \
                  that, threads share cores.",
                 std::thread::available_parallelism().map_or(1, |n| n.get())
+            ),
+            100
+        )
+    );
+    Ok(())
+}
+
+/// `hbmalloc bench-log`: ns per malloc or free on the sharded allocator (the
+/// C ABI's engine, its default shard count) with no history, and keeping
+/// `entries` history entries per engine as `log:PATH` does; one thread,
+/// runs interleaved, medians of `repeat`.
+pub fn log(
+    traces: &[Trace],
+    policy: &PolicyConfig,
+    entries: usize,
+    repeat: usize,
+) -> Result<(), String> {
+    let prepared = prepare_devices(traces)?;
+    let workloads = [
+        ("traces", Workload::Traces(&prepared)),
+        (
+            "small-block churn",
+            Workload::SmallBlockChurn {
+                ops_per_thread: 1_000_000,
+            },
+        ),
+    ];
+    outln!(
+        "{:<18} {:>12} {:>12} {:>8}",
+        "workload",
+        "off ns/op",
+        "log ns/op",
+        "ratio"
+    );
+    for (name, workload) in &workloads {
+        let mut samples = [Vec::new(), Vec::new()];
+        for r in 0..repeat {
+            // Alternate which runs first, so neither always finds the caches cold.
+            let mut order = [(0, 0), (1, entries)];
+            if r % 2 == 1 {
+                order.reverse();
+            }
+            for (i, history_entries) in order {
+                let config = AllocatorConfig {
+                    policy: policy.clone(),
+                    history_entries,
+                };
+                let shared = SharedAllocator::new(zero_latency_device(), config, 8)
+                    .map_err(|e| e.to_string())?;
+                let (ops, secs) = run_workload(workload, &shared, 1)?;
+                samples[i].push(secs * 1e9 / ops.max(1) as f64);
+            }
+        }
+        let [off, on] = samples.map(|mut s| median(&mut s));
+        outln!("{name:<18} {off:>12.1} {on:>12.1} {:>8.2}", on / off);
+    }
+    out!(
+        "\n{}",
+        wrap(
+            &format!(
+                "ns/op: wall time per malloc or free, one thread, the sharded allocator (8 \
+                 shards) on a zero-latency simulated device, median of {repeat}, the two alternating \
+                 which runs first; log: {entries} \
+                 history entries kept per engine. ratio: log / off, measured in the same run."
             ),
             100
         )

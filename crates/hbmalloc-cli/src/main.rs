@@ -311,15 +311,8 @@ enum Command {
     /// Measure operations per second for several threads: the sharded
     /// thread-safe allocator against one mutex around the same engine.
     BenchThreads {
-        /// Trace files, one per thread in turn; default: the bundled trace.
-        traces: Vec<PathBuf>,
-        /// Settings of the engine.
-        #[arg(
-            long = "run",
-            value_name = "SETTINGS",
-            default_value = "policy:pytorch"
-        )]
-        settings: String,
+        #[command(flatten)]
+        engine: EngineBench,
         /// Thread counts to measure.
         #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
         threads: Vec<usize>,
@@ -328,6 +321,19 @@ enum Command {
         shards: usize,
         /// Runs per measurement (the median is reported).
         #[arg(long, default_value_t = 3, value_parser = count(1000))]
+        repeat: usize,
+    },
+    /// Measure what the production log (`log:PATH`: history kept on every
+    /// engine) costs per operation: the sharded allocator with and without
+    /// it, side by side in one run.
+    BenchLog {
+        #[command(flatten)]
+        engine: EngineBench,
+        /// History entries each engine keeps (the log's `log_entries`).
+        #[arg(long, default_value_t = 1_000_000, value_parser = count(1 << 30))]
+        entries: usize,
+        /// Runs per measurement (the median is reported).
+        #[arg(long, default_value_t = 5, value_parser = count(1000))]
         repeat: usize,
     },
     /// Measure cost per operation and driver calls as the number of live
@@ -591,18 +597,24 @@ fn run(command: Command) -> Result<(), String> {
             bench::scaling(&runs, &live, churn)
         }
         Command::BenchThreads {
-            traces,
-            settings,
+            engine,
             threads,
             shards,
             repeat,
         } => {
-            let policy = PolicyConfig::from_settings(&settings).map_err(|e| e.to_string())?;
-            let traces = load_or_bundled(&traces)?;
+            let (traces, policy) = engine.load()?;
             if threads.iter().any(|&t| t == 0 || t > 256) {
                 return Err("--threads: each count must be between 1 and 256".into());
             }
             bench::threads(&traces, &policy, &threads, shards, repeat)
+        }
+        Command::BenchLog {
+            engine,
+            entries,
+            repeat,
+        } => {
+            let (traces, policy) = engine.load()?;
+            bench::log(&traces, &policy, entries, repeat)
         }
         Command::Summary(args) => summary::run(args),
         Command::Advise(args) => advise::run(args),
@@ -752,6 +764,28 @@ fn load_all(paths: &[PathBuf]) -> Result<Vec<Trace>, String> {
 
 /// A count from 1 to `most`: anything else is refused with the range, not
 /// clamped.
+/// The traces and engine settings of `bench-threads` and `bench-log`.
+#[derive(Args)]
+struct EngineBench {
+    /// Trace files (with several threads, one per thread in turn); default:
+    /// the bundled trace.
+    traces: Vec<PathBuf>,
+    /// Settings of the engine.
+    #[arg(
+        long = "run",
+        value_name = "SETTINGS",
+        default_value = "policy:pytorch"
+    )]
+    settings: String,
+}
+
+impl EngineBench {
+    fn load(&self) -> Result<(Vec<Trace>, PolicyConfig), String> {
+        let policy = PolicyConfig::from_settings(&self.settings).map_err(|e| e.to_string())?;
+        Ok((load_or_bundled(&self.traces)?, policy))
+    }
+}
+
 fn count(most: u64) -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::new().range(1..=most)
 }

@@ -162,6 +162,7 @@ fn bench_counts_out_of_range() {
         &hbmalloc(&["bench-threads", "--repeat", "1001"]),
         "1..=1000",
     );
+    assert_clear_error(&hbmalloc(&["bench-log", "--entries", "0"]), "1..=");
     assert_clear_error(
         &hbmalloc(&["bench-scaling", "--live", "0"]),
         "between 1 and 10^7",

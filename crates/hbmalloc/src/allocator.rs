@@ -338,6 +338,16 @@ impl<D: Device> Allocator<D> {
             .set_capacity(entries, clear)
     }
 
+    /// Numbers history entries from `clock`, shared with other engines (see
+    /// [`History::share_clock`]).
+    pub fn share_history_clock(&mut self, clock: std::sync::Arc<std::sync::atomic::AtomicU64>) {
+        self.engine
+            .policy_mut()
+            .state_mut()
+            .history
+            .share_clock(clock)
+    }
+
     /// Segments, blocks, history and settings.
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {

@@ -2,6 +2,8 @@
 //! in PyTorch's trace vocabulary, so snapshots and fidelity checks can read it.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use crate::device::{DevicePtr, StreamId};
 
@@ -61,7 +63,9 @@ pub struct TraceEntry {
     pub size: u64,
     /// The stream.
     pub stream: StreamId,
-    /// A counter that orders entries (the number of entries recorded before this one).
+    /// A counter that orders entries: the number of entries recorded before
+    /// this one by this history, or by every history sharing its clock
+    /// ([`History::share_clock`]).
     pub sequence: u64,
 }
 
@@ -72,6 +76,10 @@ pub struct History {
     entries: VecDeque<TraceEntry>,
     capacity: usize,
     recorded: u64,
+    /// The sequence counter shared with other engines' histories, so their
+    /// entries merge into one order.
+    clock: Option<Arc<AtomicU64>>,
+    complete_from: u64,
 }
 
 impl History {
@@ -81,7 +89,15 @@ impl History {
             entries: VecDeque::new(),
             capacity,
             recorded: 0,
+            clock: None,
+            complete_from: 0,
         }
+    }
+
+    /// Numbers entries from `clock`, shared with other histories, from now
+    /// on: the engines of one device then record in one order.
+    pub fn share_clock(&mut self, clock: Arc<AtomicU64>) {
+        self.clock = Some(clock);
     }
 
     /// Keeps the last `capacity` entries from now on, dropping the oldest
@@ -91,10 +107,11 @@ impl History {
     pub fn set_capacity(&mut self, capacity: usize, clear: bool) {
         if clear {
             self.entries.clear();
+            self.complete_from = self.next_sequence();
         }
         if capacity > 0 {
             let excess = self.entries.len().saturating_sub(capacity);
-            self.entries.drain(..excess);
+            self.drop_oldest(excess);
         }
         self.capacity = capacity;
     }
@@ -111,14 +128,20 @@ impl History {
             return;
         }
         if self.entries.len() == self.capacity {
-            self.entries.pop_front();
+            self.drop_oldest(1);
         }
+        let sequence = match &self.clock {
+            // Relaxed: each engine records under its own lock; the order
+            // across engines is the order the counter hands out.
+            Some(clock) => clock.fetch_add(1, Ordering::Relaxed),
+            None => self.recorded,
+        };
         self.entries.push_back(TraceEntry {
             action,
             addr,
             size,
             stream,
-            sequence: self.recorded,
+            sequence,
         });
         self.recorded += 1;
     }
@@ -131,6 +154,25 @@ impl History {
     /// Entries recorded since the history was created, including dropped ones.
     pub fn recorded(&self) -> u64 {
         self.recorded
+    }
+
+    /// The sequence from which this history holds every entry it recorded:
+    /// 0 until the ring drops one (when full, shrunk or cleared).
+    pub fn complete_from(&self) -> u64 {
+        self.complete_from
+    }
+
+    fn next_sequence(&self) -> u64 {
+        match &self.clock {
+            Some(clock) => clock.load(Ordering::Relaxed),
+            None => self.recorded,
+        }
+    }
+
+    fn drop_oldest(&mut self, count: usize) {
+        if let Some(last) = self.entries.drain(..count).next_back() {
+            self.complete_from = last.sequence + 1;
+        }
     }
 }
 

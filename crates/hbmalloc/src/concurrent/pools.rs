@@ -69,6 +69,7 @@ impl<D: Device> SharedAllocator<D> {
                 return Ok(());
             }
             let mut engine = Allocator::new(Arc::clone(&self.device), pools.config.clone())?;
+            engine.share_history_clock(Arc::clone(&self.history_clock));
             engine.set_memory_fraction(self.memory_fraction())?;
             if *captures > 0 {
                 engine.set_capture_underway(true)?;

@@ -2,7 +2,7 @@
 //! routing each free to its engine, and statistics summed over them.
 
 use std::hash::{BuildHasher, BuildHasherDefault};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::peaks::{
@@ -38,6 +38,9 @@ pub struct SharedAllocator<D: Device> {
     /// Captures underway (see [`crate::capture`]): held while every engine
     /// is told that the count went from 0 to 1 or back.
     pub(super) captures_underway: Mutex<u32>,
+    /// The history sequence every engine of this device numbers from, so
+    /// a snapshot's history is one order.
+    pub(super) history_clock: Arc<AtomicU64>,
 }
 
 impl<D: Device> SharedAllocator<D> {
@@ -52,9 +55,14 @@ impl<D: Device> SharedAllocator<D> {
                 history_entries: config.history_entries,
             },
         });
+        let history_clock = Arc::new(AtomicU64::new(0));
         let shards = (0..shards.max(1))
-            .map(|_| Allocator::new(Arc::clone(&device), config.clone()).map(Mutex::new))
-            .collect::<Result<Vec<_>, _>>()?
+            .map(|_| {
+                let mut engine = Allocator::new(Arc::clone(&device), config.clone())?;
+                engine.share_history_clock(Arc::clone(&history_clock));
+                Ok(Mutex::new(engine))
+            })
+            .collect::<Result<Vec<_>, AllocError>>()?
             .into_boxed_slice();
         let owners = (0..OWNER_SHARDS)
             .map(|_| Mutex::new(FastMap::default()))
@@ -66,6 +74,7 @@ impl<D: Device> SharedAllocator<D> {
             peaks: CombinedPeaks::new(),
             pools,
             captures_underway: Mutex::new(0),
+            history_clock,
         })
     }
 
@@ -226,16 +235,24 @@ impl<D: Device> SharedAllocator<D> {
             .ok_or(AllocError::UnknownPointer { ptr })
     }
 
-    /// The snapshot of every shard, segments in address order.
+    /// The snapshot of every engine, segments in address order and history
+    /// in the order it was recorded. Where an engine's ring dropped entries,
+    /// the history begins where every engine's entries are complete, so the
+    /// entries kept are one unbroken window of the run.
     pub fn snapshot(&self) -> Snapshot {
         let mut out = Snapshot::default();
+        let mut window_start = 0;
         for engine in self.engines() {
-            let snap = lock(engine.shard()).snapshot();
+            let engine = lock(engine.shard());
+            window_start = window_start.max(engine.history().complete_from());
+            let snap = engine.snapshot();
             out.segments.extend(snap.segments);
             out.history.extend(snap.history);
             out.settings = snap.settings;
         }
         out.segments.sort_by_key(|s| s.address);
+        out.history.retain(|e| e.sequence >= window_start);
+        out.history.sort_by_key(|e| e.sequence);
         out
     }
 

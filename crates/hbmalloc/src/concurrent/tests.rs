@@ -237,3 +237,38 @@ fn counters_do_not_go_back_when_a_pool_goes_away_and_a_pool_is_released_once_per
     assert_eq!(alloc.stats().num_device_alloc, 0);
     alloc.check_invariants().unwrap();
 }
+
+#[test]
+fn history_of_several_shards_is_one_unbroken_window_in_recorded_order() {
+    let config = AllocatorConfig {
+        policy: PolicyConfig::from_settings("policy:pytorch").unwrap(),
+        history_entries: 16,
+    };
+    let alloc = SharedAllocator::new(SimDevice::new(), config, 8).unwrap();
+    let (a, b) = streams_on_two_shards(&alloc);
+    // Stream `a` works three times as often, so its ring wraps first and
+    // `b`'s older entries fall outside the window every engine still holds.
+    for step in 0..40u64 {
+        let stream = if step % 4 == 0 { b } else { a };
+        let p = alloc.malloc(MIB * (1 + step % 3), stream).unwrap();
+        alloc.free(p).unwrap();
+    }
+    let history = alloc.snapshot().history;
+    assert!(!history.is_empty());
+    let first = history[0].sequence;
+    let sequences: Vec<u64> = history.iter().map(|e| e.sequence).collect();
+    let unbroken: Vec<u64> = (first..first + history.len() as u64).collect();
+    assert_eq!(sequences, unbroken, "sorted, with no entry missing");
+    let last = history.last().unwrap().sequence;
+    assert_eq!(last + 1, alloc.history_clock.load(Ordering::Relaxed));
+    assert!(history.iter().any(|e| e.stream == b) && history.iter().any(|e| e.stream == a));
+
+    alloc.set_history_entries(16, true);
+    let p = alloc.malloc(MIB, b).unwrap();
+    alloc.free(p).unwrap();
+    let after_clear = alloc.snapshot().history;
+    assert!(
+        after_clear.len() >= 2 && after_clear.iter().all(|e| e.stream == b),
+        "a clear starts the window again on every engine: {after_clear:?}"
+    );
+}
