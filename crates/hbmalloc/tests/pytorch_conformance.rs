@@ -709,6 +709,10 @@ fn garbage_collection_frees_aged_cached_large_blocks() {
     let b = run("garbage_collection_threshold:0.5");
     assert_eq!(seg_sizes(&b, Action::SegmentFree), Vec::<u64>::new());
     assert_eq!(stat(&b, "reserved_bytes.all.current"), 114 * MIB as i64);
+    // Nor does a fraction alone: a cache miss under the limit frees nothing.
+    let c = run("per_process_memory_fraction:0.9");
+    assert_eq!(seg_sizes(&c, Action::SegmentFree), Vec::<u64>::new());
+    assert_eq!(stat(&c, "reserved_bytes.all.current"), 114 * MIB as i64);
 }
 
 // ----- OOM retry order -----
