@@ -4,8 +4,9 @@
 //! each asserting exact sizes, addresses, history entries and statistics.
 
 use hbmalloc::{
-    Action, AllocError, Allocator, AllocatorConfig, BlockSnapshot, BlockState, CallKind,
-    DeviceErrorKind, DevicePtr, Fault, PolicyConfig, SimDevice, StreamId, TraceEntry,
+    Action, AllocError, Allocator, AllocatorConfig, BlockImage, BlockSnapshot, BlockState,
+    CallKind, DeviceErrorKind, DevicePtr, Fault, PolicyConfig, SegmentImage, SimDevice, StreamId,
+    TraceEntry,
 };
 
 const MIB: u64 = 1 << 20;
@@ -709,6 +710,72 @@ fn garbage_collection_frees_aged_cached_large_blocks() {
     let b = run("garbage_collection_threshold:0.5");
     assert_eq!(seg_sizes(&b, Action::SegmentFree), Vec::<u64>::new());
     assert_eq!(stat(&b, "reserved_bytes.all.current"), 114 * MIB as i64);
+    // Nor does a fraction alone: a cache miss under the limit frees nothing.
+    let c = run("per_process_memory_fraction:0.9");
+    assert_eq!(seg_sizes(&c, Action::SegmentFree), Vec::<u64>::new());
+    assert_eq!(stat(&c, "reserved_bytes.all.current"), 114 * MIB as i64);
+}
+
+// ----- restoring a recorded segment -----
+
+fn large_image(blocks: &[(u64, bool)]) -> SegmentImage {
+    SegmentImage {
+        stream: S0,
+        small_pool: false,
+        expandable: false,
+        blocks: blocks
+            .iter()
+            .map(|&(size, allocated)| BlockImage {
+                size,
+                requested_size: size,
+                allocated,
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn restore_segment_carves_every_recorded_block_and_caches_the_free_ones() {
+    let mut a = default_allocator();
+    let image = large_image(&[(2 * MIB, true), (4 * MIB, false), (6 * MIB, true)]);
+    let ptrs = a.restore_segment(&image).unwrap();
+    assert_eq!(ptrs.len(), 3);
+    assert_eq!(seg_sizes(&a, Action::SegmentAlloc), vec![12 * MIB]);
+    assert_eq!(ptrs[1], ptrs[0] + 2 * MIB);
+    assert_eq!(ptrs[2], ptrs[1] + 4 * MIB);
+    let states: Vec<_> = ptrs
+        .iter()
+        .map(|&p| (block(&a, p).size, block(&a, p).state))
+        .collect();
+    assert_eq!(
+        states,
+        vec![
+            (2 * MIB, BlockState::ActiveAllocated),
+            (4 * MIB, BlockState::Inactive),
+            (6 * MIB, BlockState::ActiveAllocated),
+        ]
+    );
+    // The free block is cached: a request that fits it takes it.
+    assert_eq!(a.malloc(4 * MIB, S0).unwrap(), ptrs[1]);
+    consistent(&a);
+}
+
+#[test]
+fn restore_segment_refuses_an_empty_or_unaligned_block() {
+    let mut a = default_allocator();
+    for blocks in [
+        vec![],
+        vec![(2 * MIB, true), (0, false)],
+        vec![(2 * MIB, true), (1000, true)],
+    ] {
+        let err = a.restore_segment(&large_image(&blocks)).unwrap_err();
+        assert!(
+            matches!(err, AllocError::InvalidSize { .. }),
+            "{blocks:?}: {err:?}"
+        );
+    }
+    assert_eq!(calls(&a, CallKind::SegmentAlloc), 0);
+    consistent(&a);
 }
 
 // ----- OOM retry order -----
