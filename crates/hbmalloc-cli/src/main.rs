@@ -193,107 +193,119 @@ impl WhatIf {
     }
 }
 
+/// The arguments of `compare`.
+#[derive(Args)]
+struct CompareArgs {
+    /// Trace files: PyTorch snapshots (.pickle), torch.profiler traces (.json, .json.gz), RMM logs (.csv).
+    traces: Vec<PathBuf>,
+    /// A configuration to run, as a settings string (`policy:pytorch,expandable_segments:True`);
+    /// repeat for several. Default: pytorch, pytorch with expandable segments, and hbm.
+    #[arg(long = "run", value_name = "SETTINGS")]
+    runs: Vec<String>,
+    /// Device capacity for the replays: a size (80GiB) or a multiple of
+    /// each trace's peak live memory (1.03x); default unbounded.
+    #[arg(long, value_parser = parse_capacity)]
+    capacity: Option<Capacity>,
+    /// Skip the minimum-capacity bisection (faster).
+    #[arg(long)]
+    no_min_capacity: bool,
+    /// Print one JSON object per line instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// One line per trace, the configurations side by side (about 60
+    /// columns each), instead of a block per trace.
+    #[arg(long)]
+    wide: bool,
+    /// Also write live memory and each configuration's reserved memory
+    /// after every op to PATH, as CSV (`op,live_bytes`, then a column
+    /// per configuration): where and when reserved memory parts from
+    /// live memory. For a trace of several devices, `.devN` goes before
+    /// the extension. One trace file only.
+    #[arg(long, value_name = "PATH")]
+    timeline: Option<PathBuf>,
+    /// Also lay each trace out offline, knowing all of it in advance
+    /// (greedy by size: largest block first, each in the smallest gap
+    /// among the blocks alive with it), and show what that plan holds
+    /// with granules mapped only under blocks: a reference for how much
+    /// of a policy's waste came from not knowing the future. No online
+    /// allocator can be sure to reach it. With --json, also an estimate
+    /// for a training loop that plans each step from the one before
+    /// (`planned_last_step`).
+    #[arg(long)]
+    planned: bool,
+    #[command(flatten)]
+    what_if: WhatIf,
+}
+
+/// The arguments of `replay`.
+#[derive(Args)]
+struct ReplayArgs {
+    /// Trace files.
+    #[arg(required = true)]
+    traces: Vec<PathBuf>,
+    /// The policy: hbm (hbmalloc's own) or pytorch (PyTorch's allocator, reproduced).
+    #[arg(long, default_value = "hbm")]
+    policy: String,
+    /// The policy's configuration (`key:value,...`; PYTORCH_CUDA_ALLOC_CONF syntax for pytorch).
+    #[arg(long, default_value = "")]
+    config: String,
+    /// Device capacity: a size (80GiB, 81920MiB, or bytes) or a multiple
+    /// of the trace's peak live memory (1.03x); default unbounded.
+    #[arg(long, value_parser = parse_capacity)]
+    capacity: Option<Capacity>,
+    /// Also bisect for the smallest capacity the trace fits.
+    #[arg(long)]
+    min_capacity: bool,
+    /// Also print PyTorch's `memory_summary()` table of the allocator after the replay.
+    #[arg(long)]
+    summary: bool,
+    /// Skip the out-of-memory errors the trace recorded instead of
+    /// reproducing them (by making the simulated device report the free
+    /// memory the real one reported at that moment).
+    #[arg(long)]
+    ignore_recorded_ooms: bool,
+    /// Print one JSON object per trace and device.
+    #[arg(long)]
+    json: bool,
+    /// Also write the allocator's snapshot at the moment its reserved
+    /// memory first peaked (or at its out-of-memory error) to PATH, as a
+    /// PyTorch memory snapshot that pytorch.org/memory_viz opens: where
+    /// the waste is (a second line splits the free memory there into idle
+    /// granules, edges of mapped ranges and holes between live blocks).
+    /// For a trace of several devices, `.devN` goes before
+    /// the extension. One trace file only.
+    #[arg(long, value_name = "PATH", conflicts_with = "snapshot_at_op")]
+    snapshot_at_peak: Option<PathBuf>,
+    /// Also write the allocator's snapshot after op N (0: the initial
+    /// state; or at an out-of-memory error before it) to PATH, as
+    /// `--snapshot-at-peak` does: how the allocator got where it is
+    /// (`compare --timeline` says when reserved memory grew).
+    #[arg(long, num_args = 2, value_names = ["N", "PATH"])]
+    snapshot_at_op: Option<Vec<String>>,
+    #[command(flatten)]
+    what_if: WhatIf,
+}
+
+/// The arguments of `fidelity`.
+#[derive(Args)]
+struct FidelityArgs {
+    /// PyTorch memory snapshot pickles.
+    #[arg(required = true)]
+    snapshots: Vec<PathBuf>,
+    /// Print one JSON object per snapshot and device.
+    #[arg(long)]
+    json: bool,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Replay traces under each configuration and print them side by side.
     /// With no trace, runs the bundled GPT-2 training trace.
-    Compare {
-        /// Trace files: PyTorch snapshots (.pickle), torch.profiler traces (.json, .json.gz), RMM logs (.csv).
-        traces: Vec<PathBuf>,
-        /// A configuration to run, as a settings string (`policy:pytorch,expandable_segments:True`);
-        /// repeat for several. Default: pytorch, pytorch with expandable segments, and hbm.
-        #[arg(long = "run", value_name = "SETTINGS")]
-        runs: Vec<String>,
-        /// Device capacity for the replays: a size (80GiB) or a multiple of
-        /// each trace's peak live memory (1.03x); default unbounded.
-        #[arg(long, value_parser = parse_capacity)]
-        capacity: Option<Capacity>,
-        /// Skip the minimum-capacity bisection (faster).
-        #[arg(long)]
-        no_min_capacity: bool,
-        /// Print one JSON object per line instead of the table.
-        #[arg(long)]
-        json: bool,
-        /// One line per trace, the configurations side by side (about 60
-        /// columns each), instead of a block per trace.
-        #[arg(long)]
-        wide: bool,
-        /// Also write live memory and each configuration's reserved memory
-        /// after every op to PATH, as CSV (`op,live_bytes`, then a column
-        /// per configuration): where and when reserved memory parts from
-        /// live memory. For a trace of several devices, `.devN` goes before
-        /// the extension. One trace file only.
-        #[arg(long, value_name = "PATH")]
-        timeline: Option<PathBuf>,
-        /// Also lay each trace out offline, knowing all of it in advance
-        /// (greedy by size: largest block first, each in the smallest gap
-        /// among the blocks alive with it), and show what that plan holds
-        /// with granules mapped only under blocks: a reference for how much
-        /// of a policy's waste came from not knowing the future. No online
-        /// allocator can be sure to reach it. With --json, also an estimate
-        /// for a training loop that plans each step from the one before
-        /// (`planned_last_step`).
-        #[arg(long)]
-        planned: bool,
-        #[command(flatten)]
-        what_if: WhatIf,
-    },
+    Compare(CompareArgs),
     /// Replay traces under one policy and print the metrics.
-    Replay {
-        /// Trace files.
-        #[arg(required = true)]
-        traces: Vec<PathBuf>,
-        /// The policy: hbm (hbmalloc's own) or pytorch (PyTorch's allocator, reproduced).
-        #[arg(long, default_value = "hbm")]
-        policy: String,
-        /// The policy's configuration (`key:value,...`; PYTORCH_CUDA_ALLOC_CONF syntax for pytorch).
-        #[arg(long, default_value = "")]
-        config: String,
-        /// Device capacity: a size (80GiB, 81920MiB, or bytes) or a multiple
-        /// of the trace's peak live memory (1.03x); default unbounded.
-        #[arg(long, value_parser = parse_capacity)]
-        capacity: Option<Capacity>,
-        /// Also bisect for the smallest capacity the trace fits.
-        #[arg(long)]
-        min_capacity: bool,
-        /// Also print PyTorch's `memory_summary()` table of the allocator after the replay.
-        #[arg(long)]
-        summary: bool,
-        /// Skip the out-of-memory errors the trace recorded instead of
-        /// reproducing them (by making the simulated device report the free
-        /// memory the real one reported at that moment).
-        #[arg(long)]
-        ignore_recorded_ooms: bool,
-        /// Print one JSON object per trace and device.
-        #[arg(long)]
-        json: bool,
-        /// Also write the allocator's snapshot at the moment its reserved
-        /// memory first peaked (or at its out-of-memory error) to PATH, as a
-        /// PyTorch memory snapshot that pytorch.org/memory_viz opens: where
-        /// the waste is (a second line splits the free memory there into idle
-        /// granules, edges of mapped ranges and holes between live blocks).
-        /// For a trace of several devices, `.devN` goes before
-        /// the extension. One trace file only.
-        #[arg(long, value_name = "PATH", conflicts_with = "snapshot_at_op")]
-        snapshot_at_peak: Option<PathBuf>,
-        /// Also write the allocator's snapshot after op N (0: the initial
-        /// state; or at an out-of-memory error before it) to PATH, as
-        /// `--snapshot-at-peak` does: how the allocator got where it is
-        /// (`compare --timeline` says when reserved memory grew).
-        #[arg(long, num_args = 2, value_names = ["N", "PATH"])]
-        snapshot_at_op: Option<Vec<String>>,
-        #[command(flatten)]
-        what_if: WhatIf,
-    },
+    Replay(ReplayArgs),
     /// Check that policy pytorch reproduces the segment decisions recorded in PyTorch snapshots.
-    Fidelity {
-        /// PyTorch memory snapshot pickles.
-        #[arg(required = true)]
-        snapshots: Vec<PathBuf>,
-        /// Print one JSON object per snapshot and device.
-        #[arg(long)]
-        json: bool,
-    },
+    Fidelity(FidelityArgs),
     /// Measure allocator CPU time per operation (ns_per_op) with free driver calls.
     Bench {
         /// Trace files; default: the bundled trace.
@@ -382,203 +394,9 @@ fn main() -> ExitCode {
 
 fn run(command: Command) -> Result<(), String> {
     match command {
-        Command::Compare {
-            traces,
-            runs,
-            capacity,
-            no_min_capacity,
-            json,
-            wide,
-            timeline: timeline_path,
-            planned,
-            what_if,
-        } => {
-            let runs = parse_runs(&runs)?;
-            if timeline_path.is_some() && traces.len() > 1 {
-                return Err(format!(
-                    "--timeline writes one trace's timeline, and {} traces were given",
-                    traces.len()
-                ));
-            }
-            let traces = what_if.apply(load_or_bundled(&traces)?)?;
-            let mut rows = Vec::new();
-            let mut plans = Vec::new();
-            for trace in &traces {
-                for device in &trace.devices {
-                    let in_device =
-                        |e: String| format!("{} device {}: {e}", trace.source, device.device);
-                    // Each configuration's options on this device: the
-                    // metrics and the timeline replay the same ones.
-                    let configurations: Vec<EvalOptions> = runs
-                        .iter()
-                        .map(|policy| EvalOptions {
-                            capacity_bytes: capacity.map(|c| c.bytes(device)),
-                            find_min_capacity: !no_min_capacity,
-                            ..what_if.eval_options(policy.clone())
-                        })
-                        .collect();
-                    let mut metrics = Vec::new();
-                    for options in &configurations {
-                        let m = evaluate(&trace.source, device, options)
-                            .map_err(|e| in_device(e.to_string()))?;
-                        if json {
-                            outln!("{}", to_json(&m));
-                        }
-                        metrics.push(m);
-                    }
-                    let plan = planned.then(|| plan_greedy_by_size(device));
-                    if let (Some(plan), true) = (&plan, json) {
-                        let mut value = serde_json::json!({
-                            "trace": metrics.first().map_or(&trace.source, |m| &m.trace),
-                            "device": device.device,
-                        });
-                        value["planned"] = serde_json::to_value(plan).map_err(|e| e.to_string())?;
-                        value["planned_last_step"] = serde_json::to_value(plan_last_step(device))
-                            .map_err(|e| e.to_string())?;
-                        outln!("{value}");
-                    }
-                    rows.push(metrics);
-                    plans.push(plan);
-                    if let Some(path) = &timeline_path {
-                        let path = device_path(path, device.device, trace.devices.len() > 1);
-                        let written =
-                            write_timeline(device, &configurations, &path).map_err(in_device)?;
-                        eprintln!(
-                            "hbmalloc: {} device {}: {written}",
-                            trace.source, device.device
-                        );
-                    }
-                }
-            }
-            if !json {
-                let layout = if wide {
-                    table::Layout::Wide
-                } else {
-                    table::Layout::Blocks {
-                        width: output_width(),
-                    }
-                };
-                out!(
-                    "{}",
-                    table::compare_table(&rows, &plans, &what_if.driver_description(), layout)
-                );
-            }
-            Ok(())
-        }
-        Command::Replay {
-            traces,
-            policy,
-            config,
-            capacity,
-            min_capacity,
-            summary,
-            ignore_recorded_ooms,
-            json,
-            snapshot_at_peak,
-            snapshot_at_op,
-            what_if,
-        } => {
-            let policy = PolicyConfig::parse(&policy, &config).map_err(|e| e.to_string())?;
-            let snapshot_request = match (snapshot_at_peak, snapshot_at_op) {
-                (Some(path), _) => Some((SnapshotMoment::Peak, path)),
-                (None, Some(args)) => {
-                    let op = args[0].parse().map_err(|_| {
-                        format!(
-                            "--snapshot-at-op N PATH: N must be a number of ops, not '{}'",
-                            args[0]
-                        )
-                    })?;
-                    Some((SnapshotMoment::AfterOps(op), PathBuf::from(&args[1])))
-                }
-                (None, None) => None,
-            };
-            if snapshot_request.is_some() && traces.len() > 1 {
-                return Err(format!(
-                    "a snapshot is written for one trace, and {} traces were given",
-                    traces.len()
-                ));
-            }
-            for trace in what_if.apply(load_all(&traces)?)? {
-                for device in &trace.devices {
-                    let options = EvalOptions {
-                        capacity_bytes: capacity.map(|c| c.bytes(device)),
-                        find_min_capacity: min_capacity,
-                        reproduce_recorded_ooms: !ignore_recorded_ooms,
-                        ..what_if.eval_options(policy.clone())
-                    };
-                    let m = evaluate(&trace.source, device, &options)
-                        .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
-                    if json {
-                        outln!("{}", to_json(&m));
-                    } else {
-                        out!("{}", table::metrics_text(&m));
-                    }
-                    if !json && (m.out_of_memory.is_some() || !m.reproduced_ooms.is_empty()) {
-                        out!("{}", what_would_help(&trace.source, device, &options)?);
-                    }
-                    if summary {
-                        outln!(
-                            "{}",
-                            hbmalloc::memory_summary(&m.final_stats, device.device, false)
-                        );
-                    }
-                    if let Some((moment, path)) = &snapshot_request {
-                        let path = device_path(path, device.device, trace.devices.len() > 1);
-                        let written =
-                            write_snapshot(device, &options, *moment, &path).map_err(|e| {
-                                format!("{} device {}: {e}", trace.source, device.device)
-                            })?;
-                        if json {
-                            eprintln!("hbmalloc: {written}");
-                        } else {
-                            outln!("  {written}");
-                        }
-                    }
-                }
-            }
-            Ok(())
-        }
-        Command::Fidelity { snapshots, json } => {
-            let mut reports = Vec::new();
-            for trace in load_all(&snapshots)? {
-                for device in &trace.devices {
-                    let report = fidelity(device).map_err(|e| {
-                        format!(
-                            "{} device {}: {e}",
-                            trace.source,
-                            table::device_label(device.device)
-                        )
-                    })?;
-                    if json {
-                        let mut value = serde_json::to_value(&report).map_err(|e| e.to_string())?;
-                        value["trace"] = serde_json::Value::String(trace.source.clone());
-                        value["verdict"] =
-                            serde_json::to_value(report.verdict()).map_err(|e| e.to_string())?;
-                        outln!("{value}");
-                    } else {
-                        out!("{}", table::fidelity_text(&trace.source, &report));
-                    }
-                    reports.push(report);
-                }
-            }
-            let summary = table::fidelity_summary(snapshots.len(), &reports);
-            if json {
-                eprintln!("hbmalloc: {summary}");
-            } else {
-                outln!("{summary}");
-            }
-            let diverging = reports
-                .iter()
-                .filter(|r| !r.foreign_allocator && r.verdict() == Verdict::Diverges)
-                .count();
-            if diverging > 0 {
-                return Err(format!(
-                    "policy pytorch diverges from the recorded allocator on {diverging} device(s) \
-                     of CUDA snapshots"
-                ));
-            }
-            Ok(())
-        }
+        Command::Compare(args) => compare(args),
+        Command::Replay(args) => replay(args),
+        Command::Fidelity(args) => fidelity_check(args),
         Command::Bench {
             traces,
             runs,
@@ -621,6 +439,205 @@ fn run(command: Command) -> Result<(), String> {
         Command::Report(args) => report::run(args),
         Command::Plan(args) => budget::run(args),
     }
+}
+
+fn compare(args: CompareArgs) -> Result<(), String> {
+    let CompareArgs {
+        traces,
+        runs,
+        capacity,
+        no_min_capacity,
+        json,
+        wide,
+        timeline: timeline_path,
+        planned,
+        what_if,
+    } = args;
+    let runs = parse_runs(&runs)?;
+    if timeline_path.is_some() && traces.len() > 1 {
+        return Err(format!(
+            "--timeline writes one trace's timeline, and {} traces were given",
+            traces.len()
+        ));
+    }
+    let traces = what_if.apply(load_or_bundled(&traces)?)?;
+    let mut rows = Vec::new();
+    let mut plans = Vec::new();
+    for trace in &traces {
+        for device in &trace.devices {
+            let in_device = |e: String| format!("{} device {}: {e}", trace.source, device.device);
+            // Each configuration's options on this device: the
+            // metrics and the timeline replay the same ones.
+            let configurations: Vec<EvalOptions> = runs
+                .iter()
+                .map(|policy| EvalOptions {
+                    capacity_bytes: capacity.map(|c| c.bytes(device)),
+                    find_min_capacity: !no_min_capacity,
+                    ..what_if.eval_options(policy.clone())
+                })
+                .collect();
+            let mut metrics = Vec::new();
+            for options in &configurations {
+                let m = evaluate(&trace.source, device, options)
+                    .map_err(|e| in_device(e.to_string()))?;
+                if json {
+                    outln!("{}", to_json(&m));
+                }
+                metrics.push(m);
+            }
+            let plan = planned.then(|| plan_greedy_by_size(device));
+            if let (Some(plan), true) = (&plan, json) {
+                let mut value = serde_json::json!({
+                    "trace": metrics.first().map_or(&trace.source, |m| &m.trace),
+                    "device": device.device,
+                });
+                value["planned"] = serde_json::to_value(plan).map_err(|e| e.to_string())?;
+                value["planned_last_step"] =
+                    serde_json::to_value(plan_last_step(device)).map_err(|e| e.to_string())?;
+                outln!("{value}");
+            }
+            rows.push(metrics);
+            plans.push(plan);
+            if let Some(path) = &timeline_path {
+                let path = device_path(path, device.device, trace.devices.len() > 1);
+                let written = write_timeline(device, &configurations, &path).map_err(in_device)?;
+                eprintln!(
+                    "hbmalloc: {} device {}: {written}",
+                    trace.source, device.device
+                );
+            }
+        }
+    }
+    if !json {
+        let layout = if wide {
+            table::Layout::Wide
+        } else {
+            table::Layout::Blocks {
+                width: output_width(),
+            }
+        };
+        out!(
+            "{}",
+            table::compare_table(&rows, &plans, &what_if.driver_description(), layout)
+        );
+    }
+    Ok(())
+}
+
+fn replay(args: ReplayArgs) -> Result<(), String> {
+    let ReplayArgs {
+        traces,
+        policy,
+        config,
+        capacity,
+        min_capacity,
+        summary,
+        ignore_recorded_ooms,
+        json,
+        snapshot_at_peak,
+        snapshot_at_op,
+        what_if,
+    } = args;
+    let policy = PolicyConfig::parse(&policy, &config).map_err(|e| e.to_string())?;
+    let snapshot_request = match (snapshot_at_peak, snapshot_at_op) {
+        (Some(path), _) => Some((SnapshotMoment::Peak, path)),
+        (None, Some(args)) => {
+            let op = args[0].parse().map_err(|_| {
+                format!(
+                    "--snapshot-at-op N PATH: N must be a number of ops, not '{}'",
+                    args[0]
+                )
+            })?;
+            Some((SnapshotMoment::AfterOps(op), PathBuf::from(&args[1])))
+        }
+        (None, None) => None,
+    };
+    if snapshot_request.is_some() && traces.len() > 1 {
+        return Err(format!(
+            "a snapshot is written for one trace, and {} traces were given",
+            traces.len()
+        ));
+    }
+    for trace in what_if.apply(load_all(&traces)?)? {
+        for device in &trace.devices {
+            let options = EvalOptions {
+                capacity_bytes: capacity.map(|c| c.bytes(device)),
+                find_min_capacity: min_capacity,
+                reproduce_recorded_ooms: !ignore_recorded_ooms,
+                ..what_if.eval_options(policy.clone())
+            };
+            let m = evaluate(&trace.source, device, &options)
+                .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
+            if json {
+                outln!("{}", to_json(&m));
+            } else {
+                out!("{}", table::metrics_text(&m));
+            }
+            if !json && (m.out_of_memory.is_some() || !m.reproduced_ooms.is_empty()) {
+                out!("{}", what_would_help(&trace.source, device, &options)?);
+            }
+            if summary {
+                outln!(
+                    "{}",
+                    hbmalloc::memory_summary(&m.final_stats, device.device, false)
+                );
+            }
+            if let Some((moment, path)) = &snapshot_request {
+                let path = device_path(path, device.device, trace.devices.len() > 1);
+                let written = write_snapshot(device, &options, *moment, &path)
+                    .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
+                if json {
+                    eprintln!("hbmalloc: {written}");
+                } else {
+                    outln!("  {written}");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn fidelity_check(args: FidelityArgs) -> Result<(), String> {
+    let FidelityArgs { snapshots, json } = args;
+    let mut reports = Vec::new();
+    for trace in load_all(&snapshots)? {
+        for device in &trace.devices {
+            let report = fidelity(device).map_err(|e| {
+                format!(
+                    "{} device {}: {e}",
+                    trace.source,
+                    table::device_label(device.device)
+                )
+            })?;
+            if json {
+                let mut value = serde_json::to_value(&report).map_err(|e| e.to_string())?;
+                value["trace"] = serde_json::Value::String(trace.source.clone());
+                value["verdict"] =
+                    serde_json::to_value(report.verdict()).map_err(|e| e.to_string())?;
+                outln!("{value}");
+            } else {
+                out!("{}", table::fidelity_text(&trace.source, &report));
+            }
+            reports.push(report);
+        }
+    }
+    let summary = table::fidelity_summary(snapshots.len(), &reports);
+    if json {
+        eprintln!("hbmalloc: {summary}");
+    } else {
+        outln!("{summary}");
+    }
+    let diverging = reports
+        .iter()
+        .filter(|r| !r.foreign_allocator && r.verdict() == Verdict::Diverges)
+        .count();
+    if diverging > 0 {
+        return Err(format!(
+            "policy pytorch diverges from the recorded allocator on {diverging} device(s) \
+             of CUDA snapshots"
+        ));
+    }
+    Ok(())
 }
 
 /// After an out-of-memory error: the smallest device on which the trace
