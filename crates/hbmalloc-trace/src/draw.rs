@@ -39,7 +39,7 @@ pub fn draw_steps(trace: &DeviceTrace, steps: usize, seed: u64) -> Result<Device
         .collect();
 
     let prefix_end = bounds[first];
-    let mut out = Builder::new(trace, prefix_end);
+    let mut out = Builder::new(trace, prefix_end, &alive[first]);
     let mut rng = SplitMix(seed);
     for _ in 0..steps {
         let i = steady[(rng.next() % steady.len() as u64) as usize];
@@ -141,24 +141,14 @@ struct Builder {
 }
 
 impl Builder {
-    /// The run up to `prefix_end`, as recorded.
-    fn new(trace: &DeviceTrace, prefix_end: usize) -> Self {
-        let mut live: BTreeMap<AllocId, (u64, usize)> = initial_live(trace)
-            .into_iter()
-            .map(|(id, size)| (id, (size, 0)))
+    /// The run up to `prefix_end`, as recorded; `alive` is what is alive
+    /// there ([`alive_at`]).
+    fn new(trace: &DeviceTrace, prefix_end: usize, alive: &[Alive]) -> Self {
+        let live = alive
+            .iter()
+            .map(|&(size, at, id)| (id, (size, at)))
             .collect();
         let ops = trace.ops[..prefix_end].to_vec();
-        for (at, op) in ops.iter().enumerate() {
-            match *op {
-                Op::Alloc { id, size, .. } => {
-                    live.insert(id, (size, at));
-                }
-                Op::Free { id } => {
-                    live.remove(&id);
-                }
-                _ => {}
-            }
-        }
         let initial_max = trace
             .initial_segments
             .iter()
