@@ -733,6 +733,28 @@ impl Rebuild {
         self.skipped.skip(reason);
     }
 
+    /// Records an allocation live at the window start under a new id and
+    /// returns its block of `size` bytes. One whose free was already
+    /// requested (pending at the window start) is freed at once behind a
+    /// synthetic stream, which the later `free_completed` completes.
+    fn register_initial(&mut self, addr: u64, block: &LiveBlock, size: u64) -> InitialBlock {
+        let id = self.next_id;
+        self.next_id += 1;
+        if block.pending_free {
+            let stream = DEFERRED_FREE_STREAM_BASE | id;
+            self.ops.push(Op::RecordStream { id, stream });
+            self.ops.push(Op::Free { id });
+            self.pending_streams.insert(addr, stream);
+        } else {
+            self.addr_to_id.insert(addr, id);
+        }
+        InitialBlock {
+            size,
+            requested_size: block.requested_size,
+            state: InitialBlockState::Allocated(id),
+        }
+    }
+
     /// Lays the allocations live at the window start out in the ranges
     /// then, as initial segments, each allocation registered under an id.
     fn lay_out(
@@ -753,21 +775,7 @@ impl Rebuild {
                 if addr > cursor {
                     blocks.push(free_block(addr - cursor));
                 }
-                let id = self.next_id;
-                self.next_id += 1;
-                blocks.push(InitialBlock {
-                    size,
-                    requested_size: block.requested_size,
-                    state: InitialBlockState::Allocated(id),
-                });
-                register_initial(
-                    id,
-                    addr,
-                    block,
-                    &mut self.addr_to_id,
-                    &mut self.pending_streams,
-                    &mut self.ops,
-                );
+                blocks.push(self.register_initial(addr, block, size));
                 placed.insert(addr);
                 cursor = addr + size;
             }
@@ -788,27 +796,14 @@ impl Rebuild {
         // disagree; keep them (in a segment of their own) so their frees resolve.
         for (&addr, block) in live.iter().filter(|(a, _)| !placed.contains(a)) {
             self.skip("live block outside every segment (given its own segment)");
-            let id = self.next_id;
-            self.next_id += 1;
+            let blocks = vec![self.register_initial(addr, block, block.size)];
             initial_segments.push(InitialSegment {
                 address: addr,
                 stream: 0,
                 small_pool: block.size <= SMALL_SEGMENT_SIZE,
                 expandable: false,
-                blocks: vec![InitialBlock {
-                    size: block.size,
-                    requested_size: block.requested_size,
-                    state: InitialBlockState::Allocated(id),
-                }],
+                blocks,
             });
-            register_initial(
-                id,
-                addr,
-                block,
-                &mut self.addr_to_id,
-                &mut self.pending_streams,
-                &mut self.ops,
-            );
         }
 
         initial_segments
@@ -925,26 +920,5 @@ fn free_block(size: u64) -> InitialBlock {
         size,
         requested_size: 0,
         state: InitialBlockState::Free,
-    }
-}
-
-/// Records an allocation live at the window start under `id`. One whose free
-/// was already requested (pending at the window start) is freed at once
-/// behind a synthetic stream, which the later `free_completed` completes.
-fn register_initial(
-    id: AllocId,
-    addr: u64,
-    block: &LiveBlock,
-    addr_to_id: &mut HashMap<u64, AllocId>,
-    pending_streams: &mut HashMap<u64, u64>,
-    ops: &mut Vec<Op>,
-) {
-    if block.pending_free {
-        let stream = DEFERRED_FREE_STREAM_BASE | id;
-        ops.push(Op::RecordStream { id, stream });
-        ops.push(Op::Free { id });
-        pending_streams.insert(addr, stream);
-    } else {
-        addr_to_id.insert(addr, id);
     }
 }
