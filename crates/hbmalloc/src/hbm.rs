@@ -731,6 +731,11 @@ impl HbmPolicy {
         self.growing = demand > self.peak_demand_bytes;
         self.peak_demand_bytes = self.peak_demand_bytes.max(demand);
         let near_peak = demand * 100 >= self.peak_demand_bytes * SHORT_LIVED_NEAR_PEAK_PERCENT;
+        // No device holds it: fail before mapping the whole device, twice,
+        // to find out.
+        if self.state.device_total > 0 && size > self.state.device_total {
+            return Err(self.out_of_memory(dev, requested, size, stream));
+        }
         let mut retried = false;
         let (ptr, span, on_aliased) = loop {
             // A hit is mapped already. A miss goes where a block of this size
@@ -778,6 +783,12 @@ impl HbmPolicy {
                 }
             }
             if retried {
+                // What the two attempts mapped goes back, as PyTorch frees its
+                // cache on an out-of-memory: the program's own `cudaMalloc`s
+                // (cuDNN's, NCCL's) must find the device as it was.
+                if !self.state.capture_underway {
+                    self.empty_cache(dev)?;
+                }
                 return Err(self.out_of_memory(dev, requested, size, stream));
             }
             // Out of memory: let pending frees complete, give back wholly free

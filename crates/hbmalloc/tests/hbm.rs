@@ -566,6 +566,35 @@ fn out_of_memory_is_reported_and_judged() {
     assert_eq!(a.device().used_bytes(), 0);
 }
 
+/// A failed request leaves the device as it found it: memory mapped while
+/// trying stays with the program's other users (cuDNN's and NCCL's own
+/// `cudaMalloc`s), as PyTorch's allocator frees its cache on an OOM.
+#[test]
+fn a_failed_request_gives_back_what_it_mapped() {
+    for (capacity, request) in [(GIB, 2 * GIB), (GIB, 1000 * MIB), (GIB, 1100 * MIB)] {
+        let mut a = hbm(capacity, "");
+        let kept = a.malloc(64 * MIB, StreamId(0)).unwrap();
+        let cached = a.malloc(32 * MIB, StreamId(0)).unwrap();
+        a.free(cached).unwrap();
+        let before = a.device().used_bytes();
+        assert!(matches!(
+            a.malloc(request, StreamId(0)),
+            Err(AllocError::OutOfMemory(_))
+        ));
+        check(&a);
+        assert!(
+            a.device().used_bytes() <= before,
+            "a failed {} MiB request on a {} MiB device left {} MiB held (was {})",
+            request / MIB,
+            capacity / MIB,
+            a.device().used_bytes() / MIB,
+            before / MIB
+        );
+        a.free(kept).unwrap();
+        check(&a);
+    }
+}
+
 #[test]
 fn memory_fraction_is_a_hard_limit() {
     let mut a = hbm(GIB, "per_process_memory_fraction:0.25");
