@@ -750,3 +750,40 @@ fn fidelity_sums_up_and_fails_when_a_snapshot_diverges() {
         serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
     assert_eq!(row["verdict"], "diverges", "{row}");
 }
+
+/// The simulator is the GPU: `compare` on a run recorded on an H200
+/// (`traces/gpt2_h200_native_200steps.pickle.gz`) gives, for PyTorch's
+/// allocator with and without expandable segments, the peak reserved memory
+/// that the same program measured under each on that GPU (the `.gpu.json`
+/// beside it), and as many `cudaMalloc`s as native PyTorch made.
+#[test]
+fn compare_reproduces_what_the_gpu_measured() {
+    let traces = concat!(env!("CARGO_MANIFEST_DIR"), "/../../traces/");
+    let trace = format!("{traces}gpt2_h200_native_200steps.pickle.gz");
+    let measured: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(format!("{traces}gpt2_h200_native_200steps.gpu.json")).unwrap(),
+    )
+    .unwrap();
+    let stdout = succeed(&["compare", &trace, "--no-min-capacity", "--json"]);
+    let rows: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for name in ["native", "expandable_segments"] {
+        let gpu = &measured["runs"][name];
+        let row = rows
+            .iter()
+            .find(|r| r["settings"] == gpu["settings"])
+            .unwrap_or_else(|| panic!("no row for {}: {stdout}", gpu["settings"]));
+        assert_eq!(
+            row["peak_reserved_bytes"], gpu["peak_reserved_bytes"],
+            "{name}"
+        );
+        if name == "native" {
+            assert_eq!(
+                row["device_calls"]["segment_alloc"],
+                gpu["num_device_alloc"]
+            );
+        }
+    }
+}
