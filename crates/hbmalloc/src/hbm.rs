@@ -19,13 +19,14 @@
 //! memory under a placed block), `alias.rs` (alias groups), `bitmap.rs`
 //! (per-granule bitmaps), `inspect.rs` (snapshot and invariant checks).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::hash::{BuildHasher, BuildHasherDefault};
 use std::ops::ControlFlow;
 
 use crate::config::ConfigError;
-use crate::device::{Device, DevicePtr, EventId, PhysicalHandle, StreamId};
+use crate::device::{Device, DevicePtr, PhysicalHandle, StreamId};
 use crate::error::{AllocError, OomReport, OomVerdict};
+use crate::events::{PendingEvents, Poll};
 use crate::fastmap::{FastMap, PointerHasher};
 use crate::history::{Action, History};
 use crate::policy::PolicyState;
@@ -590,18 +591,12 @@ pub(crate) struct HbmPolicy {
     scratch_views: Vec<(u64, u32)>,
     /// Reused by `unclaim`, for the same reason.
     scratch_idle: Vec<u32>,
-    /// Pending end-of-use events, per stream, in record order.
-    pending_events: BTreeMap<StreamId, VecDeque<(EventId, DevicePtr)>>,
-    /// Events whose synchronization failed: retired at the next full
-    /// synchronization, so none is leaked.
-    stray_events: Vec<EventId>,
+    /// End-of-use events of freed blocks other streams used.
+    events: PendingEvents<DevicePtr>,
     /// Stretches mapped whose `set_access` failed and whose unmap did not
     /// happen (region, its base, first granule, end granule): access is
     /// granted again before the next request is served.
     without_access: Vec<(u32, DevicePtr, u64, u64)>,
-    /// Blocks freed with uses on other streams during a capture, whose
-    /// events are recorded when it ends.
-    deferred_event_blocks: Vec<DevicePtr>,
     /// Physical memory held: mapped granules, spare handles and segments.
     held_bytes: u64,
     /// Highest `held_bytes` seen: the peak reserved memory (kept here, not
@@ -658,9 +653,7 @@ impl HbmPolicy {
             free_group_ids: Vec::new(),
             scratch_views: Vec::new(),
             scratch_idle: Vec::new(),
-            pending_events: BTreeMap::new(),
-            stray_events: Vec::new(),
-            deferred_event_blocks: Vec::new(),
+            events: PendingEvents::default(),
             without_access: Vec::new(),
             held_bytes: 0,
             peak_held_bytes: 0,
@@ -1070,7 +1063,7 @@ impl HbmPolicy {
             .history
             .record(Action::FreeRequested, ptr, requested, stream);
         if uses_pending && self.state.capture_underway {
-            self.deferred_event_blocks.push(ptr);
+            self.events.defer(ptr);
             Ok(())
         } else if uses_pending {
             self.insert_events(dev, ptr)
@@ -1130,28 +1123,15 @@ impl HbmPolicy {
         let block = self.live.get_mut(&ptr).expect("a live block");
         let mut streams = std::mem::take(&mut block.stream_uses);
         streams.sort();
-        for (i, &stream) in streams.iter().enumerate() {
-            match dev.record_event(stream) {
-                Ok(event) => {
-                    if let Some(block) = self.live.get_mut(&ptr) {
-                        block.pending_events += 1;
-                    }
-                    self.pending_events
-                        .entry(stream)
-                        .or_default()
-                        .push_back((event, ptr));
-                }
-                Err(e) => {
-                    // Keep the uses no event covers: the block is not reused
-                    // until a device synchronization (OOM retry, empty_cache).
-                    if let Some(block) = self.live.get_mut(&ptr) {
-                        block.stream_uses = streams[i..].to_vec();
-                    }
-                    return Err(e.into());
-                }
-            }
-        }
-        Ok(())
+        let (recorded, result) = self.events.record(dev, ptr, &streams);
+        let block = self.live.get_mut(&ptr).expect("a live block");
+        block.pending_events += recorded;
+        // Uses no event covers stay: the block is not reused until a device
+        // synchronization (OOM retry, empty_cache).
+        result.map_err(|(uncovered, e)| {
+            block.stream_uses = uncovered;
+            e.into()
+        })
     }
 
     fn event_completed(&mut self, ptr: DevicePtr) {
@@ -1173,43 +1153,24 @@ impl HbmPolicy {
         if underway {
             return Ok(());
         }
-        let deferred = std::mem::take(&mut self.deferred_event_blocks);
+        let deferred = self.events.take_deferred();
         crate::capture::record_deferred(deferred, |ptr| self.insert_events(dev, ptr))
     }
 
     fn process_events(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
-        if self.pending_events.is_empty() || self.state.capture_underway {
+        if self.events.is_empty() || self.state.capture_underway {
             return Ok(());
         }
-        let streams: Vec<StreamId> = self.pending_events.keys().copied().collect();
-        for stream in streams {
-            while let Some(&(event, ptr)) = self.pending_events.get(&stream).and_then(|q| q.front())
-            {
-                if !dev.query_event(event)? {
-                    break;
-                }
-                if let Some(queue) = self.pending_events.get_mut(&stream) {
-                    queue.pop_front();
-                }
-                self.event_completed(ptr);
-            }
-            if self
-                .pending_events
-                .get(&stream)
-                .is_some_and(|q| q.is_empty())
-            {
-                self.pending_events.remove(&stream);
-            }
+        let mut poll = Poll::new();
+        while let Some(ptr) = self.events.next_completed(dev, &mut poll)? {
+            self.event_completed(ptr);
         }
         Ok(())
     }
 
     fn synchronize_and_free_events(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
         self.state.stats.num_sync_all_streams += 1;
-        while let Some(&event) = self.stray_events.last() {
-            dev.synchronize_event(event)?;
-            self.stray_events.pop();
-        }
+        self.events.retire_strays(dev)?;
         let mut stranded: Vec<DevicePtr> = self
             .live
             .iter()
@@ -1227,16 +1188,8 @@ impl HbmPolicy {
                 self.free_completed(ptr);
             }
         }
-        while let Some((&stream, _)) = self.pending_events.iter().next() {
-            while let Some(&(event, ptr)) = self.pending_events.get(&stream).and_then(|q| q.front())
-            {
-                dev.synchronize_event(event)?;
-                if let Some(queue) = self.pending_events.get_mut(&stream) {
-                    queue.pop_front();
-                }
-                self.event_completed(ptr);
-            }
-            self.pending_events.remove(&stream);
+        while let Some(ptr) = self.events.wait_next(dev)? {
+            self.event_completed(ptr);
         }
         Ok(())
     }

@@ -16,6 +16,7 @@ pub mod concurrent;
 pub mod config;
 pub mod device;
 pub mod error;
+mod events;
 mod fastmap;
 pub mod format;
 mod hbm;

@@ -22,11 +22,12 @@
 //!   event whose synchronization failed. (Found by the simulation harness,
 //!   `tests/simulation.rs`.)
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::BTreeSet;
 
 use crate::config::PytorchConfig;
-use crate::device::{Device, DevicePtr, EventId, PhysicalHandle, StreamId};
+use crate::device::{Device, DevicePtr, PhysicalHandle, StreamId};
 use crate::error::{AllocError, OomReport, OomVerdict};
+use crate::events::{PendingEvents, Poll};
 use crate::fastmap::FastMap;
 use crate::history::{Action, History};
 use crate::policy::PolicyState;
@@ -144,20 +145,14 @@ pub(crate) struct PytorchPolicy {
     pools: [BlockPool; 2],
     allocated_blocks: FastMap<DevicePtr, BlockId>,
     expandable_segments: Vec<Option<ExpandableSegment>>,
-    /// Pending end-of-use events, per stream, in record order.
-    cuda_events: BTreeMap<StreamId, VecDeque<(EventId, BlockId)>>,
+    /// End-of-use events of freed blocks other streams used.
+    events: PendingEvents<BlockId>,
     /// Bytes held from the driver (PyTorch's `total_allocated_memory`).
     total_allocated_memory: u64,
     /// Statistics, history, device size, memory fraction, capture flag.
     state: PolicyState,
     /// Pages to release at the next `release_cached_blocks` (counted as reserved).
     stray_pages: Vec<StrayPage>,
-    /// Events whose synchronization failed, to retire at the next `release_cached_blocks`.
-    stray_events: Vec<EventId>,
-    /// Blocks freed with uses on other streams during a capture, whose
-    /// events are recorded when it ends (PyTorch's
-    /// `needs_events_deferred_until_no_capture`).
-    deferred_event_blocks: Vec<BlockId>,
 }
 
 fn pool_index(small: bool) -> usize {
@@ -172,7 +167,7 @@ impl PytorchPolicy {
             pools: [BlockPool::default(), BlockPool::default()],
             allocated_blocks: FastMap::default(),
             expandable_segments: Vec::new(),
-            cuda_events: BTreeMap::new(),
+            events: PendingEvents::default(),
             total_allocated_memory: 0,
             state: PolicyState::new(
                 config.initial_stats(),
@@ -182,8 +177,6 @@ impl PytorchPolicy {
             ),
             config,
             stray_pages: Vec::new(),
-            stray_events: Vec::new(),
-            deferred_event_blocks: Vec::new(),
         }
     }
 
@@ -515,7 +508,7 @@ impl PytorchPolicy {
             self.free_block(id);
             Ok(())
         } else if self.state.capture_underway {
-            self.deferred_event_blocks.push(id);
+            self.events.defer(id);
             Ok(())
         } else {
             self.insert_events(dev, id)
@@ -533,7 +526,7 @@ impl PytorchPolicy {
         if underway {
             return Ok(());
         }
-        let deferred = std::mem::take(&mut self.deferred_event_blocks);
+        let deferred = self.events.take_deferred();
         crate::capture::record_deferred(deferred, |id| self.insert_events(dev, id))
     }
 
@@ -556,46 +549,24 @@ impl PytorchPolicy {
     fn insert_events(&mut self, dev: &dyn Device, id: BlockId) -> Result<(), AllocError> {
         let mut streams = std::mem::take(&mut self.bm(id).stream_uses);
         streams.sort();
-        for (i, &stream) in streams.iter().enumerate() {
-            match dev.record_event(stream) {
-                Ok(event) => {
-                    self.bm(id).event_count += 1;
-                    self.cuda_events
-                        .entry(stream)
-                        .or_default()
-                        .push_back((event, id));
-                }
-                Err(e) => {
-                    // Keep the uses we could not cover with an event, so the
-                    // block is never reused while those streams may touch it;
-                    // a later empty_cache or OOM retry synchronizes the device.
-                    let b = self.bm(id);
-                    b.stream_uses = streams[i..].to_vec();
-                    return Err(e.into());
-                }
-            }
-        }
-        Ok(())
+        let (recorded, result) = self.events.record(dev, id, &streams);
+        self.bm(id).event_count += recorded;
+        // Uses no event covers stay, so the block is never reused while
+        // those streams may touch it; a later empty_cache or OOM retry
+        // synchronizes the device.
+        result.map_err(|(uncovered, e)| {
+            self.bm(id).stream_uses = uncovered;
+            e.into()
+        })
     }
 
     fn process_events(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
-        if self.cuda_events.is_empty() || self.state.capture_underway {
+        if self.events.is_empty() || self.state.capture_underway {
             return Ok(());
         }
-        let streams: Vec<StreamId> = self.cuda_events.keys().copied().collect();
-        for stream in streams {
-            while let Some(&(event, id)) = self.cuda_events.get(&stream).and_then(|q| q.front()) {
-                if !dev.query_event(event)? {
-                    break;
-                }
-                if let Some(queue) = self.cuda_events.get_mut(&stream) {
-                    queue.pop_front();
-                }
-                self.event_completed(id);
-            }
-            if self.cuda_events.get(&stream).is_some_and(|q| q.is_empty()) {
-                self.cuda_events.remove(&stream);
-            }
+        let mut poll = Poll::new();
+        while let Some(id) = self.events.next_completed(dev, &mut poll)? {
+            self.event_completed(id);
         }
         Ok(())
     }
@@ -621,15 +592,8 @@ impl PytorchPolicy {
                 self.free_block(id);
             }
         }
-        while let Some((&stream, _)) = self.cuda_events.iter().next() {
-            while let Some(&(event, id)) = self.cuda_events.get(&stream).and_then(|q| q.front()) {
-                dev.synchronize_event(event)?;
-                if let Some(queue) = self.cuda_events.get_mut(&stream) {
-                    queue.pop_front();
-                }
-                self.event_completed(id);
-            }
-            self.cuda_events.remove(&stream);
+        while let Some(id) = self.events.wait_next(dev)? {
+            self.event_completed(id);
         }
         Ok(())
     }
@@ -780,10 +744,7 @@ impl PytorchPolicy {
 
     /// Retires events and releases pages left over by failed driver calls.
     fn release_strays(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
-        while let Some(&event) = self.stray_events.last() {
-            dev.synchronize_event(event)?;
-            self.stray_events.pop();
-        }
+        self.events.retire_strays(dev)?;
         while let Some(page) = self.stray_pages.last_mut() {
             if let Some(va) = page.mapped_at {
                 dev.unmap(va, page.size)?;
@@ -1192,11 +1153,7 @@ impl PytorchPolicy {
             return Ok(id);
         }
         // The stream may still be using the memory: wait for it first.
-        let event = dev.record_event(seg_stream)?;
-        if let Err(e) = dev.synchronize_event(event) {
-            self.stray_events.push(event);
-            return Err(e.into());
-        }
+        self.events.wait_for_stream(dev, seg_stream)?;
         // Pages [begin, end) are unmapped one by one; a failure part-way
         // leaves [begin, i) unmapped (booked below) and the rest mapped.
         let mut failure = None;
@@ -1337,12 +1294,7 @@ impl PytorchPolicy {
             .map(|k| k.1)
             .max()
             .unwrap_or(0);
-        let pending: u64 = self
-            .cuda_events
-            .values()
-            .flat_map(|q| q.iter())
-            .map(|&(_, id)| self.b(id).size)
-            .sum();
+        let pending: u64 = self.events.iter().map(|&(_, id)| self.b(id).size).sum();
         let mut report = OomReport {
             requested_bytes: requested,
             rounded_bytes: rounded,
@@ -1419,11 +1371,7 @@ impl PytorchPolicy {
     // ----- inspection -----
 
     pub(crate) fn snapshot(&self) -> Vec<SegmentSnapshot> {
-        let pending: BTreeSet<BlockId> = self
-            .cuda_events
-            .values()
-            .flat_map(|q| q.iter().map(|&(_, id)| id))
-            .collect();
+        let pending: BTreeSet<BlockId> = self.events.iter().map(|&(_, id)| id).collect();
         let mut segments = Vec::new();
         for (i, head) in self.live_blocks() {
             let starts_range = head.mapped && (head.prev == NO_BLOCK || !self.b(head.prev).mapped);

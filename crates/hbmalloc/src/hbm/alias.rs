@@ -209,11 +209,7 @@ impl HbmPolicy {
                 waits
             };
             for other in waits {
-                let event = dev.record_event(other)?;
-                if let Err(e) = dev.synchronize_event(event) {
-                    self.stray_events.push(event);
-                    return Err(e.into());
-                }
+                self.events.wait_for_stream(dev, other)?;
             }
         }
         for &(mut start, mut id) in &views {

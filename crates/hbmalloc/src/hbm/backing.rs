@@ -541,11 +541,7 @@ impl HbmPolicy {
             .map(|&(r, ..)| self.region(r).stream)
             .collect();
         for stream in streams {
-            let event = dev.record_event(stream)?;
-            if let Err(e) = dev.synchronize_event(event) {
-                self.stray_events.push(event);
-                return Err(e.into());
-            }
+            self.events.wait_for_stream(dev, stream)?;
         }
         for &(region_index, start, _, _) in victims {
             // Taken out first (one search); put back if the unmap fails.
