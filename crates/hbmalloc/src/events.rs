@@ -198,8 +198,8 @@ mod tests {
     fn waiting_hands_out_every_block_once() {
         let dev = SimDevice::with_capacity(1 << 30);
         let mut events = PendingEvents::default();
-        events.record(&dev, 1, &[StreamId(3), StreamId(1)]);
-        events.record(&dev, 2, &[StreamId(1)]);
+        assert_eq!(events.record(&dev, 1, &[StreamId(3), StreamId(1)]).0, 2);
+        assert_eq!(events.record(&dev, 2, &[StreamId(1)]).0, 1);
         let mut done = Vec::new();
         while let Some(block) = events.wait_next(&dev).unwrap() {
             done.push(block);
