@@ -786,7 +786,13 @@ class HbmallocAllocator final : public Pluggable {
   // device. The memory stays mapped until the last holder of the returned
   // pointer lets go (PyTorch keeps one per handle string, as hbmalloc does).
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
-    const int device = c10::cuda::current_device();
+    // The current device, as PyTorch's own getIpcDevPtr takes it; where the
+    // CUDA runtime cannot say (no driver it can use: the driver double's
+    // machines), device 0, and hbmalloc's driver answers for it.
+    c10::DeviceIndex device = 0;
+    if (c10::cuda::GetDevice(&device) != cudaSuccess) {
+      device = 0;
+    }
     void* base = nullptr;
     check(abi_, abi_.ipc_open(handle.data(), handle.size(), device, &base));
     // Runs from a destructor: a failed unmap cannot be reported, and must
