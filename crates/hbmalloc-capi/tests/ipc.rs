@@ -196,8 +196,38 @@ fn ipc_role() {
     }
 }
 
+/// Bad variants of an expandable-segment handle: each must be refused, and
+/// leave no descriptor open (the test counts them at the end).
+fn refuse_tampered(handle: &[u8]) {
+    let count = u64::from_ne_bytes(handle[18..26].try_into().unwrap()) as usize;
+    let last = handle.len() - 4;
+    // The last descriptor is not the sender's: those before it were taken.
+    let mut bogus_fd = handle.to_vec();
+    bogus_fd[last..].copy_from_slice(&999_999i32.to_ne_bytes());
+    // Handles that are not whole granules: every descriptor was taken.
+    let mut bad_size = handle.to_vec();
+    bad_size[10..18].copy_from_slice(&4096u64.to_ne_bytes());
+    // A process that does not exist.
+    let mut bad_pid = handle.to_vec();
+    bad_pid[2..6].copy_from_slice(&i32::MAX.to_ne_bytes());
+    for (bytes, needle) in [
+        (bogus_fd, "cannot take descriptor 999999"),
+        (bad_size, "not a whole number of"),
+        (bad_pid, "cannot take descriptor"),
+    ] {
+        let (status, message) = open(&bytes).unwrap_err();
+        assert_eq!(
+            status,
+            Status::DriverError as i32,
+            "{count} handles: {message}"
+        );
+        assert!(message.contains(needle), "{message}");
+    }
+}
+
 fn importer() {
     let double = Double::load();
+    let fds_before = open_fds();
     // Garbage from another process is an error saying what, not a crash.
     assert_eq!(
         open(b"\x02x").unwrap_err().0,
@@ -207,7 +237,6 @@ fn importer() {
     assert_eq!(status, Status::InvalidArgument as i32, "{message}");
     let (status, message) = open(&[[2, b'c'].as_slice(), &[0x5a; 64]].concat()).unwrap_err();
     assert_eq!(status, Status::DriverError as i32, "{message}");
-    let fds_before = open_fds();
     let mut exporter = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "ipc_role", "--nocapture", "--test-threads=1"])
         .env("HBMALLOC_CONF", std::env::var(EXPORTER_CONF_ENV).unwrap())
@@ -239,6 +268,9 @@ fn importer() {
         let offset: u64 = fields[2].parse().unwrap();
         let size: usize = fields[3].parse().unwrap();
         let value: u8 = fields[4].parse().unwrap();
+        if handle[1] == b'e' {
+            refuse_tampered(&handle);
+        }
         let base = open(&handle).unwrap_or_else(|(_, m)| panic!("open: {m}"));
         // The same string again maps nothing new.
         assert_eq!(open(&handle).unwrap(), base);
