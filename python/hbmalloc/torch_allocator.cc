@@ -84,6 +84,9 @@ struct Abi {
   decltype(&hbmalloc_history_entries) history_entries;
   decltype(&hbmalloc_last_error) last_error;
   decltype(&hbmalloc_last_error_code) last_error_code;
+  decltype(&hbmalloc_ipc_share) ipc_share;
+  decltype(&hbmalloc_ipc_open) ipc_open;
+  decltype(&hbmalloc_ipc_close) ipc_close;
 };
 
 template <typename F>
@@ -131,6 +134,9 @@ Abi load_abi(const char* path) {
   resolve(library, "hbmalloc_history_entries", &abi.history_entries);
   resolve(library, "hbmalloc_last_error", &abi.last_error);
   resolve(library, "hbmalloc_last_error_code", &abi.last_error_code);
+  resolve(library, "hbmalloc_ipc_share", &abi.ipc_share);
+  resolve(library, "hbmalloc_ipc_open", &abi.ipc_open);
+  resolve(library, "hbmalloc_ipc_close", &abi.ipc_close);
   return abi;  // The handle stays open: the process keeps the library.
 }
 
@@ -758,13 +764,41 @@ class HbmallocAllocator final : public Pluggable {
     }
   }
 
-  // Sharing CUDA tensors between processes (torch.multiprocessing): not
-  // supported yet; a clear error instead of CUDAPluggableAllocator's.
-  cca::ShareableHandle shareIpcHandle(void*) override {
-    TORCH_CHECK(false, kNoIpc);
+  // Sharing CUDA tensors between processes (torch.multiprocessing): in
+  // PyTorch's own format (hbmalloc's C ABI writes and reads the bytes, see
+  // crates/hbmalloc-capi/src/ipc.rs), so either side may be PyTorch's own
+  // allocator. The sender's block stays allocated while the receiver holds
+  // it: PyTorch's CUDA IPC reference counting keeps the sender's DataPtr.
+  cca::ShareableHandle shareIpcHandle(void* ptr) override {
+    std::string handle(128, '\0');
+    size_t length = 0;
+    unsigned long long offset = 0;
+    check(abi_, abi_.ipc_share(ptr, handle.data(), handle.size(), &length, &offset));
+    if (length > handle.size()) {
+      handle.resize(length);
+      check(abi_, abi_.ipc_share(ptr, handle.data(), handle.size(), &length, &offset));
+    }
+    handle.resize(length);
+    return cca::ShareableHandle{static_cast<ptrdiff_t>(offset), std::move(handle)};
   }
-  std::shared_ptr<void> getIpcDevPtr(std::string) override {
-    TORCH_CHECK(false, kNoIpc);
+
+  // The receiver's side: maps what another process shared on the current
+  // device. The memory stays mapped until the last holder of the returned
+  // pointer lets go (PyTorch keeps one per handle string, as hbmalloc does).
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    // The current device, as PyTorch's own getIpcDevPtr takes it; where the
+    // CUDA runtime cannot say (no driver it can use: the driver double's
+    // machines), device 0, and hbmalloc's driver answers for it.
+    c10::DeviceIndex device = 0;
+    if (c10::cuda::GetDevice(&device) != cudaSuccess) {
+      device = 0;
+    }
+    void* base = nullptr;
+    check(abi_, abi_.ipc_open(handle.data(), handle.size(), device, &base));
+    // Runs from a destructor: a failed unmap cannot be reported, and must
+    // not throw. The function pointer is copied: it outlives this allocator.
+    auto ipc_close = abi_.ipc_close;
+    return std::shared_ptr<void>(base, [ipc_close](void* p) noexcept { ipc_close(p); });
   }
 
   // CUDA graph trees' checkpointing (torch.compile(mode="reduce-overhead")
@@ -786,10 +820,6 @@ class HbmallocAllocator final : public Pluggable {
   }
 
  private:
-  static constexpr const char* kNoIpc =
-      "hbmalloc: sharing CUDA tensors between processes (CUDA IPC, torch.multiprocessing) "
-      "is not supported by hbmalloc's compiled allocator yet; keep such tensors in PyTorch's "
-      "own allocator (do not install hbmalloc in processes that share CUDA tensors)";
   static constexpr const char* kNoCppSnapshot =
       "hbmalloc: a memory snapshot from C++ is not available; take it from Python "
       "(torch.cuda.memory._snapshot(), which hbmalloc.torch.install() routes to hbmalloc, "

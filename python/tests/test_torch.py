@@ -384,8 +384,8 @@ def test_compiled_allocator_answers_pytorchs_calls_from_cpp(compiled_cache):
     cacheInfo, a recorded stream holding memory after its free, errors of
     PyTorch's own types (out-of-memory observers told first), a graph
     capture's private pool and a MemPool's (use_on_oom, no_split, live
-    allocations), history, IPC and checkpointing refused with hbmalloc's
-    reason, torch.profiler's memory events, fraction and resets."""
+    allocations), history, IPC in PyTorch's format (and refused for what is
+    not hbmalloc's), checkpointing refused with hbmalloc's reason, torch.profiler's memory events, fraction and resets."""
     check = pathlib.Path(__file__).with_name("torch_allocator_check.cc")
     out = run_ok(
         f"""
@@ -439,8 +439,9 @@ def test_compiled_allocator_answers_pytorchs_calls_from_cpp(compiled_cache):
         "after release: options 00, pools with options 0",
         "unknown pool: no private memory pool (0, 6) on this device",
         "history: 1 off 0 on 1",
-        "shareIpcHandle: hbmalloc: sharing CUDA tensors between processes (CUDA IPC",
-        "getIpcDevPtr: hbmalloc: sharing CUDA tensors between processes (CUDA IPC",
+        "shareIpcHandle: hbmalloc: cannot share 0x0 with another process: it is not a live allocation",
+        "getIpcDevPtr: hbmalloc: not a CUDA IPC handle PyTorch or hbmalloc wrote: 1 bytes",
+        "shareIpcHandle: 66 bytes, version 2, type c, offset within its 2 MiB segment 1",
         "snapshot: hbmalloc: a memory snapshot from C++ is not available; take it from Python",
         "getCheckpointState: hbmalloc: CUDA graph tree checkpointing",
         "allocateWithAddress: hbmalloc: CUDA graph tree checkpointing",

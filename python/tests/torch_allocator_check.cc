@@ -286,6 +286,16 @@ extern "C" int hbmalloc_torch_compiled_check(
       };
       refused("shareIpcHandle", [&] { torch_view.shareIpcHandle(nullptr); });
       refused("getIpcDevPtr", [&] { torch_view.getIpcDevPtr("x"); });
+      {
+        // A live block shares in PyTorch's format: version 2, 'c' and the
+        // segment's 64-byte handle (policy pytorch), its offset beside.
+        void* block = allocator.malloc(4096, 0, nullptr);
+        const auto shared = torch_view.shareIpcHandle(block);
+        out << "shareIpcHandle: " << shared.handle.size() << " bytes, version "
+            << int(shared.handle[0]) << ", type " << shared.handle[1] << ", offset within "
+            << "its 2 MiB segment " << (shared.offset >= 0 && shared.offset < (2 << 20)) << "\n";
+        allocator.raw_delete(block);
+      }
       refused("snapshot", [&] { torch_view.snapshot(); });
       refused("getCheckpointState", [&] { torch_view.getCheckpointState(0, {1, 0}); });
       refused("allocateWithAddress", [&] { allocator.allocateWithAddress(64, nullptr); });

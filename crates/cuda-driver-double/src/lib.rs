@@ -50,10 +50,14 @@
 use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr};
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, MutexGuard};
 
 pub use hbmalloc_cuda::ffi::*;
+
+mod host;
+use host::HostBytes;
 
 /// Devices the double pretends to have.
 pub const DEVICE_COUNT: usize = 2;
@@ -75,23 +79,33 @@ const VA_BASE: u64 = 0x7e00_0000_0000;
 const LOCATION_TYPE_DEVICE: c_uint = 1;
 const ALLOCATION_TYPE_PINNED: c_uint = 1;
 
-/// A segment from `cuMemAlloc_v2`: real host memory.
+/// A segment from `cuMemAlloc_v2` (real host memory), or another process's
+/// opened by `cuIpcOpenMemHandle_v2`.
 struct Segment {
     /// Owns the bytes; the handed-out pointer lies inside, aligned.
-    buffer: Vec<u8>,
+    buffer: HostBytes,
     size: u64,
     device: usize,
+    /// Opened from another process: closed with `cuIpcCloseMemHandle`, not
+    /// freed, and not counted against this process's capacity.
+    opened: bool,
 }
 
 /// Physical memory from `cuMemCreate`.
 struct Physical {
     /// Backing store: what `cuMemsetD8_v2` and `cuMemcpyDtoH_v2` reach
     /// through a mapping (zeroed, so committed by the OS only when written).
-    buffer: Vec<u8>,
+    buffer: HostBytes,
     size: u64,
     device: usize,
     /// How many mappings use it.
     mappings: u64,
+    /// Created with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` (or imported
+    /// from such an export): `cuMemExportToShareableHandle` may export it.
+    exportable: bool,
+    /// Imported from another process's export: not counted against this
+    /// process's capacity (the exporter's memory).
+    imported: bool,
 }
 
 /// One `cuMemMap` of (part of) a handle.
@@ -639,7 +653,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) 
         s.check_capacity(d, size)?;
         // Zeroed allocation is lazily committed by the OS, so a large
         // capacity costs nothing until written.
-        let buffer = vec![0u8; bytesize + SEGMENT_ALIGN as usize];
+        let buffer = HostBytes::new(bytesize + SEGMENT_ALIGN as usize)?;
         let start = buffer.as_ptr() as u64;
         let ptr = start.next_multiple_of(SEGMENT_ALIGN);
         s.segments.insert(
@@ -648,6 +662,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) 
                 buffer,
                 size,
                 device: d,
+                opened: false,
             },
         );
         s.used[d] += size;
@@ -662,6 +677,9 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) 
 pub extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     status(driver_call("cuMemFree_v2", |s| {
         s.current_device()?;
+        if !s.segments.get(&dptr).is_some_and(|seg| !seg.opened) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
         let segment = s.segments.remove(&dptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         s.used[segment.device] -= segment.size;
         s.complete_all_events();
@@ -764,15 +782,21 @@ pub unsafe extern "C" fn cuMemCreate(
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         s.check_capacity(d, size64)?;
+        if prop.requested_handle_types & !CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR != 0 {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        let buffer = HostBytes::new(size)?;
         let value = s.next_handle;
         s.next_handle += 1;
         s.physical.insert(
             value,
             Physical {
-                buffer: vec![0u8; size],
+                buffer,
                 size: size64,
                 device: d,
                 mappings: 0,
+                exportable: prop.requested_handle_types != 0,
+                imported: false,
             },
         );
         s.used[d] += size64;
@@ -794,7 +818,9 @@ pub extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult
             Some(_) => {}
         }
         if let Some(p) = s.physical.remove(&handle) {
-            s.used[p.device] -= p.size;
+            if !p.imported {
+                s.used[p.device] -= p.size;
+            }
         }
         Ok(())
     }))
@@ -1280,6 +1306,236 @@ pub extern "C" fn hbm_double_primary_context_retains(device: c_int) -> u64 {
 #[no_mangle]
 pub extern "C" fn hbm_double_access_mask(va: u64) -> u32 {
     control(0, |s| s.mappings.get(&va).map_or(0, |m| m.access_mask))
+}
+
+// ---------------------------------------------------------------------------
+// Interprocess sharing
+// ---------------------------------------------------------------------------
+
+/// First bytes of the double's `CUipcMemHandle`s.
+const IPC_MAGIC: &[u8; 8] = b"HBMDBLIP";
+
+/// The double's `CUipcMemHandle`: the exporting process and its memory
+/// file's descriptor (taken with `pidfd_getfd`), the file's length, and the
+/// segment's offset and size in it.
+fn ipc_handle_bytes(fd: i32, len: u64, offset: u64, size: u64) -> CUipcMemHandle {
+    let mut reserved = [0u8; CU_IPC_HANDLE_SIZE];
+    reserved[..8].copy_from_slice(IPC_MAGIC);
+    reserved[8..12].copy_from_slice(&(std::process::id() as i32).to_le_bytes());
+    reserved[12..16].copy_from_slice(&fd.to_le_bytes());
+    reserved[16..24].copy_from_slice(&len.to_le_bytes());
+    reserved[24..32].copy_from_slice(&offset.to_le_bytes());
+    reserved[32..40].copy_from_slice(&size.to_le_bytes());
+    CUipcMemHandle { reserved }
+}
+
+fn le_u64(bytes: &[u8]) -> u64 {
+    u64::from_le_bytes(bytes.try_into().expect("8 bytes"))
+}
+
+fn le_i32(bytes: &[u8]) -> i32 {
+    i32::from_le_bytes(bytes.try_into().expect("4 bytes"))
+}
+
+/// `cuIpcGetMemHandle`: the base of a live `cuMemAlloc` segment only.
+///
+/// # Safety
+/// `handle` must be null or valid for writing a `CUipcMemHandle`.
+#[no_mangle]
+pub unsafe extern "C" fn cuIpcGetMemHandle(
+    handle: *mut CUipcMemHandle,
+    dptr: CUdeviceptr,
+) -> CUresult {
+    let result = driver_call("cuIpcGetMemHandle", |s| {
+        non_null(handle)?;
+        s.current_device()?;
+        let segment = s
+            .segments
+            .get(&dptr)
+            .filter(|seg| !seg.opened)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let start = segment.buffer.as_ptr() as u64;
+        Ok(ipc_handle_bytes(
+            segment.buffer.fd().as_raw_fd(),
+            segment.buffer.len() as u64,
+            dptr - start,
+            segment.size,
+        ))
+    });
+    // SAFETY: checked non-null above; the caller promises it is writable.
+    unsafe { write_out(handle, result) }
+}
+
+/// `cuIpcOpenMemHandle_v2`: maps another process's segment (its memory file,
+/// taken with `pidfd_getfd`) into this one. Bytes that are not a handle of
+/// the double's give `CUDA_ERROR_INVALID_VALUE`; a handle of this process,
+/// `CUDA_ERROR_INVALID_CONTEXT` (as the driver refuses); a process or
+/// descriptor that is gone, `CUDA_ERROR_INVALID_HANDLE`.
+///
+/// # Safety
+/// `dptr` must be null or valid for writing a `CUdeviceptr`.
+#[no_mangle]
+pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
+    dptr: *mut CUdeviceptr,
+    handle: CUipcMemHandle,
+    flags: c_uint,
+) -> CUresult {
+    let result = driver_call("cuIpcOpenMemHandle_v2", |s| {
+        non_null(dptr)?;
+        let d = s.current_device()?;
+        let bytes = &handle.reserved;
+        if &bytes[..8] != IPC_MAGIC || flags > CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let (pid, fd) = (le_i32(&bytes[8..12]), le_i32(&bytes[12..16]));
+        let (len, offset, size) = (
+            le_u64(&bytes[16..24]),
+            le_u64(&bytes[24..32]),
+            le_u64(&bytes[32..40]),
+        );
+        if pid == std::process::id() as i32 {
+            return Err(CUDA_ERROR_INVALID_CONTEXT);
+        }
+        if !offset.checked_add(size).is_some_and(|end| end <= len) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let file =
+            hbmalloc_cuda::fd_from_process(pid, fd).map_err(|_| CUDA_ERROR_INVALID_HANDLE)?;
+        if HostBytes::file_len(std::os::fd::AsFd::as_fd(&file))? < len {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
+        let len = usize::try_from(len).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+        let buffer = HostBytes::open(std::os::fd::AsFd::as_fd(&file), len)?;
+        let ptr = buffer.as_ptr() as u64 + offset;
+        s.segments.insert(
+            ptr,
+            Segment {
+                buffer,
+                size,
+                device: d,
+                opened: true,
+            },
+        );
+        Ok(ptr)
+    });
+    // SAFETY: checked non-null above; the caller promises it is writable.
+    unsafe { write_out(dptr, result) }
+}
+
+/// `cuIpcCloseMemHandle`: unmaps what `cuIpcOpenMemHandle_v2` mapped.
+#[no_mangle]
+pub extern "C" fn cuIpcCloseMemHandle(dptr: CUdeviceptr) -> CUresult {
+    status(driver_call("cuIpcCloseMemHandle", |s| {
+        s.current_device()?;
+        if !s.segments.get(&dptr).is_some_and(|seg| seg.opened) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        s.segments.remove(&dptr);
+        Ok(())
+    }))
+}
+
+/// `cuMemExportToShareableHandle`: a new descriptor of the handle's memory
+/// file, for handles created with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+///
+/// # Safety
+/// `shareable` must be null or valid for writing an `int`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemExportToShareableHandle(
+    shareable: *mut c_void,
+    handle: CUmemGenericAllocationHandle,
+    handle_type: c_uint,
+    flags: c_ulonglong,
+) -> CUresult {
+    let out = shareable.cast::<c_int>();
+    let result = driver_call("cuMemExportToShareableHandle", |s| {
+        non_null(out)?;
+        s.require_init()?;
+        if handle_type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let physical = s.physical.get(&handle).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        if !physical.exportable {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let fd = physical
+            .buffer
+            .fd()
+            .try_clone_to_owned()
+            .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+        Ok(std::os::fd::IntoRawFd::into_raw_fd(fd))
+    });
+    // SAFETY: checked non-null above; the caller promises an int's room.
+    unsafe { write_out(out, result) }
+}
+
+/// `cuMemImportFromShareableHandle`: a handle over the memory file behind
+/// descriptor `os_handle` (an export, possibly another process's); the
+/// descriptor stays the caller's. Not counted against this process's
+/// capacity.
+///
+/// # Safety
+/// `handle` must be null or valid for writing a handle.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemImportFromShareableHandle(
+    handle: *mut CUmemGenericAllocationHandle,
+    os_handle: *mut c_void,
+    handle_type: c_uint,
+) -> CUresult {
+    let result = driver_call("cuMemImportFromShareableHandle", |s| {
+        non_null(handle)?;
+        let d = s.current_device()?;
+        let raw = i32::try_from(os_handle as usize).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+        if handle_type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || raw < 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: F_GETFD reads a descriptor's flags and fails on one that
+        // is not open; no memory is passed.
+        if unsafe { libc::fcntl(raw, libc::F_GETFD) } < 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: checked open just above, and the caller keeps it open for
+        // the call.
+        let fd = unsafe { BorrowedFd::borrow_raw(raw) };
+        let len = HostBytes::file_len(fd)?;
+        if !granular(len) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let buffer = HostBytes::open(
+            fd,
+            usize::try_from(len).map_err(|_| CUDA_ERROR_INVALID_VALUE)?,
+        )?;
+        let value = s.next_handle;
+        s.next_handle += 1;
+        s.physical.insert(
+            value,
+            Physical {
+                buffer,
+                size: len,
+                device: d,
+                mappings: 0,
+                exportable: true,
+                imported: true,
+            },
+        );
+        Ok(value)
+    });
+    // SAFETY: checked non-null above; the caller promises it is writable.
+    unsafe { write_out(handle, result) }
+}
+
+/// Physical handles alive (created or imported, not yet released).
+#[no_mangle]
+pub extern "C" fn hbm_double_live_handles() -> u64 {
+    control(0, |s| s.physical.len() as u64)
+}
+
+/// Other processes' segments open (`cuIpcOpenMemHandle_v2`, not yet closed).
+#[no_mangle]
+pub extern "C" fn hbm_double_open_ipc_segments() -> u64 {
+    control(0, |s| {
+        s.segments.values().filter(|seg| seg.opened).count() as u64
+    })
 }
 
 #[cfg(test)]

@@ -127,6 +127,20 @@ int hbmalloc_release_pool(int device, unsigned long long pool_first,
 int hbmalloc_pool_use_count(int device, unsigned long long pool_first,
                             unsigned long long pool_second, int *count);
 
+/* CUDA IPC in PyTorch's format (torch.multiprocessing, CUDAAllocator's
+ * shareIpcHandle / getIpcDevPtr). hbmalloc_ipc_share writes the bytes to
+ * send for allocation ptr into handle (at most capacity; their number into
+ * *length: call again with a larger buffer when it exceeds capacity) and
+ * ptr's offset in the shared memory into *offset. hbmalloc_ipc_open maps
+ * what another process (hbmalloc's or PyTorch's own allocator) shared, on
+ * device, into *base (the same bytes again: the same base); each open needs
+ * one hbmalloc_ipc_close(base), the last unmapping it. */
+int hbmalloc_ipc_share(void *ptr, char *handle, size_t capacity,
+                       size_t *length, unsigned long long *offset);
+int hbmalloc_ipc_open(const char *handle, size_t length, int device,
+                      void **base);
+int hbmalloc_ipc_close(void *base);
+
 /* The pool's live allocations (handed out, not yet freed): their number
  * into *count, the first capacity addresses into ptrs (NULL when capacity
  * is 0). PyTorch's checkPoolLiveAllocations. */

@@ -652,6 +652,80 @@ pub extern "C" fn hbmalloc_reset() -> c_int {
     status_of(crate::reset)
 }
 
+/// Shares allocation `ptr` with another process in PyTorch's CUDA IPC
+/// format (`CUDAAllocator::shareIpcHandle`; see `ipc.rs`): the handle's bytes
+/// into `handle` (at most `capacity` of them), their number into `*length`
+/// (call again with a larger buffer when it exceeds `capacity`), and where
+/// `ptr` lies in the shared memory into `*offset`.
+///
+/// # Safety
+/// `handle` is valid for writes of `capacity` bytes (it may be null when
+/// `capacity` is 0); `length` and `offset` are null (an invalid argument)
+/// or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn hbmalloc_ipc_share(
+    ptr: *mut c_void,
+    handle: *mut c_char,
+    capacity: usize,
+    length: *mut usize,
+    offset: *mut u64,
+) -> c_int {
+    status_of(|| {
+        if capacity > 0 && handle.is_null() {
+            return Err(ApiError::new(
+                Status::InvalidArgument,
+                "hbmalloc: handle is NULL with a non-zero capacity",
+            ));
+        }
+        let shared = crate::ipc::share(ptr as usize as u64)?;
+        let n = shared.handle.len().min(capacity);
+        // SAFETY: `handle` is non-null when `capacity > 0` (checked) and the
+        // caller guarantees `capacity` writable bytes; `n <= capacity`.
+        unsafe { std::ptr::copy_nonoverlapping(shared.handle.as_ptr(), handle.cast::<u8>(), n) };
+        // SAFETY: forwarded from this function's contract.
+        unsafe { write_out(length, shared.handle.len(), "length")? };
+        // SAFETY: forwarded from this function's contract.
+        unsafe { write_out(offset, shared.offset, "offset") }
+    })
+}
+
+/// Maps on `device` the memory another process shared as the `length`
+/// bytes at `handle` (PyTorch's `getIpcDevPtr`), into `*base`: where the
+/// shared memory starts (add the sender's offset). The same bytes again give
+/// the same base; each open needs one [`hbmalloc_ipc_close`].
+///
+/// # Safety
+/// `handle` is valid for reads of `length` bytes (any bytes: they are
+/// checked); `base` is null (an invalid argument) or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn hbmalloc_ipc_open(
+    handle: *const c_char,
+    length: usize,
+    device: c_int,
+    base: *mut *mut c_void,
+) -> c_int {
+    status_of(|| {
+        if handle.is_null() {
+            return Err(ApiError::new(
+                Status::InvalidArgument,
+                "hbmalloc: handle is NULL",
+            ));
+        }
+        // SAFETY: non-null, and the caller guarantees `length` readable bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(handle.cast::<u8>(), length) };
+        let ptr = crate::ipc::open(bytes, device)?;
+        // SAFETY: forwarded from this function's contract.
+        unsafe { write_out(base, ptr as usize as *mut c_void, "base") }
+    })
+}
+
+/// Releases one [`hbmalloc_ipc_open`] of the memory at `base`; the last one
+/// unmaps it. Never throws or aborts (a destructor calls it).
+#[no_mangle]
+pub extern "C" fn hbmalloc_ipc_close(base: *mut c_void) -> c_int {
+    status_of(|| crate::ipc::close(base as usize as u64))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

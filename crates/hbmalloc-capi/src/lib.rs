@@ -34,6 +34,7 @@
 //! for device 0, `PATH.dev<N>` for device N.
 
 pub mod ffi;
+pub mod ipc;
 
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -11,7 +11,7 @@
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use hbmalloc::{
@@ -22,8 +22,9 @@ use hbmalloc::{
 use crate::driver::{CuContext, CuError, CuEvent, CudaDriver};
 use crate::ffi::{
     CUdevice, CUdeviceptr, CUmemGenericAllocationHandle, CUstreamCaptureMode,
-    CUDA_ERROR_NOT_SUPPORTED, CU_STREAM_CAPTURE_MODE_RELAXED,
+    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED, CU_STREAM_CAPTURE_MODE_RELAXED,
 };
+use crate::ipc::{HandleEntry, MapEntry, ShareTable};
 use crate::SETUP_CALL_KIND;
 
 /// Events handed out by `record_event` and the pool they return to.
@@ -69,11 +70,17 @@ pub struct CudaDevice {
     events: Mutex<EventTable>,
     /// `Device` calls made, by kind (indexed like `CallKind::ALL`).
     calls: [AtomicU64; CallKind::ALL.len()],
+    /// Segments, handles and mappings made, for sharing with other
+    /// processes (`ipc.rs`).
+    shared: Mutex<ShareTable>,
+    /// Physical memory is created exportable (POSIX file descriptor) until
+    /// the driver refuses that once.
+    shareable: AtomicBool,
 }
 
 /// Makes a device's context current for one call; restores the thread's
 /// previous context on drop if it was a different, non-null one.
-struct ContextGuard<'a> {
+pub(crate) struct ContextGuard<'a> {
     driver: &'a CudaDriver,
     restore: Option<CuContext>,
 }
@@ -174,6 +181,8 @@ impl CudaDevice {
             access_ordinals: vec![device_ordinal],
             events: Mutex::new(EventTable::default()),
             calls: std::array::from_fn(|_| AtomicU64::new(0)),
+            shared: Mutex::new(ShareTable::default()),
+            shareable: AtomicBool::new(true),
         };
         let granularity = {
             let _current = cuda.make_current(SETUP_CALL_KIND)?;
@@ -234,7 +243,7 @@ impl CudaDevice {
         };
         // Cleanup failures leave nothing this device tracks: the answer
         // stands either way.
-        let answer = match driver.mem_create(2 * granule, self.ordinal) {
+        let answer = match driver.mem_create(2 * granule, self.ordinal, false) {
             Ok(handle) => {
                 let answer = self.probe_maps(va, granule, handle);
                 let _ = driver.mem_release(handle);
@@ -338,7 +347,12 @@ impl CudaDevice {
         self.events.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn error(&self, call: CallKind, e: CuError, context: &str) -> DeviceError {
+    pub(crate) fn lock_shared(&self) -> MutexGuard<'_, ShareTable> {
+        // Updated in single steps that cannot panic halfway.
+        self.shared.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn error(&self, call: CallKind, e: CuError, context: &str) -> DeviceError {
         DeviceError::new(
             call,
             self.driver.error_kind(e.code),
@@ -346,7 +360,7 @@ impl CudaDevice {
         )
     }
 
-    fn make_current(&self, call: CallKind) -> DeviceResult<ContextGuard<'_>> {
+    pub(crate) fn make_current(&self, call: CallKind) -> DeviceResult<ContextGuard<'_>> {
         let previous = self
             .driver
             .ctx_get_current()
@@ -443,9 +457,12 @@ impl Device for CudaDevice {
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
         let _relaxed = self.relax_capture(call)?;
-        self.driver
+        let ptr = self
+            .driver
             .mem_alloc(bytes)
-            .map_err(|e| self.error(call, e, &format!("size {size}")))
+            .map_err(|e| self.error(call, e, &format!("size {size}")))?;
+        self.lock_shared().segments.insert(ptr, size);
+        Ok(ptr)
     }
 
     fn segment_free(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
@@ -454,7 +471,9 @@ impl Device for CudaDevice {
         let _current = self.make_current(call)?;
         self.driver
             .mem_free(ptr)
-            .map_err(|e| self.error(call, e, &format!("segment {ptr:#x} of {size} bytes")))
+            .map_err(|e| self.error(call, e, &format!("segment {ptr:#x} of {size} bytes")))?;
+        self.lock_shared().segments.remove(&ptr);
+        Ok(())
     }
 
     fn granularity(&self) -> Option<u64> {
@@ -491,10 +510,32 @@ impl Device for CudaDevice {
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
         let _relaxed = self.relax_capture(call)?;
-        self.driver
-            .mem_create(bytes, self.ordinal)
-            .map(PhysicalHandle)
-            .map_err(|e| self.error(call, e, &format!("size {size}")))
+        let mut shareable = self.shareable.load(Ordering::Relaxed);
+        let created = match self.driver.mem_create(bytes, self.ordinal, shareable) {
+            // A driver or device without exportable memory (it answers that
+            // the handle type is not supported, or an invalid value): plain
+            // memory from now on, which cannot be shared with other processes.
+            Err(e)
+                if shareable
+                    && (e.code == CUDA_ERROR_NOT_SUPPORTED
+                        || e.code == CUDA_ERROR_INVALID_VALUE) =>
+            {
+                self.shareable.store(false, Ordering::Relaxed);
+                shareable = false;
+                self.driver.mem_create(bytes, self.ordinal, false)
+            }
+            other => other,
+        };
+        let handle = created.map_err(|e| self.error(call, e, &format!("size {size}")))?;
+        self.lock_shared().handles.insert(
+            handle,
+            HandleEntry {
+                size,
+                shareable,
+                fd: None,
+            },
+        );
+        Ok(PhysicalHandle(handle))
     }
 
     fn physical_release(&self, handle: PhysicalHandle) -> DeviceResult<()> {
@@ -504,7 +545,10 @@ impl Device for CudaDevice {
         let _current = self.make_current(call)?;
         self.driver
             .mem_release(handle.0)
-            .map_err(|e| self.error(call, e, &format!("handle {:#x}", handle.0)))
+            .map_err(|e| self.error(call, e, &format!("handle {:#x}", handle.0)))?;
+        // Closes its export, if it was shared.
+        self.lock_shared().handles.remove(&handle.0);
+        Ok(())
     }
 
     fn map(
@@ -529,7 +573,16 @@ impl Device for CudaDevice {
                     e,
                     &format!("handle {:#x}+{offset} at {va:#x}+{size}", handle.0),
                 )
-            })
+            })?;
+        self.lock_shared().mappings.insert(
+            va,
+            MapEntry {
+                size,
+                handle: handle.0,
+                offset,
+            },
+        );
+        Ok(())
     }
 
     /// What the driver answered when the device was opened
@@ -569,7 +622,9 @@ impl Device for CudaDevice {
         let _current = self.make_current(call)?;
         self.driver
             .mem_unmap(va, bytes)
-            .map_err(|e| self.error(call, e, &format!("{va:#x}+{size}")))
+            .map_err(|e| self.error(call, e, &format!("{va:#x}+{size}")))?;
+        self.lock_shared().unmapped(va, size);
+        Ok(())
     }
 
     fn record_event(&self, stream: StreamId) -> DeviceResult<EventId> {

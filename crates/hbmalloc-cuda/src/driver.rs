@@ -7,6 +7,7 @@
 
 use std::ffi::{c_char, c_int, c_uchar, c_uint, c_ulonglong, c_void, CStr, OsStr};
 use std::fmt;
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -101,6 +102,13 @@ driver_api! {
     get_error_name = "cuGetErrorName" fn(CUresult, *mut *const c_char);
     thread_exchange_stream_capture_mode = "cuThreadExchangeStreamCaptureMode"
         fn(*mut CUstreamCaptureMode);
+    ipc_get_mem_handle = "cuIpcGetMemHandle" fn(*mut CUipcMemHandle, CUdeviceptr);
+    ipc_open_mem_handle = "cuIpcOpenMemHandle_v2" fn(*mut CUdeviceptr, CUipcMemHandle, c_uint);
+    ipc_close_mem_handle = "cuIpcCloseMemHandle" fn(CUdeviceptr);
+    mem_export_to_shareable_handle = "cuMemExportToShareableHandle"
+        fn(*mut c_void, CUmemGenericAllocationHandle, c_uint, c_ulonglong);
+    mem_import_from_shareable_handle = "cuMemImportFromShareableHandle"
+        fn(*mut CUmemGenericAllocationHandle, *mut c_void, c_uint);
 }
 
 fn no_driver(detail: String) -> DeviceError {
@@ -400,11 +408,16 @@ impl CudaDriver {
         check("cuMemFree_v2", unsafe { (self.api.mem_free)(ptr) })
     }
 
-    /// Properties of non-shareable device memory on `ordinal`.
-    fn device_memory_prop(ordinal: i32) -> CUmemAllocationProp {
+    /// Properties of device memory on `ordinal`, exportable as a POSIX file
+    /// descriptor when `shareable`.
+    fn device_memory_prop(ordinal: i32, shareable: bool) -> CUmemAllocationProp {
         CUmemAllocationProp {
             allocation_type: CU_MEM_ALLOCATION_TYPE_PINNED,
-            requested_handle_types: CU_MEM_HANDLE_TYPE_NONE,
+            requested_handle_types: if shareable {
+                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            } else {
+                CU_MEM_HANDLE_TYPE_NONE
+            },
             location: CUmemLocation {
                 location_type: CU_MEM_LOCATION_TYPE_DEVICE,
                 id: ordinal,
@@ -415,7 +428,7 @@ impl CudaDriver {
     }
 
     pub(crate) fn mem_get_allocation_granularity(&self, ordinal: i32) -> CuResult<u64> {
-        let prop = CudaDriver::device_memory_prop(ordinal);
+        let prop = CudaDriver::device_memory_prop(ordinal, false);
         let mut granularity = 0usize;
         // SAFETY: `granularity` is a valid out-pointer and `prop` a valid,
         // fully initialised CUmemAllocationProp for the call's duration.
@@ -450,8 +463,9 @@ impl CudaDriver {
         &self,
         size: usize,
         ordinal: i32,
+        shareable: bool,
     ) -> CuResult<CUmemGenericAllocationHandle> {
-        let prop = CudaDriver::device_memory_prop(ordinal);
+        let prop = CudaDriver::device_memory_prop(ordinal, shareable);
         let mut handle = 0;
         // SAFETY: `handle` is a valid out-pointer and `prop` a valid, fully
         // initialised CUmemAllocationProp for the call's duration; flags 0.
@@ -459,6 +473,83 @@ impl CudaDriver {
             (self.api.mem_create)(&mut handle, size, &prop, 0)
         })?;
         Ok(handle)
+    }
+
+    /// A file descriptor for `handle`'s memory (made with `shareable`), owned
+    /// by the caller: another process imports it.
+    pub(crate) fn mem_export_fd(&self, handle: CUmemGenericAllocationHandle) -> CuResult<OwnedFd> {
+        let mut fd: c_int = -1;
+        // SAFETY: for CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR the driver
+        // writes one int through the pointer, and `fd` is a valid int; the
+        // handle is an integer the driver validates; flags must be 0.
+        check("cuMemExportToShareableHandle", unsafe {
+            (self.api.mem_export_to_shareable_handle)(
+                (&mut fd as *mut c_int).cast(),
+                handle,
+                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        if fd < 0 {
+            return Err(CuError {
+                function: "cuMemExportToShareableHandle",
+                code: CUDA_ERROR_UNKNOWN,
+            });
+        }
+        // SAFETY: the driver just made this descriptor for us; nothing else
+        // owns it, so OwnedFd closing it once is right.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Imports the memory behind file descriptor `fd` (another process's
+    /// export); `fd` stays the caller's to close.
+    pub(crate) fn mem_import_fd(&self, fd: c_int) -> CuResult<CUmemGenericAllocationHandle> {
+        let mut handle = 0;
+        // SAFETY: for CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR the driver
+        // takes the descriptor itself as the pointer-sized argument (cuda.h:
+        // "(void*)(uintptr_t)fd"), never dereferenced; `handle` is a valid
+        // out-pointer. An fd that is not an export is the driver's to refuse.
+        check("cuMemImportFromShareableHandle", unsafe {
+            (self.api.mem_import_from_shareable_handle)(
+                &mut handle,
+                fd as isize as *mut c_void,
+                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        })?;
+        Ok(handle)
+    }
+
+    /// The IPC handle of the `cuMemAlloc` allocation starting at `ptr`.
+    pub(crate) fn ipc_get_mem_handle(&self, ptr: CUdeviceptr) -> CuResult<CUipcMemHandle> {
+        let mut handle = CUipcMemHandle {
+            reserved: [0; CU_IPC_HANDLE_SIZE],
+        };
+        // SAFETY: `handle` is a valid, writable CUipcMemHandle; the address
+        // is an integer the driver validates.
+        check("cuIpcGetMemHandle", unsafe {
+            (self.api.ipc_get_mem_handle)(&mut handle, ptr)
+        })?;
+        Ok(handle)
+    }
+
+    /// Maps another process's allocation named by `handle` into this one.
+    pub(crate) fn ipc_open_mem_handle(&self, handle: CUipcMemHandle) -> CuResult<CUdeviceptr> {
+        let mut ptr = 0;
+        // SAFETY: `ptr` is a valid out-pointer; the handle is passed by
+        // value as cuda.h declares it, and its bytes (possibly from another
+        // process, possibly garbage) are the driver's to validate.
+        check("cuIpcOpenMemHandle_v2", unsafe {
+            (self.api.ipc_open_mem_handle)(&mut ptr, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+        })?;
+        Ok(ptr)
+    }
+
+    /// Unmaps what `ipc_open_mem_handle` mapped at `ptr`.
+    pub(crate) fn ipc_close_mem_handle(&self, ptr: CUdeviceptr) -> CuResult<()> {
+        // SAFETY: a plain integer the driver validates.
+        check("cuIpcCloseMemHandle", unsafe {
+            (self.api.ipc_close_mem_handle)(ptr)
+        })
     }
 
     pub(crate) fn mem_release(&self, handle: CUmemGenericAllocationHandle) -> CuResult<()> {
@@ -593,4 +684,35 @@ impl CudaDriver {
             (self.api.event_destroy)(event.0)
         })
     }
+}
+
+/// A duplicate, in this process, of descriptor `fd` of process `pid`
+/// (`pidfd_open` + `pidfd_getfd`, Linux 5.6): how PyTorch's expandable
+/// segments pass exported memory between processes. Needs the right to
+/// ptrace `pid` (same user; under Yama's `ptrace_scope` 1, an ancestor).
+pub fn fd_from_process(pid: i32, fd: i32) -> std::io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags (0) and returns a new
+    // descriptor or -1; no memory is passed.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if pidfd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the descriptor was just returned to us and is owned by no one
+    // else; OwnedFd closes it on every path below.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    // SAFETY: pidfd_getfd takes a pidfd, a descriptor number in that
+    // process and flags (0); it returns a new descriptor or -1.
+    let mine = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_getfd,
+            std::os::fd::AsRawFd::as_raw_fd(&pidfd),
+            fd,
+            0,
+        )
+    };
+    if mine < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor of this process, owned by no one else.
+    Ok(unsafe { OwnedFd::from_raw_fd(mine as i32) })
 }

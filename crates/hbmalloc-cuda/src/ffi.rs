@@ -76,6 +76,18 @@ pub struct CUmemAccessDesc {
     pub flags: c_uint,
 }
 
+/// `CU_IPC_HANDLE_SIZE`: bytes in a `CUipcMemHandle`.
+pub const CU_IPC_HANDLE_SIZE: usize = 64;
+
+/// `CUipcMemHandle`: an opaque handle another process opens with
+/// `cuIpcOpenMemHandle` (the same bytes as the runtime's `cudaIpcMemHandle_t`).
+#[repr(C)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct CUipcMemHandle {
+    /// The driver's bytes.
+    pub reserved: [u8; CU_IPC_HANDLE_SIZE],
+}
+
 /// `CUDA_SUCCESS`.
 pub const CUDA_SUCCESS: CUresult = 0;
 /// `CUDA_ERROR_INVALID_VALUE`.
@@ -105,6 +117,11 @@ pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
 pub const CU_MEM_ALLOCATION_TYPE_PINNED: c_uint = 0x1;
 /// `CU_MEM_HANDLE_TYPE_NONE`.
 pub const CU_MEM_HANDLE_TYPE_NONE: c_uint = 0x0;
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`: physical memory exportable as
+/// a file descriptor (what PyTorch's expandable segments request and share).
+pub const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: c_uint = 0x1;
+/// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`: the flag PyTorch opens IPC handles with.
+pub const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 0x1;
 /// `CU_MEM_LOCATION_TYPE_DEVICE`.
 pub const CU_MEM_LOCATION_TYPE_DEVICE: c_uint = 0x1;
 /// `CU_MEM_ACCESS_FLAGS_PROT_READWRITE`.
@@ -170,6 +187,7 @@ mod tests {
         assert_eq!(offset_of!(CUmemAllocationProp, location), 8);
         assert_eq!(offset_of!(CUmemAllocationProp, win32_handle_meta_data), 16);
         assert_eq!(offset_of!(CUmemAllocationProp, alloc_flags), 24);
+        assert_eq!(size_of::<CUipcMemHandle>(), 64);
     }
 
     #[test]

@@ -38,10 +38,14 @@ mod driver;
 #[cfg(feature = "harness")]
 pub mod exercise;
 pub mod ffi;
+mod ipc;
 mod pool;
 
 pub use device::CudaDevice;
-pub use driver::{CudaDriver, DEFAULT_DRIVER_NAMES, DRIVER_PATH_ENV, DRIVER_SYMBOLS};
+pub use driver::{
+    fd_from_process, CudaDriver, DEFAULT_DRIVER_NAMES, DRIVER_PATH_ENV, DRIVER_SYMBOLS,
+};
+pub use ipc::{ImportedRange, IpcExport};
 pub use pool::{CaptureGuard, CudaPool, DeviceBuffer, GraphPool};
 
 use hbmalloc::CallKind;
@@ -64,7 +68,7 @@ mod tests {
 
     #[test]
     fn every_symbol_is_listed_once() {
-        assert_eq!(DRIVER_SYMBOLS.len(), 31);
+        assert_eq!(DRIVER_SYMBOLS.len(), 36);
         for (i, name) in DRIVER_SYMBOLS.iter().enumerate() {
             assert!(!DRIVER_SYMBOLS[i + 1..].contains(name), "{name} twice");
         }

@@ -905,3 +905,110 @@ fn a_failed_switch_back_keeps_the_memory_and_leaves_the_thread_relaxed() {
         .unwrap();
     assert_eq!(double.capture_mode(), CAPTURE_MODE_GLOBAL);
 }
+
+/// What `ipc_export` answers for segments, whole handles and layouts
+/// PyTorch's format cannot carry; an export imported again (here, in the
+/// same process) reaches the same bytes; importing leaks nothing.
+#[test]
+fn ipc_export_describes_the_memory_and_an_import_reaches_its_bytes() {
+    use hbmalloc_cuda::IpcExport;
+    use std::os::fd::BorrowedFd;
+    let (_serial, double) = exclusive();
+    let dev = open(0);
+    let seg = dev.segment_alloc(3 * MIB).unwrap();
+    match dev.ipc_export(seg + 4096, 1000).unwrap() {
+        IpcExport::Segment { offset, .. } => assert_eq!(offset, 4096),
+        other => panic!("a segment, not {other:?}"),
+    }
+    // Two whole handles of one size, mapped one after the other.
+    let va = dev.address_reserve(6 * GRANULE).unwrap();
+    let (a, b) = (
+        dev.physical_create(GRANULE).unwrap(),
+        dev.physical_create(GRANULE).unwrap(),
+    );
+    let c = dev.physical_create(2 * GRANULE).unwrap();
+    dev.map(va, GRANULE, a, 0).unwrap();
+    dev.map(va + GRANULE, GRANULE, b, 0).unwrap();
+    dev.map(va + 2 * GRANULE, 2 * GRANULE, c, 0).unwrap();
+    dev.set_access(va, 4 * GRANULE).unwrap();
+    assert_eq!(double.fill(va + 100, 0x5a, (GRANULE + 10) as usize), 0);
+    let IpcExport::Handles {
+        handle_size,
+        fds,
+        offset,
+    } = dev.ipc_export(va + 100, GRANULE + 10).unwrap()
+    else {
+        panic!("handles")
+    };
+    assert_eq!((handle_size, fds.len(), offset), (GRANULE, 2, 100));
+    // SAFETY: the descriptors are open while their handles live (below).
+    let borrowed: Vec<_> = fds
+        .iter()
+        .map(|&fd| unsafe { BorrowedFd::borrow_raw(fd) })
+        .collect();
+    let imported = dev.ipc_import_handles(&borrowed, handle_size).unwrap();
+    let seen = double
+        .read(imported.base + 100, (GRANULE + 10) as usize)
+        .unwrap();
+    assert!(
+        seen.iter().all(|&x| x == 0x5a),
+        "the import reaches the same bytes"
+    );
+    // A range over handles of two sizes is refused, saying why.
+    let err = dev.ipc_export(va + GRANULE, 2 * GRANULE).unwrap_err();
+    assert_eq!(err.kind, DeviceErrorKind::Unsupported);
+    assert!(
+        err.detail.contains("handles of different sizes"),
+        "{}",
+        err.detail
+    );
+    // Addresses this device never mapped.
+    let err = dev.ipc_export(va + 5 * GRANULE, 16).unwrap_err();
+    assert!(
+        err.detail.contains("not memory this device allocated"),
+        "{}",
+        err.detail
+    );
+    dev.ipc_release_import(imported).unwrap();
+    for (at, size, handle) in [
+        (0, GRANULE, a),
+        (GRANULE, GRANULE, b),
+        (2 * GRANULE, 2 * GRANULE, c),
+    ] {
+        dev.unmap(va + at, size).unwrap();
+        dev.physical_release(handle).unwrap();
+    }
+    dev.address_free(va, 6 * GRANULE).unwrap();
+    dev.segment_free(seg, 3 * MIB).unwrap();
+    assert_eq!(double.live_bytes(), 0);
+    // Garbage descriptors are the driver's to refuse, and leave nothing behind.
+    // SAFETY: stdin is open for the test's duration (the import only reads it).
+    let stdin = unsafe { BorrowedFd::borrow_raw(0) };
+    assert!(dev.ipc_import_handles(&[stdin], GRANULE).is_err());
+    assert!(dev.ipc_import_handles(&[], GRANULE).is_err());
+}
+
+/// A driver that refuses exportable memory still serves plain memory, which
+/// is then refused for sharing with a reason.
+#[test]
+fn memory_the_driver_would_not_make_exportable_is_served_but_not_shared() {
+    let (_serial, double) = exclusive();
+    let dev = open(0);
+    double.fail_nth("cuMemCreate", 1, CUDA_ERROR_NOT_SUPPORTED);
+    let va = dev.address_reserve(GRANULE).unwrap();
+    let handle = dev.physical_create(GRANULE).unwrap();
+    dev.map(va, GRANULE, handle, 0).unwrap();
+    let err = dev.ipc_export(va, 64).unwrap_err();
+    assert!(
+        err.detail.contains("POSIX_FILE_DESCRIPTOR"),
+        "{}",
+        err.detail
+    );
+    dev.unmap(va, GRANULE).unwrap();
+    dev.physical_release(handle).unwrap();
+    dev.address_free(va, GRANULE).unwrap();
+    assert!(
+        dev.ipc_export(va, 64).is_err(),
+        "nothing is mapped there any more"
+    );
+}

@@ -267,6 +267,16 @@ impl<D: Device> Allocator<D> {
         self.engine.free(&dev, ptr)
     }
 
+    /// The bytes of live allocation `ptr` as served (its block, rounded);
+    /// `UnknownPointer` for an address that is not a live allocation. What
+    /// sharing an allocation with another process needs to know of it.
+    pub fn allocation_size(&self, ptr: DevicePtr) -> Result<u64, AllocError> {
+        self.engine
+            .policy()
+            .live_size(ptr)
+            .ok_or(AllocError::UnknownPointer { ptr })
+    }
+
     /// Declares that `ptr` is used on `stream` as well as its own.
     pub fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
         self.engine.policy_mut().record_stream(ptr, stream)

@@ -1049,6 +1049,11 @@ impl HbmPolicy {
 
     // ----- free -----
 
+    pub(crate) fn live_size(&self, ptr: DevicePtr) -> Option<u64> {
+        let block = self.live.get(&ptr).filter(|b| b.allocated)?;
+        Some(self.span(block.span).size)
+    }
+
     pub(crate) fn free(&mut self, dev: &dyn Device, ptr: DevicePtr) -> Result<(), AllocError> {
         let Some(block) = self.live.get_mut(&ptr).filter(|b| b.allocated) else {
             return Err(AllocError::UnknownPointer { ptr });

@@ -26,6 +26,10 @@ pub(crate) trait Policy {
     /// Takes back `ptr`; its memory is reused once its other streams are done.
     fn free(&mut self, dev: &dyn Device, ptr: DevicePtr) -> Result<(), AllocError>;
 
+    /// The bytes of live allocation `ptr` (its block, rounded as served),
+    /// or `None` for an address that is not one.
+    fn live_size(&self, ptr: DevicePtr) -> Option<u64>;
+
     /// Notes that `ptr` is used on `stream` too.
     fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError>;
 
@@ -80,6 +84,11 @@ macro_rules! policy_by_inherent_methods {
                 ptr: $crate::device::DevicePtr,
             ) -> Result<(), $crate::error::AllocError> {
                 $policy::free(self, dev, ptr)
+            }
+
+            #[inline]
+            fn live_size(&self, ptr: $crate::device::DevicePtr) -> Option<u64> {
+                $policy::live_size(self, ptr)
             }
 
             #[inline]

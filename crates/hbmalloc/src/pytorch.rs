@@ -489,6 +489,10 @@ impl PytorchPolicy {
 
     // ----- free -----
 
+    pub(crate) fn live_size(&self, ptr: DevicePtr) -> Option<u64> {
+        self.allocated_blocks.get(&ptr).map(|&id| self.b(id).size)
+    }
+
     pub(crate) fn free(&mut self, dev: &dyn Device, ptr: DevicePtr) -> Result<(), AllocError> {
         let Some(id) = self.allocated_blocks.remove(&ptr) else {
             return Err(AllocError::UnknownPointer { ptr });

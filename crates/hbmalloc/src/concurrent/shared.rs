@@ -235,6 +235,14 @@ impl<D: Device> SharedAllocator<D> {
             .ok_or(AllocError::UnknownPointer { ptr })
     }
 
+    /// [`Allocator::allocation_size`] of `ptr`, in whichever engine served it.
+    pub fn allocation_size(&self, ptr: DevicePtr) -> Result<u64, AllocError> {
+        let owner = self.owner(ptr)?;
+        let engine = self.engine_of(owner as u32)?;
+        let size = lock(engine.shard()).allocation_size(ptr);
+        size
+    }
+
     /// The snapshot of every engine, segments in address order and history
     /// in the order it was recorded. Where an engine's ring dropped entries,
     /// the history begins where every engine's entries are complete, so the
