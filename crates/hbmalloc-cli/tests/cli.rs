@@ -506,8 +506,8 @@ fn jitter_sizes_replays_the_trace_with_other_sizes() {
 }
 
 /// The simulated driver behaves like a real one unless a what-if is asked
-/// for: it maps whole handles only, so policy hbm creates a handle per
-/// granule (its heap stays under 8 GiB, where handles hold one granule), and
+/// for: it maps whole handles only, so policy hbm creates handles of at most
+/// 16 granules (its heap stays under 64 GiB, where that is the most), and
 /// calls cost what they cost on an H100. `--part-handle-maps` lets hbm map
 /// parts of larger handles (fewer creates); `--zero-latency` makes driver
 /// time 0 and changes no decision. The table says which driver it ran on.
@@ -523,9 +523,9 @@ fn the_simulated_driver_is_the_real_one_unless_a_what_if_is_asked() {
     assert!(real["out_of_memory"].is_null(), "{real}");
     let creates = |r: &serde_json::Value| r["device_calls"]["physical_create"].as_u64().unwrap();
     assert!(creates(&real) > creates(&parts), "{real} {parts}");
-    // Every create is one granule: the peak held is at most that many granules.
+    // Every create is at most 16 granules: the peak held is at most that much.
     let peak = real["peak_reserved_bytes"].as_u64().unwrap();
-    assert!(creates(&real) * (2 << 20) >= peak);
+    assert!(creates(&real) * (32 << 20) >= peak);
     assert!(real["simulated_driver_seconds"].as_f64().unwrap() > 0.0);
     assert_eq!(free["simulated_driver_seconds"].as_f64().unwrap(), 0.0);
     assert_eq!(free["device_calls"], real["device_calls"]);

@@ -299,8 +299,8 @@ pub trait Device: Send + Sync {
     /// `cuMemMap`'s offset as one that "currently must be zero", so a
     /// device that keeps to the documentation answers false, and policy
     /// `hbm` then creates handles of at most `whole_handle_granules`
-    /// granules (by default one, or 1/2048 of the most memory held on heaps
-    /// past 8 GiB), each always mapped whole, instead of one per run.
+    /// granules (by default 16, or 1/2048 of the most memory held on heaps
+    /// past 64 GiB), each always mapped whole, instead of one per run.
     fn maps_handle_parts(&self) -> bool;
 
     /// Makes `[va, va + size)` readable and writable by this device (and its peers).

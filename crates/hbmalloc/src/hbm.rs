@@ -7,7 +7,11 @@
 //! cache. Past `max_waste_percent` over peak demand, idle granules are
 //! mapped a second time where they are needed (stitched, [`AliasGroup`])
 //! instead of new memory created, so a step that needs memory in one place
-//! early and another later finds both mapped next time round. The design,
+//! early and another later finds both mapped next time round. A miss takes
+//! a wholly mapped free place before it maps memory at best fit
+//! ([`DEFAULT_MAPPED_FIT`]): stitched views stay mapped after their blocks
+//! are freed and serve later requests that fit, as GMLake's stitched blocks
+//! do, so a step shorter than one seen before maps nothing. The design,
 //! the order a miss gets memory in, and the measurements behind each rule
 //! are in `docs/hbm-design.md`.
 //!
@@ -111,12 +115,26 @@ const DEFAULT_MAX_VIEWS: usize = 64;
 const MAX_VIEWS_RANGE: std::ops::RangeInclusive<u64> = 2..=64;
 /// On a device that maps whole handles only, and unless
 /// `whole_handle_granules` fixes it, a new handle holds the most memory held
-/// so far divided by this, in whole granules (1 to 512): there only whole
-/// handles move, and a heap's targets are relative to its size, so a large
-/// heap can take larger handles for the same share of waste.
+/// so far divided by this, in whole granules (at least
+/// [`WHOLE_HANDLE_MIN_GRANULES`], at most 512): there only whole handles
+/// move, and a heap's targets are relative to its size, so a large heap can
+/// take larger handles for the same share of waste.
 const WHOLE_HANDLE_HEAP_DIVISOR: u64 = 2048;
+/// ... and at least this many: each handle costs a create and a map, and
+/// with kept mappings reused first ([`DEFAULT_MAPPED_FIT`]) memory seldom
+/// moves, so handles about the size of expandable segments' (20 MiB) cost
+/// little memory. A run shorter than this gets a handle of its own length.
+const WHOLE_HANDLE_MIN_GRANULES: u64 = 16;
 /// The `whole_handle_granules` a configuration may set.
 const WHOLE_HANDLE_GRANULES_RANGE: std::ops::RangeInclusive<u64> = 1..=512;
+/// On a miss, free ranges a request looks at in best-fit order for a place
+/// whose granules are all mapped (and not in use at another view), before
+/// best fit maps memory: a kept mapping (a stitched view, a chunk) serves a
+/// request that fits, as GMLake hands out its stitched blocks, so a step
+/// like an earlier one maps nothing. Configurable (`mapped_fit`, 0: off).
+const DEFAULT_MAPPED_FIT: usize = 64;
+/// The `mapped_fit` a configuration may set.
+const MAPPED_FIT_RANGE: std::ops::RangeInclusive<u64> = 0..=4096;
 /// Free ranges a request looks at, in best-fit order, for one whose aliased
 /// granules are not in use elsewhere; if all are blocked, the block slides
 /// past the memory in use within them, then tries the stream's largest free
@@ -130,7 +148,8 @@ const MAX_CANDIDATES: usize = 32;
 /// | `max_waste_percent` | 1 | physical memory held may exceed the peak demand (live plus pending-free bytes) by this percentage before idle memory is stitched (mapped a second time) instead of new memory created; a heap growing to a new peak may map up to 4 times this (at most 12 MiB) ahead. Lower: tighter memory, more map calls when the workload shifts or grows (0: nothing mapped ahead); higher: fewer driver calls. |
 /// | `per_process_memory_fraction` | 1 | hard limit on memory held, as a fraction of device memory (as in PyTorch). |
 /// | `max_views` | 64 | most addresses one physical granule is mapped at (2 to 64): past it, idle memory is moved (unmapped, mapped elsewhere) instead of mapped once more. Each view is a page-table entry; lower: more map and unmap calls where memory moves around. |
-/// | `whole_handle_granules` | auto | on a driver that maps whole handles only ([`Device::maps_handle_parts`] false), the most granules one physical handle holds (1 to 512), or `auto`: 1/2048 of the most memory held so far, rounded down to whole granules (1 until 8 GiB held). Only whole handles move there; higher: fewer create and map calls, more memory held. Ignored where the driver maps parts of handles. |
+/// | `whole_handle_granules` | auto | on a driver that maps whole handles only ([`Device::maps_handle_parts`] false), the most granules one physical handle holds (1 to 512), or `auto`: 1/2048 of the most memory held so far, rounded down to whole granules, at least 16 (32 MiB; up to 64 GiB held). A run shorter than this gets a handle of its own length. Only whole handles move there; higher: fewer create and map calls, more memory held (the one setting that trades memory for driver calls, `docs/real-driver.md`). Ignored where the driver maps parts of handles. |
+/// | `mapped_fit` | 64 | on a miss (best fit lands on unmapped memory), how many free ranges, in best-fit order, are searched for a place whose granules are all mapped and not in use at another view, taken before best fit maps memory (0: best fit alone). |
 #[derive(Clone, Debug, PartialEq)]
 pub struct HbmConfig {
     /// Allowance of held memory over peak demand, in percent, before granules are stolen.
@@ -142,6 +161,9 @@ pub struct HbmConfig {
     /// Most granules in one handle on a driver that maps whole handles
     /// only; `None` (`auto`): a share of the most memory held so far.
     pub whole_handle_granules: Option<u64>,
+    /// Free ranges a miss looks at for a wholly mapped place before best
+    /// fit maps memory (0: none).
+    pub mapped_fit: usize,
 }
 
 impl Default for HbmConfig {
@@ -151,6 +173,7 @@ impl Default for HbmConfig {
             per_process_memory_fraction: 1.0,
             max_views: DEFAULT_MAX_VIEWS,
             whole_handle_granules: None,
+            mapped_fit: DEFAULT_MAPPED_FIT,
         }
     }
 }
@@ -166,11 +189,12 @@ impl HbmConfig {
     }
 
     /// Every key this policy accepts.
-    pub const KEYS: [&'static str; 4] = [
+    pub const KEYS: [&'static str; 5] = [
         "max_waste_percent",
         "per_process_memory_fraction",
         "max_views",
         "whole_handle_granules",
+        "mapped_fit",
     ];
 
     /// Parses `key:value,key:value`; an empty string gives the defaults.
@@ -218,6 +242,7 @@ impl HbmConfig {
                     config.per_process_memory_fraction = fraction;
                 }
                 "max_views" => config.max_views = whole(MAX_VIEWS_RANGE)? as usize,
+                "mapped_fit" => config.mapped_fit = whole(MAPPED_FIT_RANGE)? as usize,
                 "whole_handle_granules" => {
                     config.whole_handle_granules = if value == "auto" {
                         None
@@ -252,6 +277,9 @@ impl HbmConfig {
         }
         if let Some(granules) = self.whole_handle_granules {
             parts.push(format!("whole_handle_granules:{granules}"));
+        }
+        if self.mapped_fit != defaults.mapped_fit {
+            parts.push(format!("mapped_fit:{}", self.mapped_fit));
         }
         parts.join(",")
     }
@@ -537,6 +565,9 @@ enum Place {
     /// Mapped memory where a block of the same size was just freed: the
     /// block goes exactly there (see [`RECENT_FREE_ALLOCATIONS`]).
     RecentlyFreed,
+    /// A wholly mapped place in a free range best fit passed over (see
+    /// [`DEFAULT_MAPPED_FIT`]): the block goes exactly there.
+    MappedFit,
     /// Best fit, with granules to back (`back_range`).
     Unmapped,
 }
@@ -739,7 +770,10 @@ impl HbmPolicy {
                 }
                 best => match (self.recently_freed_place(stream, size), best) {
                     (Some((range, ptr)), _) => Some((range, ptr, Place::RecentlyFreed)),
-                    (None, Some((range, ptr))) => Some((range, ptr, Place::Unmapped)),
+                    (None, Some((range, ptr))) => match self.mapped_fit(stream, size) {
+                        Some((range, ptr)) => Some((range, ptr, Place::MappedFit)),
+                        None => Some((range, ptr, Place::Unmapped)),
+                    },
                     (None, None) => self
                         .new_region(dev, stream, size)?
                         .map(|range| (range, self.span(range).start, Place::Unmapped)),
@@ -748,14 +782,14 @@ impl HbmPolicy {
             if let Some((range, ptr, place)) = chosen {
                 let region = self.span(range).region;
                 let ptr = match place {
-                    Place::RecentlyFreed => ptr,
+                    Place::RecentlyFreed | Place::MappedFit => ptr,
                     Place::Mapped | Place::Unmapped => {
                         self.place_short_lived(range, ptr, size, near_peak)
                     }
                 };
                 let block = self.take_span(range, ptr, size);
                 let backing = match place {
-                    Place::Mapped | Place::RecentlyFreed => Ok(Backing::Done),
+                    Place::Mapped | Place::RecentlyFreed | Place::MappedFit => Ok(Backing::Done),
                     Place::Unmapped => self.back_range(dev, ptr, size, region, retried),
                 };
                 match backing {
@@ -957,6 +991,66 @@ impl HbmPolicy {
             return None;
         }
         Some((recent.span, ptr))
+    }
+
+    /// On a miss, the first wholly mapped place for a block of `size` bytes
+    /// in the first `mapped_fit` free ranges of `stream` in best-fit order
+    /// (see [`DEFAULT_MAPPED_FIT`]), as (free span, address).
+    fn mapped_fit(&self, stream: StreamId, size: u64) -> Option<(u32, DevicePtr)> {
+        let limit = self.config.mapped_fit;
+        if limit == 0 || self.granule.is_none() {
+            return None;
+        }
+        let index = self
+            .free_by_size
+            .iter()
+            .find(|index| index.stream == stream)?;
+        let mut seen = 0;
+        index
+            .walk_best_fit(size, |_, _, id| {
+                if let Some(at) = self.mapped_place(id, size) {
+                    return ControlFlow::Break(Some((id, at)));
+                }
+                seen += 1;
+                if seen == limit {
+                    ControlFlow::Break(None)
+                } else {
+                    ControlFlow::Continue(())
+                }
+            })
+            .flatten()
+    }
+
+    /// The lowest place in free span `id` where a block of `size` bytes lies
+    /// on mapped granules only and may lie ([`HbmPolicy::busy_end`]).
+    fn mapped_place(&self, id: u32, size: u64) -> Option<DevicePtr> {
+        let granule = self.granule?;
+        let range = self.span(id);
+        let region_index = range.region;
+        let region = self.region(region_index);
+        if region.segment {
+            return Some(range.start);
+        }
+        let mut at = range.start;
+        while at + size <= range.end() {
+            let (first, end) = granules_under(granule, region.base, at, size);
+            let unmapped = region.next_with(first, end, false);
+            if unmapped < end {
+                // Past the unmapped granule, to the next mapped one.
+                let next = region.next_with(unmapped, region.granules, true);
+                at = region.base + next * granule;
+                continue;
+            }
+            if let Some(last) = region.lent.last_set(first, end) {
+                at = region.base + (last + 1) * granule;
+                continue;
+            }
+            match self.busy_end(region_index, at, size) {
+                None => return Some(at),
+                Some(busy_end) => at = busy_end,
+            }
+        }
+        None
     }
 
     /// Slides a block of `size` bytes through free span `id` to the first
@@ -1373,9 +1467,10 @@ mod tests {
     #[test]
     fn config_parses_and_round_trips() {
         let c = HbmConfig::parse(
-            "max_waste_percent:5, per_process_memory_fraction:0.5, max_views:2, whole_handle_granules:4",
+            "max_waste_percent:5, per_process_memory_fraction:0.5, max_views:2, whole_handle_granules:4, mapped_fit:0",
         )
         .unwrap();
+        assert_eq!(c.mapped_fit, 0);
         assert_eq!(c.max_waste_percent, 5.0);
         assert_eq!(c.per_process_memory_fraction, 0.5);
         assert_eq!(c.max_views, 2);
@@ -1402,6 +1497,8 @@ mod tests {
             "whole_handle_granules:0",
             "whole_handle_granules:513",
             "whole_handle_granules:-1",
+            "mapped_fit:-1",
+            "mapped_fit:4097",
             "expandable_segments:True",
             "max_waste_percent",
         ] {

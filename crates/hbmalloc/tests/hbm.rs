@@ -313,10 +313,23 @@ fn phased_workload(a: &mut Allocator<SimDevice>) -> u64 {
     peak_live
 }
 
+/// With handles of one granule, as the phases move memory between sizes
+/// granule by granule. The default handles of 16 granules move whole only,
+/// and each tensor kept from a phase pins its handle: 0.949 here (printed),
+/// the price of 16 times fewer creates and maps (`docs/hbm-design.md`).
 #[test]
 fn reserved_tracks_live_where_pytorch_wastes() {
-    let mut ours = hbm(16 * GIB, "");
-    let peak_live = phased_workload(&mut ours);
+    let mut default_handles = hbm(16 * GIB, "");
+    let peak_live = phased_workload(&mut default_handles);
+    check(&default_handles);
+    let default_peak = default_handles.device().peak_used_bytes();
+    println!(
+        "phased workload, default handles: efficiency {:.4}",
+        peak_live as f64 / default_peak as f64
+    );
+    assert!(default_peak as f64 <= peak_live as f64 * 1.06);
+    let mut ours = hbm(16 * GIB, "whole_handle_granules:1");
+    assert_eq!(phased_workload(&mut ours), peak_live);
     check(&ours);
     let mut theirs = allocator(SimDevice::with_capacity(16 * GIB), "pytorch", "");
     assert_eq!(phased_workload(&mut theirs), peak_live);
@@ -384,8 +397,8 @@ fn a_growing_heap_maps_in_large_chunks() {
     );
 }
 
-/// On a driver that maps whole handles only, a handle holds 1/2048 of the
-/// most memory held so far (one granule until the heap has held 8 GiB), so a
+/// On a driver that maps whole handles only, a handle holds at least 16
+/// granules (1/2048 of the most memory held once that is more), so a
 /// large heap is not built a granule per create and map; a fixed
 /// `whole_handle_granules:1` is. Memory then moves in those larger handles
 /// (stitched into a request of another size under a limit) without two live
@@ -410,12 +423,12 @@ fn on_a_whole_handle_driver_handles_grow_with_the_heap() {
     let (_, _, granule_handles) = build("max_waste_percent:0,whole_handle_granules:1");
     assert_eq!(granule_handles, 12 * GIB / (2 * MIB));
     let (mut a, blocks, creates) = build("max_waste_percent:0");
-    // 4,096 handles of one granule up to 8 GiB held (4,096 granules), then
-    // handles of two (4,096 / 2,048) for the last 4 GiB.
+    // Each block's 32 granules in two handles of 16 (12 GiB held is 6,144
+    // granules: 1/2048 of it is 3, under the floor).
     println!(
         "12 GiB in 64 MiB blocks: {creates} creates ({granule_handles} with one granule each)"
     );
-    assert_eq!(creates, 4096 + 2048 / 2);
+    assert_eq!(creates, 192 * 2);
     // Every other block freed, then requests of another size under a 12 GiB
     // limit: what they need comes from the freed handles, moved whole.
     let mut live = Vec::new();
@@ -487,11 +500,15 @@ fn runs_at_a_capacity_just_above_peak_live() {
     let peak_live = phased_workload(&mut probe);
     // The goal is 1.03 (met on the real traces, see `hbmalloc compare`);
     // chunks pinned by long-lived tensors need a little more on this
-    // adversarial workload (hbm never unmaps memory under a live tensor).
-    let capacity = (peak_live as f64 * 1.04) as u64;
-    let mut tight = hbm(capacity, "");
-    assert_eq!(phased_workload(&mut tight), peak_live);
-    check(&tight);
+    // adversarial workload (hbm never unmaps memory under a live tensor):
+    // 4% with handles of one granule, 6% with the default 16-granule
+    // handles, which each kept tensor pins whole.
+    for (conf, margin) in [("whole_handle_granules:1", 1.04), ("", 1.06)] {
+        let capacity = (peak_live as f64 * margin) as u64;
+        let mut tight = hbm(capacity, conf);
+        assert_eq!(phased_workload(&mut tight), peak_live);
+        check(&tight);
+    }
 }
 
 #[test]
@@ -745,10 +762,13 @@ fn an_unknown_hbm_key_is_named_as_the_culprit() {
 /// would take the memory held past its peak, when at least twice what is
 /// needed lies idle. Here 200 holes of 4 MiB lie idle between live 512 KiB
 /// blocks and an 8 MiB request fits none of them; creating 8 MiB would
-/// still be within the 5% allowance (the code before created it).
+/// still be within the 5% allowance (the code before created it). Handles
+/// of one granule: a hole's granules then make whole handles of their own
+/// (in the default 16-granule handles they share handles with live blocks,
+/// and only whole handles move).
 #[test]
 fn idle_memory_is_stitched_before_the_peak_is_raised() {
-    let mut a = hbm(16 * GIB, "max_waste_percent:5");
+    let mut a = hbm(16 * GIB, "max_waste_percent:5,whole_handle_granules:1");
     let mut holes = Vec::new();
     let mut live = Vec::new();
     for _ in 0..200 {
@@ -786,11 +806,13 @@ fn idle_memory_is_stitched_before_the_peak_is_raised() {
 
 /// A request that best fit would place on unmapped memory goes where a block
 /// of its size was just freed, if that place is free and mapped: no driver
-/// call. Once the free is more than a few allocations old, best fit decides.
+/// call. Once the free is more than a few allocations old, best fit decides
+/// (with `mapped_fit:0`: otherwise any mapped place that fits comes first,
+/// see the next test).
 #[test]
 fn a_miss_reuses_the_place_a_block_of_its_size_was_just_freed() {
     // Nothing mapped ahead: every granule below is mapped for a block.
-    let mut a = hbm(16 * GIB, "max_waste_percent:0");
+    let mut a = hbm(16 * GIB, "max_waste_percent:0,mapped_fit:0");
     let s = StreamId(0);
     let anchor = a.malloc(MIB, StreamId(1)).unwrap();
     let first = a.malloc(6 * MIB, s).unwrap();
@@ -842,6 +864,96 @@ fn a_miss_reuses_the_place_a_block_of_its_size_was_just_freed() {
     }
     a.empty_cache().unwrap();
     assert_eq!(a.device().used_bytes(), 0);
+}
+
+/// A miss takes a free place whose granules are all mapped, in a range best
+/// fit passed over, before mapping memory at best fit: a stitched view kept
+/// mapped after its block is freed serves a later, smaller request whole
+/// (as GMLake hands out its stitched blocks).
+#[test]
+fn a_miss_takes_a_mapped_place_best_fit_passed_over() {
+    let s = StreamId(0);
+    let layout = |conf: &str| {
+        let mut a = hbm(16 * GIB, &format!("max_waste_percent:0,{conf}"));
+        let pins: Vec<DevicePtr> = [8, 2, 20, 2]
+            .iter()
+            .map(|&m| a.malloc(m * MIB, s).unwrap())
+            .collect();
+        // An unmapped 8 MiB hole (best fit for 6 MiB) and a mapped 20 MiB one.
+        a.free(pins[0]).unwrap();
+        a.empty_cache().unwrap();
+        a.free(pins[2]).unwrap();
+        check(&a);
+        let before = a.device().call_counts();
+        let p = a.malloc(6 * MIB, s).unwrap();
+        check(&a);
+        let calls = a.device().call_counts().since(&before).memory_calls();
+        (p, pins, calls)
+    };
+    let (p, pins, calls) = layout("");
+    assert_eq!(p, pins[2], "the mapped hole, at its front");
+    assert_eq!(calls, 0);
+    let (p, pins, calls) = layout("mapped_fit:0");
+    assert_eq!(p, pins[0], "best fit alone takes the unmapped hole");
+    assert!(calls > 0);
+}
+
+/// Steps of variable length (the sizes of each step's activations scale
+/// with a sequence length drawn per step): once a step of the longest length
+/// has run, shorter steps find every block a mapped place, and make no
+/// driver call; best fit alone keeps mapping memory for them. Under a
+/// memory limit, so that memory is stitched (mapped at several views), not
+/// only created; no two live blocks share memory throughout.
+#[test]
+fn variable_length_steps_map_nothing_once_the_longest_has_run() {
+    let run = |conf: &str| {
+        let device = SimDevice::with_config(SimConfig {
+            capacity_bytes: 2 * GIB,
+            ..SimConfig::default()
+        });
+        let mut a = allocator(device, "hbm", conf);
+        let s = StreamId(0);
+        let weights = a.malloc(100 * MIB, s).unwrap();
+        let mut random = Random(77);
+        let mut calls_after_warm_up = 0;
+        for step in 0..40 {
+            let length = if step == 0 { 64 } else { 16 + random.below(49) };
+            let before = a.device().call_counts();
+            let mut live = vec![(weights, 100 * MIB, s)];
+            let mut activations = Vec::new();
+            for layer in 0..12u64 {
+                let tmp = a.malloc(length * 96 * 1024 + layer * 512, s).unwrap();
+                let act = a.malloc(length * 160 * 1024, s).unwrap();
+                live.push((act, length * 160 * 1024, s));
+                activations.push(act);
+                a.free(tmp).unwrap();
+            }
+            let logits = a.malloc(length * 1536 * 1024, s).unwrap();
+            live.push((logits, length * 1536 * 1024, s));
+            check(&a);
+            check_physical(&a, &live);
+            a.free(logits).unwrap();
+            while let Some(act) = activations.pop() {
+                let grad = a.malloc(length * 160 * 1024, s).unwrap();
+                a.free(act).unwrap();
+                a.free(grad).unwrap();
+            }
+            check(&a);
+            if step > 0 {
+                calls_after_warm_up += a.device().call_counts().since(&before).memory_calls();
+            }
+        }
+        a.free(weights).unwrap();
+        a.empty_cache().unwrap();
+        check(&a);
+        assert_eq!(a.device().used_bytes(), 0);
+        calls_after_warm_up
+    };
+    let kept = run("");
+    let best_fit_alone = run("mapped_fit:0");
+    println!("driver calls after the longest step: {kept} (best fit alone: {best_fit_alone})");
+    assert_eq!(kept, 0);
+    assert!(best_fit_alone > 0);
 }
 
 /// Near the peak, a block of a size that has mostly been a temporary goes at

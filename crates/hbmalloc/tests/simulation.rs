@@ -124,6 +124,17 @@ fn simulation_hbm_two_views() {
     assert!(total.ops > 0);
 }
 
+/// Policy `hbm` with kept mappings reused on a miss (`mapped_fit`, on by
+/// default and so under every seed above) limited to one candidate range,
+/// and turned off: best fit alone decides where a miss maps memory.
+#[test]
+fn simulation_hbm_mapped_fit_bounds() {
+    for settings in ["policy:hbm,mapped_fit:1", "policy:hbm,mapped_fit:0"] {
+        let total = run(settings, seeds());
+        assert!(total.ops > 0);
+    }
+}
+
 /// Policy `hbm` on the what-if driver that also maps part of a physical
 /// handle (the default device maps whole handles only, as real drivers do):
 /// large handles mapped in chunks and stitched a granule at a time.
@@ -155,10 +166,10 @@ fn simulation_hbm_fixed_whole_handles() {
     }
 }
 
-/// Whole-handle maps with 64 KiB granules on a 512 MiB device, so that heaps pass
-/// the 4,096 granules from which handles hold two or more
-/// (`whole_handle_granules:auto`: 1/2048 of the most memory held), and
-/// handles of different sizes are stitched, stolen and spared side by side.
+/// Whole-handle maps with 64 KiB granules on a 512 MiB device, so that
+/// requests span many granules and handles of different sizes (up to 16
+/// granules by default, a shorter run's own length) are stitched, stolen,
+/// spared and mapped on past a run side by side.
 /// One seed in 75: small granules make every step's checks slow.
 #[test]
 fn simulation_hbm_whole_handle_maps_with_handles_sized_by_the_heap() {

@@ -536,16 +536,27 @@ impl HbmPolicy {
 
     /// Maps memory lying idle under free ranges elsewhere into
     /// `[cursor, end)` of the span's region as well (see [`AliasGroup`]);
-    /// returns the first granule still unmapped. With `plenty` above 1,
-    /// maps nothing unless `plenty` times the granules needed lie idle.
+    /// returns the first granule still unmapped (`end` or past it when
+    /// done). Where handles map whole only, a whole handle larger than what
+    /// is left may be mapped on past `end`, up to `room_end` (granules
+    /// unmapped until then). With `plenty` above 1, maps nothing unless
+    /// `plenty` times the granules needed lie idle.
     pub(super) fn alias_idle(
         &mut self,
         dev: &dyn Device,
         granule: u64,
         span: GranuleSpan,
         (mut cursor, end): (u64, u64),
+        room_end: u64,
         plenty: u64,
     ) -> Result<u64, AllocError> {
+        // A handle mapped whole past `end` must fit before `room_end`.
+        let fits = |this: &Self, cursor: u64, handle, offset, count: u64| {
+            this.movable(handle, offset, count.min(end - cursor))
+                || (!this.maps_handle_parts
+                    && cursor + count <= room_end
+                    && this.movable(handle, offset, count))
+        };
         let region_index = span.0;
         let wanted = (end - cursor) * plenty;
         let mut donors = self.idle_donors(granule, wanted * granule, span);
@@ -565,7 +576,7 @@ impl HbmPolicy {
             }
         }
         for donor in donors {
-            if cursor == end {
+            if cursor >= end {
                 break;
             }
             let target = (region_index, cursor);
@@ -576,11 +587,16 @@ impl HbmPolicy {
                     handle,
                     offset,
                 } => {
-                    let take = count.min(end - cursor);
-                    // A whole handle that does not fit is not cut.
-                    if !self.movable(handle, offset, take) {
+                    // A whole handle that does not fit is not cut: it is
+                    // mapped whole past `end`, or not at all.
+                    if !fits(self, cursor, handle, offset, count) {
                         continue;
                     }
+                    let take = if self.maps_handle_parts {
+                        count.min(end - cursor)
+                    } else {
+                        count
+                    };
                     self.map_chunk(
                         dev,
                         granule,
@@ -613,11 +629,11 @@ impl HbmPolicy {
                     }
                     // A cut leaves the rest idle and ends the walk: the
                     // span is then backed to its end. A whole handle that
-                    // does not fit is not cut.
-                    if !self.movable(group.handle, group.offset, group.count.min(end - cursor)) {
+                    // does not fit is not cut (but may be mapped past `end`).
+                    if !fits(self, cursor, group.handle, group.offset, group.count) {
                         continue;
                     }
-                    let id = if group.count > end - cursor {
+                    let id = if group.count > end - cursor && self.maps_handle_parts {
                         self.split_group(id, end - cursor).0
                     } else {
                         id

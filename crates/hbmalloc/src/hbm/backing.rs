@@ -12,7 +12,7 @@ use crate::history::Action;
 use super::{
     granules_under, Backing, Chunk, GranuleSpan, HandleInfo, HbmPolicy, Piece, GROWTH_CHUNK_BYTES,
     GROWTH_CHUNK_WASTE_FACTOR, MAX_MAP_AHEAD_PERCENT, STITCH_BEFORE_PEAK_FACTOR,
-    WHOLE_HANDLE_GRANULES_RANGE, WHOLE_HANDLE_HEAP_DIVISOR,
+    WHOLE_HANDLE_GRANULES_RANGE, WHOLE_HANDLE_HEAP_DIVISOR, WHOLE_HANDLE_MIN_GRANULES,
 };
 
 impl HbmPolicy {
@@ -168,21 +168,43 @@ impl HbmPolicy {
             }
         }
         let run_count = runs.len();
+        // Where handles map whole only, the last run may take a whole handle
+        // larger than it, mapped on past its end over unmapped (so free)
+        // granules: idle memory or a spare in a large handle then serves a
+        // small run instead of new memory being created beside it.
+        let last_room = runs.last().map_or(end, |r| {
+            let run_end = r.0 + r.1;
+            if self.maps_handle_parts {
+                run_end
+            } else {
+                let limit = region
+                    .granules
+                    .min(run_end + *WHOLE_HANDLE_GRANULES_RANGE.end());
+                region.next_with(run_end, limit, true)
+            }
+        });
         // Memory already stitched under this range is not taken again.
-        let span = (
-            region_index,
-            first,
-            runs.last().map_or(end, |r| (r.0 + r.1).max(end)),
-        );
+        let span = (region_index, first, last_room.max(end));
         for (i, (start, count)) in runs.into_iter().enumerate() {
-            let limit = if last_extended && i + 1 == run_count {
+            let last = i + 1 == run_count;
+            let limit = if last_extended && last {
                 ahead_limit
             } else {
                 soft_limit
             };
-            let backed = self.back_run(dev, granule, span, (start, count, end), limit, hard_limit);
-            // Whatever got mapped, even on failure, gets access now.
-            self.grant_access(dev, granule, region_index, start, start + count)?;
+            let room = if last { last_room } else { start + count };
+            let backed = self.back_run(
+                dev,
+                granule,
+                span,
+                (start, count, end),
+                room,
+                limit,
+                hard_limit,
+            );
+            // Whatever got mapped, even on failure, gets access now (past
+            // the run, only what this call mapped: it was unmapped before).
+            self.grant_access(dev, granule, region_index, start, room)?;
             if !backed? {
                 return Ok(Backing::OutOfMemory);
             }
@@ -264,21 +286,25 @@ impl HbmPolicy {
     /// (unmapped, stitched in here), then aliasing again; one new handle
     /// within the hard limit. Granules from `needed_end` on are mapped
     /// ahead: worth spares or a new handle, never aliasing or stealing.
-    /// False: out of memory.
+    /// Granules `[start + count, room)` are unmapped: a spare or idle whole
+    /// handle larger than what is left of the run may be mapped on over
+    /// them. False: out of memory.
+    #[allow(clippy::too_many_arguments)]
     fn back_run(
         &mut self,
         dev: &dyn Device,
         granule: u64,
         span: GranuleSpan,
         run: (u64, u64, u64),
+        room: u64,
         soft_limit: u64,
         hard_limit: u64,
     ) -> Result<bool, AllocError> {
         let (start, count, needed_end) = run;
         let region_index = span.0;
         let end = start + count;
-        let mut cursor = self.stitch_spares(dev, granule, region_index, start, end)?;
-        if cursor == end {
+        let mut cursor = self.stitch_spares(dev, granule, region_index, (start, end), room)?;
+        if cursor >= end {
             return Ok(true);
         }
         // A new handle would raise the peak reserved memory while demand is
@@ -289,7 +315,7 @@ impl HbmPolicy {
             && self.held_bytes + (end - cursor) * granule > self.peak_held_bytes
         {
             let run = (cursor, needed_stop);
-            cursor = self.alias_idle(dev, granule, span, run, STITCH_BEFORE_PEAK_FACTOR)?;
+            cursor = self.alias_idle(dev, granule, span, run, room, STITCH_BEFORE_PEAK_FACTOR)?;
             if cursor >= needed_stop {
                 return Ok(true);
             }
@@ -302,8 +328,8 @@ impl HbmPolicy {
         if cursor >= end {
             return Ok(true);
         }
-        cursor = self.alias_idle(dev, granule, span, (cursor, end), 1)?;
-        if cursor == end {
+        cursor = self.alias_idle(dev, granule, span, (cursor, end), room, 1)?;
+        if cursor >= end {
             return Ok(true);
         }
         // Stealing waits for the victims' streams: never during a capture.
@@ -316,10 +342,12 @@ impl HbmPolicy {
         // above left them: used up.
         if !victims.is_empty() {
             self.unmap_spans(dev, granule, &victims)?;
-            cursor = self.stitch_spares(dev, granule, region_index, cursor, end)?;
+            cursor = self.stitch_spares(dev, granule, region_index, (cursor, end), room)?;
             // Unmapping a view of a group frees a place for another view.
-            cursor = self.alias_idle(dev, granule, span, (cursor, end), 1)?;
-            if cursor == end {
+            if cursor < end {
+                cursor = self.alias_idle(dev, granule, span, (cursor, end), room, 1)?;
+            }
+            if cursor >= end {
                 return Ok(true);
             }
         }
@@ -377,28 +405,38 @@ impl HbmPolicy {
     pub(super) fn whole_handle_granules(&self, granule: u64) -> u64 {
         self.config.whole_handle_granules.unwrap_or_else(|| {
             let scaled = self.peak_held_bytes / granule / WHOLE_HANDLE_HEAP_DIVISOR;
-            scaled.clamp(1, *WHOLE_HANDLE_GRANULES_RANGE.end())
+            scaled.clamp(
+                WHOLE_HANDLE_MIN_GRANULES,
+                *WHOLE_HANDLE_GRANULES_RANGE.end(),
+            )
         })
     }
 
     /// Maps spare pieces into `[cursor, end)` (see [`HbmPolicy::spare_for`]),
-    /// cutting the last one to fit where handles map in part; returns the
-    /// first granule still unmapped.
+    /// cutting the last one to fit where handles map in part, or mapping a
+    /// whole one on past `end` (up to `room`, unmapped) where they map
+    /// whole; returns the first granule still unmapped (`end` or past it
+    /// when done).
     fn stitch_spares(
         &mut self,
         dev: &dyn Device,
         granule: u64,
         region_index: u32,
-        mut cursor: u64,
-        end: u64,
+        (mut cursor, end): (u64, u64),
+        room_end: u64,
     ) -> Result<u64, AllocError> {
         while cursor < end {
             let room = (end - cursor) * granule;
-            let Some(best) = self.spare_for(room) else {
+            let past = (room_end.max(end) - cursor) * granule;
+            let Some(best) = self.spare_for(room, past) else {
                 break;
             };
             let piece = self.spare.swap_remove(best);
-            let take = piece.bytes.min(room);
+            let take = if self.maps_handle_parts {
+                piece.bytes.min(room)
+            } else {
+                piece.bytes
+            };
             if piece.bytes > take {
                 self.spare.push(Piece {
                     handle: piece.handle,
@@ -423,19 +461,25 @@ impl HbmPolicy {
 
     /// The spare piece to map into `room` bytes: the smallest that covers
     /// them, else the largest (cut to fit); where handles map whole only
-    /// (pieces are whole handles then, never cut), the largest that fits.
+    /// (pieces are whole handles then, never cut), the largest that fits,
+    /// else the smallest that fits in `past` bytes (mapped on past `room`).
     /// The first of equals; `None` when no piece will do.
-    fn spare_for(&self, room: u64) -> Option<usize> {
+    fn spare_for(&self, room: u64, past: u64) -> Option<usize> {
         let mut best: Option<usize> = None;
         for (i, piece) in self.spare.iter().enumerate() {
             let Some(b) = best.map(|b| &self.spare[b]) else {
-                if self.maps_handle_parts || piece.bytes <= room {
+                if self.maps_handle_parts || piece.bytes <= past.max(room) {
                     best = Some(i);
                 }
                 continue;
             };
             let better = if !self.maps_handle_parts {
-                piece.bytes <= room && piece.bytes > b.bytes
+                match (piece.bytes <= room, b.bytes <= room) {
+                    (true, true) => piece.bytes > b.bytes,
+                    (true, false) => true,
+                    (false, true) => false,
+                    (false, false) => piece.bytes <= past && piece.bytes < b.bytes,
+                }
             } else {
                 match (piece.bytes >= room, b.bytes >= room) {
                     (true, true) => piece.bytes < b.bytes,
