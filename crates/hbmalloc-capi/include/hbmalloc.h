@@ -129,9 +129,11 @@ int hbmalloc_pool_use_count(int device, unsigned long long pool_first,
 
 /* CUDA IPC in PyTorch's format (torch.multiprocessing, CUDAAllocator's
  * shareIpcHandle / getIpcDevPtr). hbmalloc_ipc_share writes the bytes to
- * send for allocation ptr into handle (at most capacity; their number into
- * *length: call again with a larger buffer when it exceeds capacity) and
- * ptr's offset in the shared memory into *offset. hbmalloc_ipc_open maps
+ * send for allocation ptr into handle (PyTorch's 'c' or 'e', or hbmalloc's
+ * own 'h' for physical handles of several sizes, which only hbmalloc opens;
+ * at most capacity bytes, their number into *length: call again with a
+ * larger buffer when it exceeds capacity) and ptr's offset in the shared
+ * memory into *offset. hbmalloc_ipc_open maps
  * what another process (hbmalloc's or PyTorch's own allocator) shared, on
  * device, into *base (the same bytes again: the same base); each open needs
  * one hbmalloc_ipc_close(base), the last unmapping it. */

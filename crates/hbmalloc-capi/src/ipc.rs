@@ -14,6 +14,13 @@
 //!   (`cuMemExportToShareableHandle`), which the importer takes with
 //!   `pidfd_getfd`. The handles are mapped whole, one after the other.
 //!
+//! and one type of hbmalloc's own, for what PyTorch's `'e'` cannot carry:
+//!
+//! - `'h'` (handles of several sizes, as policy `hbm` maps them): `pid`
+//!   (`i32`), 4 bytes of padding, the handle count (`u64`), then each
+//!   handle's size (`u64`), then each handle's descriptor (`i32`). Only
+//!   hbmalloc reads it; PyTorch's own allocator refuses its type byte.
+//!
 //! A bare 64-byte string is a `'c'` handle from a torch older than the
 //! version byte. The offset of the tensor in what is shared travels beside
 //! the string (PyTorch's `ShareableHandle::offset`).
@@ -41,8 +48,12 @@ pub const NEWEST_READ_VERSION: u8 = 3;
 pub const SHAREABLE_CUDA_MALLOC: u8 = b'c';
 /// PyTorch's `SHAREABLE_CUDA_EXPANDABLE_SEGMENT`.
 pub const SHAREABLE_CUDA_EXPANDABLE_SEGMENT: u8 = b'e';
+/// hbmalloc's type for handles of several sizes (see the module's header).
+pub const HBMALLOC_MIXED_HANDLES: u8 = b'h';
 /// `sizeof(ShareHeader)`: `pid_t`, padding, two `size_t`.
 const SHARE_HEADER_BYTES: usize = 24;
+/// `'h'`'s header: `pid`, padding, the handle count.
+const MIXED_HEADER_BYTES: usize = 16;
 /// More handles than any device's memory holds in 2 MiB pieces: a header
 /// asking for more is garbage.
 const MAX_SHARED_HANDLES: u64 = 1 << 20;
@@ -71,16 +82,25 @@ pub fn encode(export: &IpcExport, pid: i32) -> Shared {
                 offset: *offset,
             }
         }
-        IpcExport::Handles {
-            handle_size,
-            fds,
-            offset,
-        } => {
-            handle.push(SHAREABLE_CUDA_EXPANDABLE_SEGMENT);
-            handle.extend_from_slice(&pid.to_ne_bytes());
-            handle.extend_from_slice(&[0; 4]);
-            handle.extend_from_slice(&handle_size.to_ne_bytes());
+        IpcExport::Handles { sizes, fds, offset } => {
+            // PyTorch's own layout wherever it can carry the handles, so
+            // that a process under PyTorch's allocator opens them too.
+            if let Some(handle_size) = export.common_handle_size() {
+                handle.push(SHAREABLE_CUDA_EXPANDABLE_SEGMENT);
+                handle.extend_from_slice(&pid.to_ne_bytes());
+                handle.extend_from_slice(&[0; 4]);
+                handle.extend_from_slice(&handle_size.to_ne_bytes());
+            } else {
+                handle.push(HBMALLOC_MIXED_HANDLES);
+                handle.extend_from_slice(&pid.to_ne_bytes());
+                handle.extend_from_slice(&[0; 4]);
+            }
             handle.extend_from_slice(&(fds.len() as u64).to_ne_bytes());
+            if export.common_handle_size().is_none() {
+                for size in sizes {
+                    handle.extend_from_slice(&size.to_ne_bytes());
+                }
+            }
             for fd in fds {
                 handle.extend_from_slice(&fd.to_ne_bytes());
             }
@@ -97,13 +117,13 @@ pub fn encode(export: &IpcExport, pid: i32) -> Shared {
 pub enum Decoded {
     /// Open this `cudaIpcMemHandle_t`.
     Segment([u8; CU_IPC_HANDLE_SIZE]),
-    /// Take these descriptors of process `pid` and map them, each
-    /// `handle_size` bytes.
+    /// Take these descriptors of process `pid` and map them, one after the
+    /// other.
     Handles {
         /// The exporting process.
         pid: i32,
         /// Bytes in each handle.
-        handle_size: u64,
+        sizes: Vec<u64>,
         /// Descriptor numbers in the exporting process.
         fds: Vec<i32>,
     },
@@ -173,18 +193,57 @@ pub fn decode(bytes: &[u8]) -> Result<Decoded, ApiError> {
                     fd_bytes.len()
                 )));
             }
-            let fds = fd_bytes
-                .chunks_exact(4)
-                .map(|c| i32::from_ne_bytes(c.try_into().expect("4")))
-                .collect();
             Ok(Decoded::Handles {
                 pid,
-                handle_size,
-                fds,
+                sizes: vec![handle_size; count as usize],
+                fds: descriptors(fd_bytes),
+            })
+        }
+        HBMALLOC_MIXED_HANDLES => {
+            if payload.len() < MIXED_HEADER_BYTES {
+                return Err(bad(format!(
+                    "an hbmalloc handle list of {} bytes, shorter than its header",
+                    payload.len()
+                )));
+            }
+            let pid = i32::from_ne_bytes(payload[0..4].try_into().expect("4"));
+            let count = u64::from_ne_bytes(payload[8..16].try_into().expect("8"));
+            let rest = &payload[MIXED_HEADER_BYTES..];
+            if pid <= 0
+                || count == 0
+                || count > MAX_SHARED_HANDLES
+                || rest.len() as u64 != count * 12
+            {
+                return Err(bad(format!(
+                    "an hbmalloc handle list (process {pid}, {count} handles) that does not \
+                     match its {} bytes of sizes and descriptors",
+                    rest.len()
+                )));
+            }
+            let (size_bytes, fd_bytes) = rest.split_at(count as usize * 8);
+            let sizes: Vec<u64> = size_bytes
+                .chunks_exact(8)
+                .map(|c| u64::from_ne_bytes(c.try_into().expect("8")))
+                .collect();
+            if sizes.contains(&0) {
+                return Err(bad("an hbmalloc handle list with an empty handle".into()));
+            }
+            Ok(Decoded::Handles {
+                pid,
+                sizes,
+                fds: descriptors(fd_bytes),
             })
         }
         other => Err(bad(format!("type byte {other:#04x}"))),
     }
+}
+
+/// The `int`s of a descriptor list.
+fn descriptors(bytes: &[u8]) -> Vec<i32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| i32::from_ne_bytes(c.try_into().expect("4")))
+        .collect()
 }
 
 /// What `ptr` (a live allocation of this process's hbmalloc, on any device)
@@ -250,11 +309,7 @@ pub fn open(handle: &[u8], device: i32) -> Result<DevicePtr, ApiError> {
         let cuda = allocator.device();
         match &decoded {
             Decoded::Segment(ipc) => cuda.ipc_open_segment(*ipc).map(Mapped::Segment),
-            Decoded::Handles {
-                pid,
-                handle_size,
-                fds,
-            } => {
+            Decoded::Handles { pid, sizes, fds } => {
                 // Closed on every path when `mine` drops.
                 let mine = fds
                     .iter()
@@ -271,7 +326,7 @@ pub fn open(handle: &[u8], device: i32) -> Result<DevicePtr, ApiError> {
                     })
                     .collect::<Result<Vec<OwnedFd>, ApiError>>()?;
                 let borrowed: Vec<_> = mine.iter().map(|fd| fd.as_fd()).collect();
-                cuda.ipc_import_handles(&borrowed, *handle_size)
+                cuda.ipc_import_handles(&borrowed, sizes)
                     .map(Mapped::Handles)
             }
         }
@@ -360,7 +415,7 @@ mod tests {
     #[test]
     fn expandable_handles_round_trip_in_pytorchs_layout() {
         let export = IpcExport::Handles {
-            handle_size: 2 << 20,
+            sizes: vec![2 << 20; 2],
             fds: vec![5, 9],
             offset: 4096,
         };
@@ -375,16 +430,49 @@ mod tests {
             decode(&shared.handle).unwrap(),
             Decoded::Handles {
                 pid: 1234,
-                handle_size: 2 << 20,
+                sizes: vec![2 << 20; 2],
                 fds: vec![5, 9]
             }
         );
     }
 
     #[test]
+    fn handles_of_several_sizes_round_trip_in_hbmallocs_layout() {
+        let export = IpcExport::Handles {
+            sizes: vec![4 << 20, 32 << 20, 2 << 20],
+            fds: vec![5, 9, 11],
+            offset: 4096,
+        };
+        let shared = encode(&export, 1234);
+        // version, type, pid, padding, count, three sizes, three ints.
+        assert_eq!(&shared.handle[..2], &[2, b'h']);
+        assert_eq!(shared.handle.len(), 2 + 16 + 3 * 8 + 3 * 4);
+        assert_eq!(shared.offset, 4096);
+        assert_eq!(
+            decode(&shared.handle).unwrap(),
+            Decoded::Handles {
+                pid: 1234,
+                sizes: vec![4 << 20, 32 << 20, 2 << 20],
+                fds: vec![5, 9, 11]
+            }
+        );
+        let good = shared.handle;
+        let mut zero = good.clone();
+        zero[18..26].copy_from_slice(&0u64.to_ne_bytes());
+        for (bytes, reason) in [
+            (good[..good.len() - 1].to_vec(), "does not match"),
+            (good[..12].to_vec(), "shorter than its header"),
+            (zero, "an empty handle"),
+        ] {
+            let e = decode(&bytes).unwrap_err();
+            assert!(e.message.contains(reason), "{bytes:?}: {}", e.message);
+        }
+    }
+
+    #[test]
     fn garbage_is_refused_with_a_reason() {
         let export = IpcExport::Handles {
-            handle_size: 2 << 20,
+            sizes: vec![2 << 20; 2],
             fds: vec![5, 9],
             offset: 0,
         };

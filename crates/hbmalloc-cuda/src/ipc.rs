@@ -72,12 +72,12 @@ pub enum IpcExport {
         /// The allocation's offset from the segment's start.
         offset: u64,
     },
-    /// The allocation lies in mapped physical memory: handles of
-    /// `handle_size` bytes each, mapped whole, one after the other, from an
-    /// address `offset` bytes before the allocation.
+    /// The allocation lies in mapped physical memory: handles mapped whole,
+    /// one after the other, from an address `offset` bytes before the
+    /// allocation.
     Handles {
-        /// Bytes in each handle.
-        handle_size: u64,
+        /// Bytes in each handle, in address order.
+        sizes: Vec<u64>,
         /// Each handle's export, in address order: descriptors of this
         /// process, open until the handle is released.
         fds: Vec<RawFd>,
@@ -93,10 +93,25 @@ pub enum IpcExport {
 pub struct ImportedRange {
     /// Where the handles are mapped, one after the other.
     pub base: DevicePtr,
-    /// Bytes mapped (handles times their size).
+    /// Bytes mapped (the handles' sizes summed).
     pub size: u64,
-    handle_size: u64,
-    handles: Vec<u64>,
+    /// Each handle and its size, in address order.
+    handles: Vec<(u64, u64)>,
+}
+
+impl IpcExport {
+    /// The size every handle has, when they all have one (what PyTorch's
+    /// expandable-segment format can carry); `None` for a segment or handles
+    /// of several sizes.
+    pub fn common_handle_size(&self) -> Option<u64> {
+        match self {
+            IpcExport::Handles { sizes, .. } => {
+                let first = *sizes.first()?;
+                sizes.iter().all(|&s| s == first).then_some(first)
+            }
+            IpcExport::Segment { .. } => None,
+        }
+    }
 }
 
 fn ipc_error(kind: DeviceErrorKind, detail: String) -> DeviceError {
@@ -112,8 +127,7 @@ impl CudaDevice {
     /// allocation of this device's): see [`IpcExport`]. Fails with
     /// [`DeviceErrorKind::Unsupported`] when the range lies in memory this
     /// device did not allocate, in handles not created exportable, or in a
-    /// layout PyTorch's format cannot carry (handles of different sizes, or
-    /// mapped in part).
+    /// layout no format carries (handles mapped in part).
     pub fn ipc_export(&self, ptr: DevicePtr, size: u64) -> DeviceResult<IpcExport> {
         let end = ptr.checked_add(size.max(1)).ok_or_else(|| {
             unsupported(format!("range {ptr:#x}+{size} overflows the address space"))
@@ -140,11 +154,6 @@ impl CudaDevice {
         }
         let mut table = self.lock_shared();
         let pieces = covering_mappings(&table.mappings, ptr, end)?;
-        let handle_size = table
-            .handles
-            .get(&pieces[0].1.handle)
-            .map(|h| h.size)
-            .unwrap_or(0);
         for (_, m) in &pieces {
             let entry = table.handles.get(&m.handle).ok_or_else(|| {
                 unsupported(format!(
@@ -152,11 +161,10 @@ impl CudaDevice {
                     m.handle
                 ))
             })?;
-            if m.offset != 0 || m.size != entry.size || entry.size != handle_size {
+            if m.offset != 0 || m.size != entry.size {
                 return Err(unsupported(format!(
-                    "the memory under {ptr:#x}+{size} is mapped from parts of handles or from \
-                     handles of different sizes, which PyTorch's IPC format (whole handles of one \
-                     size) cannot describe"
+                    "the memory under {ptr:#x}+{size} is mapped from parts of handles, which \
+                     another process cannot map (it maps handles whole)"
                 )));
             }
             if !entry.shareable {
@@ -180,7 +188,7 @@ impl CudaDevice {
             fds.push(entry.fd.as_ref().expect("just set").as_raw_fd());
         }
         Ok(IpcExport::Handles {
-            handle_size,
+            sizes: pieces.iter().map(|(_, m)| m.size).collect(),
             fds,
             offset: ptr - pieces[0].0,
         })
@@ -205,14 +213,14 @@ impl CudaDevice {
     }
 
     /// Imports the physical handles exported as `fds` (descriptors of this
-    /// process, left open: the caller closes them), each `handle_size`
-    /// bytes, and maps them one after the other in a fresh address range,
-    /// readable and writable by this device and its peers. On failure,
-    /// everything made is undone.
+    /// process, left open: the caller closes them), of `sizes` bytes each,
+    /// and maps them one after the other in a fresh address range, readable
+    /// and writable by this device and its peers. On failure, everything
+    /// made is undone.
     pub fn ipc_import_handles(
         &self,
         fds: &[BorrowedFd<'_>],
-        handle_size: u64,
+        sizes: &[u64],
     ) -> DeviceResult<ImportedRange> {
         let granule = self.granularity().ok_or_else(|| {
             unsupported(format!(
@@ -220,14 +228,17 @@ impl CudaDevice {
                 self.ordinal()
             ))
         })?;
-        let size = (fds.len() as u64)
-            .checked_mul(handle_size)
-            .filter(|&s| s > 0 && handle_size % granule == 0)
+        let size = sizes
+            .iter()
+            .try_fold(0u64, |sum, &s| {
+                (s > 0 && s % granule == 0).then(|| sum.checked_add(s))?
+            })
+            .filter(|&s| s > 0 && sizes.len() == fds.len())
             .ok_or_else(|| {
                 ipc_error(
                     DeviceErrorKind::Driver("CUDA_ERROR_INVALID_VALUE".into()),
                     format!(
-                        "{} shared handles of {handle_size} bytes: not a whole number of {granule}-byte granules",
+                        "{} shared handles of {sizes:?} bytes: not a whole number of {granule}-byte granules each, one per descriptor",
                         fds.len()
                     ),
                 )
@@ -242,23 +253,23 @@ impl CudaDevice {
         let mut range = ImportedRange {
             base,
             size,
-            handle_size,
             handles: Vec::with_capacity(fds.len()),
         };
         let mut mapped = 0usize;
         let result = (|| {
-            for fd in fds {
+            for (fd, &handle_size) in fds.iter().zip(sizes) {
                 let handle = driver
                     .mem_import_fd(fd.as_raw_fd())
                     .map_err(|e| self.error(SETUP_CALL_KIND, e, "a shared handle"))?;
-                range.handles.push(handle);
+                range.handles.push((handle, handle_size));
             }
-            for (i, &handle) in range.handles.iter().enumerate() {
-                let va = base + i as u64 * handle_size;
+            let mut va = base;
+            for &(handle, handle_size) in &range.handles {
                 driver
                     .mem_map(va, handle_size as usize, handle, 0)
                     .map_err(|e| self.error(SETUP_CALL_KIND, e, &format!("at {va:#x}")))?;
                 mapped += 1;
+                va += handle_size;
             }
             driver
                 .mem_set_access(base, bytes, self.access_ordinals())
@@ -292,14 +303,15 @@ impl CudaDevice {
                 first = Err(self.error(SETUP_CALL_KIND, e, &what));
             }
         };
-        for i in 0..mapped {
-            let va = range.base + i as u64 * range.handle_size;
+        let mut va = range.base;
+        for &(_, handle_size) in &range.handles[..mapped] {
             keep(
-                driver.mem_unmap(va, range.handle_size as usize),
+                driver.mem_unmap(va, handle_size as usize),
                 format!("{va:#x}"),
             );
+            va += handle_size;
         }
-        for &handle in &range.handles {
+        for &(handle, _) in &range.handles {
             keep(driver.mem_release(handle), format!("handle {handle:#x}"));
         }
         keep(

@@ -906,9 +906,9 @@ fn a_failed_switch_back_keeps_the_memory_and_leaves_the_thread_relaxed() {
     assert_eq!(double.capture_mode(), CAPTURE_MODE_GLOBAL);
 }
 
-/// What `ipc_export` answers for segments, whole handles and layouts
-/// PyTorch's format cannot carry; an export imported again (here, in the
-/// same process) reaches the same bytes; importing leaks nothing.
+/// What `ipc_export` answers for segments and whole handles, of one size or
+/// several; an export imported again (here, in the same process) reaches the
+/// same bytes; importing leaks nothing.
 #[test]
 fn ipc_export_describes_the_memory_and_an_import_reaches_its_bytes() {
     use hbmalloc_cuda::IpcExport;
@@ -932,21 +932,18 @@ fn ipc_export_describes_the_memory_and_an_import_reaches_its_bytes() {
     dev.map(va + 2 * GRANULE, 2 * GRANULE, c, 0).unwrap();
     dev.set_access(va, 4 * GRANULE).unwrap();
     assert_eq!(double.fill(va + 100, 0x5a, (GRANULE + 10) as usize), 0);
-    let IpcExport::Handles {
-        handle_size,
-        fds,
-        offset,
-    } = dev.ipc_export(va + 100, GRANULE + 10).unwrap()
-    else {
+    let export = dev.ipc_export(va + 100, GRANULE + 10).unwrap();
+    assert_eq!(export.common_handle_size(), Some(GRANULE));
+    let IpcExport::Handles { sizes, fds, offset } = export else {
         panic!("handles")
     };
-    assert_eq!((handle_size, fds.len(), offset), (GRANULE, 2, 100));
+    assert_eq!((sizes.len(), fds.len(), offset), (2, 2, 100));
     // SAFETY: the descriptors are open while their handles live (below).
     let borrowed: Vec<_> = fds
         .iter()
         .map(|&fd| unsafe { BorrowedFd::borrow_raw(fd) })
         .collect();
-    let imported = dev.ipc_import_handles(&borrowed, handle_size).unwrap();
+    let imported = dev.ipc_import_handles(&borrowed, &sizes).unwrap();
     let seen = double
         .read(imported.base + 100, (GRANULE + 10) as usize)
         .unwrap();
@@ -954,14 +951,25 @@ fn ipc_export_describes_the_memory_and_an_import_reaches_its_bytes() {
         seen.iter().all(|&x| x == 0x5a),
         "the import reaches the same bytes"
     );
-    // A range over handles of two sizes is refused, saying why.
-    let err = dev.ipc_export(va + GRANULE, 2 * GRANULE).unwrap_err();
-    assert_eq!(err.kind, DeviceErrorKind::Unsupported);
-    assert!(
-        err.detail.contains("handles of different sizes"),
-        "{}",
-        err.detail
-    );
+    // Over handles of two sizes: each mapped whole, one after the other.
+    assert_eq!(double.fill(va + GRANULE, 0x3c, (2 * GRANULE) as usize), 0);
+    let export = dev.ipc_export(va + GRANULE, 2 * GRANULE).unwrap();
+    assert_eq!(export.common_handle_size(), None);
+    let IpcExport::Handles { sizes, fds, offset } = export else {
+        panic!("handles")
+    };
+    assert_eq!((sizes, offset), (vec![GRANULE, 2 * GRANULE], 0));
+    // SAFETY: as above.
+    let borrowed: Vec<_> = fds
+        .iter()
+        .map(|&fd| unsafe { BorrowedFd::borrow_raw(fd) })
+        .collect();
+    let mixed = dev
+        .ipc_import_handles(&borrowed, &[GRANULE, 2 * GRANULE])
+        .unwrap();
+    let seen = double.read(mixed.base, (2 * GRANULE) as usize).unwrap();
+    assert!(seen.iter().all(|&x| x == 0x3c), "both handles' bytes");
+    dev.ipc_release_import(mixed).unwrap();
     // Addresses this device never mapped.
     let err = dev.ipc_export(va + 5 * GRANULE, 16).unwrap_err();
     assert!(
@@ -984,8 +992,9 @@ fn ipc_export_describes_the_memory_and_an_import_reaches_its_bytes() {
     // Garbage descriptors are the driver's to refuse, and leave nothing behind.
     // SAFETY: stdin is open for the test's duration (the import only reads it).
     let stdin = unsafe { BorrowedFd::borrow_raw(0) };
-    assert!(dev.ipc_import_handles(&[stdin], GRANULE).is_err());
-    assert!(dev.ipc_import_handles(&[], GRANULE).is_err());
+    assert!(dev.ipc_import_handles(&[stdin], &[GRANULE]).is_err());
+    assert!(dev.ipc_import_handles(&[], &[]).is_err());
+    assert!(dev.ipc_import_handles(&[stdin], &[GRANULE + 1]).is_err());
 }
 
 /// A driver that refuses exportable memory still serves plain memory, which
