@@ -913,7 +913,7 @@ impl HbmPolicy {
         // use elsewhere, within the range.
         if let Some(found) = blocked[..count]
             .iter()
-            .find_map(|&id| self.slide(id, size).map(|at| (id, at)))
+            .find_map(|&id| self.slide(id, size, false).map(|at| (id, at)))
         {
             return Some(found);
         }
@@ -927,7 +927,7 @@ impl HbmPolicy {
         if !self.blocked(self.span(id).region, ptr, size) {
             return Some((id, ptr));
         }
-        self.slide(id, size).map(|at| (id, at))
+        self.slide(id, size, false).map(|at| (id, at))
     }
 
     /// Where in free span `id` a block of `size` bytes goes, `ptr` being the
@@ -1024,39 +1024,19 @@ impl HbmPolicy {
     /// The lowest place in free span `id` where a block of `size` bytes lies
     /// on mapped granules only and may lie ([`HbmPolicy::busy_end`]).
     fn mapped_place(&self, id: u32, size: u64) -> Option<DevicePtr> {
-        let granule = self.granule?;
+        self.granule?;
         let range = self.span(id);
-        let region_index = range.region;
-        let region = self.region(region_index);
-        if region.segment {
+        if self.region(range.region).segment {
             return Some(range.start);
         }
-        let mut at = range.start;
-        while at + size <= range.end() {
-            let (first, end) = granules_under(granule, region.base, at, size);
-            let unmapped = region.next_with(first, end, false);
-            if unmapped < end {
-                // Past the unmapped granule, to the next mapped one.
-                let next = region.next_with(unmapped, region.granules, true);
-                at = region.base + next * granule;
-                continue;
-            }
-            if let Some(last) = region.lent.last_set(first, end) {
-                at = region.base + (last + 1) * granule;
-                continue;
-            }
-            match self.busy_end(region_index, at, size) {
-                None => return Some(at),
-                Some(busy_end) => at = busy_end,
-            }
-        }
-        None
+        self.slide(id, size, true)
     }
 
     /// Slides a block of `size` bytes through free span `id` to the first
-    /// place [`HbmPolicy::busy_end`] allows: past lent memory with the bitmap
+    /// place [`HbmPolicy::busy_end`] allows (and, with `mapped_only`, where
+    /// every granule under it is mapped): past lent memory with the bitmap
     /// alone, walking the alias groups only where nothing is lent.
-    fn slide(&self, id: u32, size: u64) -> Option<DevicePtr> {
+    fn slide(&self, id: u32, size: u64, mapped_only: bool) -> Option<DevicePtr> {
         let granule = self.granule?;
         let range = self.span(id);
         let region_index = range.region;
@@ -1064,6 +1044,15 @@ impl HbmPolicy {
         let mut at = range.start;
         while at + size <= range.end() {
             let (first, end) = granules_under(granule, region.base, at, size);
+            if mapped_only {
+                let unmapped = region.next_with(first, end, false);
+                if unmapped < end {
+                    // Past the unmapped granule, to the next mapped one.
+                    let next = region.next_with(unmapped, region.granules, true);
+                    at = region.base + next * granule;
+                    continue;
+                }
+            }
             if let Some(last) = region.lent.last_set(first, end) {
                 at = region.base + (last + 1) * granule;
                 continue;
