@@ -767,7 +767,8 @@ class HbmallocAllocator final : public Pluggable {
   // Sharing CUDA tensors between processes (torch.multiprocessing): in
   // PyTorch's own format (hbmalloc's C ABI writes and reads the bytes, see
   // crates/hbmalloc-capi/src/ipc.rs), so either side may be PyTorch's own
-  // allocator. The sender's block stays allocated while the receiver holds
+  // allocator (but for a block over handles of several sizes, which goes in
+  // hbmalloc's own format, for hbmalloc only). The sender's block stays allocated while the receiver holds
   // it: PyTorch's CUDA IPC reference counting keeps the sender's DataPtr.
   cca::ShareableHandle shareIpcHandle(void* ptr) override {
     std::string handle(128, '\0');

@@ -653,7 +653,8 @@ pub extern "C" fn hbmalloc_reset() -> c_int {
 }
 
 /// Shares allocation `ptr` with another process in PyTorch's CUDA IPC
-/// format (`CUDAAllocator::shareIpcHandle`; see `ipc.rs`): the handle's bytes
+/// format (`CUDAAllocator::shareIpcHandle`), or hbmalloc's own where physical
+/// handles of several sizes lie under it (see `ipc.rs`): the handle's bytes
 /// into `handle` (at most `capacity` of them), their number into `*length`
 /// (call again with a larger buffer when it exceeds `capacity`), and where
 /// `ptr` lies in the shared memory into `*offset`.

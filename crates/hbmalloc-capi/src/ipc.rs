@@ -85,18 +85,18 @@ pub fn encode(export: &IpcExport, pid: i32) -> Shared {
         IpcExport::Handles { sizes, fds, offset } => {
             // PyTorch's own layout wherever it can carry the handles, so
             // that a process under PyTorch's allocator opens them too.
-            if let Some(handle_size) = export.common_handle_size() {
-                handle.push(SHAREABLE_CUDA_EXPANDABLE_SEGMENT);
-                handle.extend_from_slice(&pid.to_ne_bytes());
-                handle.extend_from_slice(&[0; 4]);
+            let common = export.common_handle_size();
+            handle.push(match common {
+                Some(_) => SHAREABLE_CUDA_EXPANDABLE_SEGMENT,
+                None => HBMALLOC_MIXED_HANDLES,
+            });
+            handle.extend_from_slice(&pid.to_ne_bytes());
+            handle.extend_from_slice(&[0; 4]);
+            if let Some(handle_size) = common {
                 handle.extend_from_slice(&handle_size.to_ne_bytes());
-            } else {
-                handle.push(HBMALLOC_MIXED_HANDLES);
-                handle.extend_from_slice(&pid.to_ne_bytes());
-                handle.extend_from_slice(&[0; 4]);
             }
             handle.extend_from_slice(&(fds.len() as u64).to_ne_bytes());
-            if export.common_handle_size().is_none() {
+            if common.is_none() {
                 for size in sizes {
                     handle.extend_from_slice(&size.to_ne_bytes());
                 }

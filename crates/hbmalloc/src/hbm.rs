@@ -751,15 +751,15 @@ impl HbmPolicy {
             self.grant_missing_access(dev)?;
         }
         self.process_events(dev)?;
+        // No device holds it: fail before mapping the whole device, twice,
+        // to find out, and before it counts as demand.
+        if self.state.device_total > 0 && size > self.state.device_total {
+            return Err(self.out_of_memory(dev, requested, size, stream));
+        }
         let demand = self.state.stats.active_bytes[0].current as u64 + size;
         self.growing = demand > self.peak_demand_bytes;
         self.peak_demand_bytes = self.peak_demand_bytes.max(demand);
         let near_peak = demand * 100 >= self.peak_demand_bytes * SHORT_LIVED_NEAR_PEAK_PERCENT;
-        // No device holds it: fail before mapping the whole device, twice,
-        // to find out.
-        if self.state.device_total > 0 && size > self.state.device_total {
-            return Err(self.out_of_memory(dev, requested, size, stream));
-        }
         let mut retried = false;
         let (ptr, span, on_aliased) = loop {
             // A hit is mapped already. A miss goes where a block of this size
@@ -1024,7 +1024,6 @@ impl HbmPolicy {
     /// The lowest place in free span `id` where a block of `size` bytes lies
     /// on mapped granules only and may lie ([`HbmPolicy::busy_end`]).
     fn mapped_place(&self, id: u32, size: u64) -> Option<DevicePtr> {
-        self.granule?;
         let range = self.span(id);
         if self.region(range.region).segment {
             return Some(range.start);

@@ -612,6 +612,39 @@ fn a_failed_request_gives_back_what_it_mapped() {
     }
 }
 
+/// A request no device could hold fails without leaving a trace in later
+/// decisions: idle memory is still stitched rather than new memory made, as
+/// the same program does without it.
+#[test]
+fn an_impossible_request_changes_no_later_decision() {
+    let run = |impossible: bool| {
+        let mut a = hbm(GIB, "");
+        let blocks: Vec<_> = (0..16)
+            .map(|_| a.malloc(16 * MIB, StreamId(0)).unwrap())
+            .collect();
+        for p in blocks.iter().step_by(2) {
+            a.free(*p).unwrap();
+        }
+        if impossible {
+            assert!(matches!(
+                a.malloc(4 * GIB, StreamId(0)),
+                Err(AllocError::OutOfMemory(_))
+            ));
+        }
+        let big = a.malloc(64 * MIB, StreamId(0)).unwrap();
+        check(&a);
+        let stats = a.stats();
+        let figures = (
+            stats.reserved_bytes[0].peak,
+            stats.num_device_alloc,
+            a.device().used_bytes(),
+        );
+        a.free(big).unwrap();
+        figures
+    };
+    assert_eq!(run(true), run(false));
+}
+
 #[test]
 fn memory_fraction_is_a_hard_limit() {
     let mut a = hbm(GIB, "per_process_memory_fraction:0.25");
