@@ -518,6 +518,11 @@ pub fn metrics_text(m: &Metrics) -> String {
         "  simulated_driver_seconds   {:.6}",
         m.simulated_driver_seconds
     );
+    let _ = writeln!(
+        out,
+        "  driver_time_floor_seconds  {:.6} (least for any allocator that meets the efficiency target wherever the trace might end)",
+        m.driver_time_floor_seconds
+    );
     if let Some(seconds) = m.recorded_seconds {
         let _ = writeln!(out, "  recorded_seconds           {seconds:.3}");
     }

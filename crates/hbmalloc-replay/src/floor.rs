@@ -1,8 +1,9 @@
-//! How few times any allocator can get new memory in the second half of a
-//! trace, if it is never less efficient than the `efficiency` target allows
-//! at any point where the program might have stopped: a lower bound on
-//! `steady_state_device_calls` that no policy can beat, from the live
-//! memory of the trace alone.
+//! How few times any allocator can get new memory, in the second half of a
+//! trace or over all of it, if it is never less efficient than the
+//! `efficiency` target allows at any point where the program might have
+//! stopped: lower bounds on `steady_state_device_calls` and on simulated
+//! driver time that no policy can beat, from the live memory of the trace
+//! alone.
 //!
 //! Why every point: an allocator that decides online behaves on a trace's
 //! first `t` operations as on the whole trace, and a program that stopped
@@ -57,14 +58,28 @@ fn ceiling_bytes(peak_live_bytes: u64) -> u64 {
 /// moment, so it must grow between any two of these growths (and before the
 /// first): it grows at least as often.
 pub fn steady_state_growth_floor(live_after_ops: &[u64]) -> u64 {
+    growths_after(live_after_ops, live_after_ops.len().saturating_sub(1) / 2)
+}
+
+/// The fewest times an allocator that meets the efficiency target on every
+/// prefix of the trace must get new memory over the whole replay, holding
+/// as much as allowed for free at the start (a snapshot's restored state).
+/// Each growth is at least one `cudaMalloc`, or a create, a map and an
+/// access grant: [`hbmalloc::LatencyModel::cheapest_growth_ns`] turns this
+/// into the least driver time any such allocator spends.
+pub fn growth_floor(live_after_ops: &[u64]) -> u64 {
+    growths_after(live_after_ops, 0)
+}
+
+/// Greedy growths after op `from`, holding all that is allowed there.
+fn growths_after(live_after_ops: &[u64], from: usize) -> u64 {
     let Some(ops) = live_after_ops.len().checked_sub(1) else {
         return 0;
     };
     let allowed = allowed_after_ops(live_after_ops);
-    let half = ops / 2;
-    let mut held = allowed[half];
+    let mut held = allowed[from];
     let mut growths = 0;
-    for t in half + 1..=ops {
+    for t in from + 1..=ops {
         if live_after_ops[t] > held {
             held = allowed[t];
             growths += 1;
@@ -116,6 +131,17 @@ mod tests {
         assert_eq!(steady_state_growth_floor(&live), 0);
         let live = [0, 100 * MIB, 100 * MIB, 106 * MIB, 106 * MIB];
         assert_eq!(steady_state_growth_floor(&live), 1);
+    }
+
+    #[test]
+    fn the_whole_run_counts_the_first_half_too() {
+        // Doubling live memory: every op past the first grows, in either half.
+        let live = [MIB, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB, 32 * MIB, 64 * MIB];
+        assert_eq!(growth_floor(&live), 6);
+        assert_eq!(steady_state_growth_floor(&live), 3);
+        // A restored state is held for free: no growth while live stays in it.
+        assert_eq!(growth_floor(&[100 * MIB, 50 * MIB, 100 * MIB]), 0);
+        assert_eq!(growth_floor(&[]), 0);
     }
 
     #[test]
@@ -172,12 +198,13 @@ mod tests {
             ..ProptestConfig::default()
         })]
 
-        /// No allowed schedule grows less often than the floor says, and one
+        /// No allowed schedule grows less often than the floors say, and one
         /// grows exactly that often. A schedule that holds at least live
         /// memory and never more than some prefix's target allows is drawn
-        /// at random (how much it holds at the half, and how much of the
-        /// allowed room each growth takes), and its second-half growths
-        /// counted.
+        /// at random (how much it holds where counting starts, and how much
+        /// of the allowed room each growth takes), and its growths counted
+        /// from the half ([`steady_state_growth_floor`]) and from the start
+        /// ([`growth_floor`]).
         #[test]
         fn no_allowed_schedule_grows_less_often(
             live in live_curves(),
@@ -185,15 +212,14 @@ mod tests {
         ) {
             let ops = live.len() - 1;
             let allowed = allowed_after_ops(&live);
-            let half = ops / 2;
             let room = |t: usize, share: f64, held: u64| {
                 let low = live[t].max(held);
                 low + ((allowed[t].saturating_sub(low)) as f64 * share) as u64
             };
-            let growths = |share: &dyn Fn(usize) -> f64| {
-                let mut held = room(half, share(0), live[half]);
+            let growths = |from: usize, share: &dyn Fn(usize) -> f64| {
+                let mut held = room(from, share(0), live[from]);
                 let mut growths = 0;
-                for t in half + 1..=ops {
+                for t in from + 1..=ops {
                     if live[t] > held {
                         held = room(t, share(t), held);
                         growths += 1;
@@ -202,11 +228,15 @@ mod tests {
                 }
                 growths
             };
-            let floor = steady_state_growth_floor(&live);
-            prop_assert!(growths(&|t| shares[t]) >= floor);
-            // And the floor is reached: by the schedule that always takes
-            // all the room there is.
-            prop_assert_eq!(growths(&|_| 1.0), floor);
+            for (from, floor) in [
+                (ops / 2, steady_state_growth_floor(&live)),
+                (0, growth_floor(&live)),
+            ] {
+                prop_assert!(growths(from, &|t| shares[t]) >= floor);
+                // And the floor is reached: by the schedule that always
+                // takes all the room there is.
+                prop_assert_eq!(growths(from, &|_| 1.0), floor);
+            }
         }
     }
 }

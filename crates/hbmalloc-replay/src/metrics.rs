@@ -7,7 +7,7 @@ use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op};
 use serde::Serialize;
 
 use crate::{
-    steady_state_growth_floor, Outcome, PreparedTrace, ReplayError, ReplayOptions,
+    growth_floor, steady_state_growth_floor, Outcome, PreparedTrace, ReplayError, ReplayOptions,
     UNBOUNDED_CAPACITY_BYTES,
 };
 
@@ -129,6 +129,11 @@ pub struct Metrics {
     pub steady_state_growth_floor: u64,
     /// Driver time under the latency model.
     pub simulated_driver_seconds: f64,
+    /// The least driver time any allocator that meets the efficiency target
+    /// wherever the trace might have ended spends under the same latency
+    /// model: [`growth_floor`] growths at the cheapest a growth can cost
+    /// ([`LatencyModel::cheapest_growth_ns`]). The same for every policy.
+    pub driver_time_floor_seconds: f64,
     /// Wall-clock time the recording spans ([`DeviceTrace::recorded_span_us`]),
     /// where the trace has timestamps.
     pub recorded_seconds: Option<f64>,
@@ -312,6 +317,9 @@ pub fn evaluate(
         steady_state_calls_by_kind: run.steady_state_calls.as_ref().map(by_kind),
         steady_state_growth_floor: steady_state_growth_floor(&live),
         simulated_driver_seconds: run.calls.simulated_ns as f64 / 1e9,
+        driver_time_floor_seconds: growth_floor(&live) as f64
+            * options.latency.cheapest_growth_ns() as f64
+            / 1e9,
         recorded_seconds,
         driver_time_fraction: recorded_seconds
             .filter(|&s| s > 0.0 && trace.device >= 0)
