@@ -861,6 +861,11 @@ mod tests {
             assert_eq!(m.steady_state_growth_floor, 2, "{settings}");
             let calls = m.steady_state_device_calls.unwrap();
             assert!(calls >= calls_per_growth * 2, "{settings}: {calls}");
+            // Over the whole run all four allocations grow, each at least a
+            // create, a map and an access grant (52 µs on the H100).
+            let floor = m.driver_time_floor_seconds;
+            assert!((floor - 4.0 * 52e-6).abs() < 1e-12, "{settings}: {floor}");
+            assert!(m.simulated_driver_seconds >= m.driver_time_floor_seconds, "{settings}");
         }
     }
 
