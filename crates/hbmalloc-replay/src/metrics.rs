@@ -865,7 +865,10 @@ mod tests {
             // create, a map and an access grant (52 µs on the H100).
             let floor = m.driver_time_floor_seconds;
             assert!((floor - 4.0 * 52e-6).abs() < 1e-12, "{settings}: {floor}");
-            assert!(m.simulated_driver_seconds >= m.driver_time_floor_seconds, "{settings}");
+            assert!(
+                m.simulated_driver_seconds >= m.driver_time_floor_seconds,
+                "{settings}"
+            );
         }
     }
 

@@ -164,7 +164,8 @@ mod tests {
         assert_eq!(LatencyModel::zero().cheapest_growth_ns(), 0);
         let falling = LatencyCurve::through(&[(MIB, 10), (2 * MIB, 5)]);
         assert_eq!(falling.min_ns(), 0, "extended down to nothing");
-        let cheap_malloc = LatencyModel::h100().with(CallKind::SegmentAlloc, LatencyCurve::constant(7));
+        let cheap_malloc =
+            LatencyModel::h100().with(CallKind::SegmentAlloc, LatencyCurve::constant(7));
         assert_eq!(cheap_malloc.cheapest_growth_ns(), 7);
     }
 

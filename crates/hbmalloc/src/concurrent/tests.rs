@@ -6,6 +6,7 @@ use super::*;
 use crate::allocator::{AllocatorConfig, PolicyConfig};
 use crate::device::{CallKind, PoolId};
 use crate::sim::SimDevice;
+use crate::stats::StatType;
 
 const MIB: u64 = 1 << 20;
 
@@ -270,5 +271,45 @@ fn history_of_several_shards_is_one_unbroken_window_in_recorded_order() {
     assert!(
         after_clear.len() >= 2 && after_clear.iter().all(|e| e.stream == b),
         "a clear starts the window again on every engine: {after_clear:?}"
+    );
+}
+
+#[test]
+fn the_single_lock_baseline_is_the_engine_behind_a_lock() {
+    // The same program through `ThreadSafeAllocator` on a locked engine and
+    // straight on an engine: the same pointers, statistics and driver calls.
+    let config = AllocatorConfig {
+        policy: PolicyConfig::from_settings("policy:pytorch").unwrap(),
+        history_entries: 0,
+    };
+    let locked = Mutex::new(Allocator::new(SimDevice::new(), config.clone()).unwrap());
+    let mut plain = Allocator::new(SimDevice::new(), config).unwrap();
+    let shared: &dyn ThreadSafeAllocator = &locked;
+    let (main, side) = (StreamId(1), StreamId(2));
+    let a = shared.malloc(3 * MIB, main).unwrap();
+    assert_eq!(a, plain.malloc(3 * MIB, main).unwrap());
+    shared.record_stream(a, side).unwrap();
+    plain.record_stream(a, side).unwrap();
+    let b = shared.malloc(MIB, main).unwrap();
+    assert_eq!(b, plain.malloc(MIB, main).unwrap());
+    shared.free(a).unwrap();
+    plain.free(a).unwrap();
+    shared.free(b).unwrap();
+    plain.free(b).unwrap();
+    shared.empty_cache().unwrap();
+    plain.empty_cache().unwrap();
+    let stats = shared.stats();
+    assert_eq!(stats, *plain.stats());
+    let all = StatType::Aggregate as usize;
+    assert_eq!(stats.allocation[all].allocated, 2, "two mallocs counted");
+    assert_eq!(
+        stats.reserved_bytes[all].current, 0,
+        "the cache was emptied"
+    );
+    let calls = lock(&locked).device().call_counts();
+    assert_eq!(calls, plain.device().call_counts());
+    assert!(
+        calls.get(CallKind::EventRecord) > 0,
+        "the side stream's use was recorded"
     );
 }
