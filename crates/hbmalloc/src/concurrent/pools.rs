@@ -33,27 +33,22 @@ pub(super) struct PrivatePools<D: Device> {
 }
 
 impl<D: Device> SharedAllocator<D> {
-    /// The engines of the private pools now, with their owner indices.
-    pub(super) fn pool_engines(&self) -> Vec<(u32, Arc<Shard<D>>)> {
+    /// The engines of the private pools now.
+    pub(super) fn pool_engines(&self) -> Vec<Arc<Shard<D>>> {
         self.pool_engines_where(|_| true)
     }
 
-    /// The engines of the private pools that `keep` accepts, with their
-    /// owner indices.
+    /// The engines of the private pools that `keep` accepts.
     pub(super) fn pool_engines_where(
         &self,
         keep: impl Fn(&PrivatePool<D>) -> bool,
-    ) -> Vec<(u32, Arc<Shard<D>>)> {
-        let base = self.shards.len() as u32;
+    ) -> Vec<Arc<Shard<D>>> {
         lock(&self.pools)
             .slots
             .iter()
-            .enumerate()
-            .filter_map(|(slot, p)| {
-                p.as_ref()
-                    .filter(|p| keep(p))
-                    .map(|p| (base + slot as u32, Arc::clone(&p.shard)))
-            })
+            .flatten()
+            .filter(|p| keep(p))
+            .map(|p| Arc::clone(&p.shard))
             .collect()
     }
 
@@ -135,7 +130,7 @@ impl<D: Device> SharedAllocator<D> {
             return Ok(());
         }
         let mut first_error = Ok(());
-        for (_, engine) in self.released_pool_engines() {
+        for engine in self.released_pool_engines() {
             let emptied = self.on_engine(&engine, |a| a.empty_cache());
             if first_error.is_ok() {
                 first_error = emptied;
@@ -220,8 +215,8 @@ impl<D: Device> SharedAllocator<D> {
     }
 
     /// The engines of the pools no one holds any more (waiting for their
-    /// last allocations), with their owner indices.
-    pub(super) fn released_pool_engines(&self) -> Vec<(u32, Arc<Shard<D>>)> {
+    /// last allocations).
+    pub(super) fn released_pool_engines(&self) -> Vec<Arc<Shard<D>>> {
         self.pool_engines_where(|p| p.use_count == 0)
     }
 

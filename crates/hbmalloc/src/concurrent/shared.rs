@@ -188,11 +188,7 @@ impl<D: Device> SharedAllocator<D> {
         self.shards
             .iter()
             .map(EngineRef::Shard)
-            .chain(
-                self.pool_engines()
-                    .into_iter()
-                    .map(|(_, e)| EngineRef::Pool(e)),
-            )
+            .chain(self.pool_engines().into_iter().map(EngineRef::Pool))
             .collect()
     }
 

@@ -313,3 +313,53 @@ fn the_single_lock_baseline_is_the_engine_behind_a_lock() {
         "the side stream's use was recorded"
     );
 }
+
+#[test]
+fn shards_are_as_many_as_asked_and_at_least_one() {
+    assert_eq!(shared("policy:pytorch").shard_count(), 8);
+    let config = AllocatorConfig {
+        policy: PolicyConfig::from_settings("policy:pytorch").unwrap(),
+        history_entries: 0,
+    };
+    let one = SharedAllocator::new(SimDevice::new(), config, 0).unwrap();
+    assert_eq!(one.shard_count(), 1);
+}
+
+#[test]
+fn a_pools_live_allocations_are_its_own_in_address_order() {
+    let alloc = shared("policy:pytorch");
+    let (pool, other) = (PoolId(1, 0), PoolId(2, 0));
+    assert_eq!(alloc.pool_live_allocations(pool), None, "no such pool yet");
+    alloc.create_or_incref_pool(pool).unwrap();
+    alloc.create_or_incref_pool(other).unwrap();
+    let kept: Vec<DevicePtr> = (0..3)
+        .map(|_| alloc.malloc_in_pool(pool, 4 * MIB, StreamId(1)).unwrap())
+        .collect();
+    let elsewhere = alloc.malloc_in_pool(other, 4 * MIB, StreamId(1)).unwrap();
+    let outside = alloc.malloc(4 * MIB, StreamId(1)).unwrap();
+    alloc.free(kept[1]).unwrap();
+    let mut expected = vec![kept[0], kept[2]];
+    expected.sort_unstable();
+    assert_eq!(alloc.pool_live_allocations(pool), Some(expected));
+    assert_eq!(alloc.pool_live_allocations(other), Some(vec![elsewhere]));
+    for ptr in [kept[0], kept[2], elsewhere, outside] {
+        alloc.free(ptr).unwrap();
+    }
+}
+
+#[test]
+fn a_pool_out_of_memory_takes_back_the_shards_caches() {
+    let config = AllocatorConfig {
+        policy: PolicyConfig::from_settings("policy:pytorch").unwrap(),
+        history_entries: 0,
+    };
+    let alloc = SharedAllocator::new(SimDevice::with_capacity(64 * MIB), config, 4).unwrap();
+    // A shard caches 40 MiB; the pool's 40 MiB fits only once it is given back.
+    let cached = alloc.malloc(40 * MIB, StreamId(1)).unwrap();
+    alloc.free(cached).unwrap();
+    let pool = PoolId(1, 0);
+    alloc.create_or_incref_pool(pool).unwrap();
+    let ptr = alloc.malloc_in_pool(pool, 40 * MIB, StreamId(1)).unwrap();
+    alloc.free(ptr).unwrap();
+    alloc.check_invariants().unwrap();
+}
