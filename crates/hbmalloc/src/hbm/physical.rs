@@ -303,3 +303,47 @@ impl Physical {
         Ok((spare_granules, handle_bytes))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const G: u64 = 2 << 20;
+
+    /// Where handles map in part, a spare is cut to the room and the rest
+    /// stays spare; where they map whole, a piece larger than the room is
+    /// taken whole only if it fits in `past`.
+    #[test]
+    fn spares_are_cut_only_where_handles_map_in_part() {
+        let mut parts = Physical::new(true);
+        parts.add_handle(PhysicalHandle(1), 8 * G);
+        parts.add_spare(PhysicalHandle(1), 0, 8 * G);
+        let piece = parts.take_spare(3 * G, 3 * G).unwrap();
+        assert_eq!((piece.offset, piece.bytes), (0, 3 * G));
+        let rest = parts.take_spare(8 * G, 8 * G).unwrap();
+        assert_eq!((rest.offset, rest.bytes), (3 * G, 5 * G));
+        assert!(parts.take_spare(G, G).is_none());
+
+        let mut whole = Physical::new(false);
+        whole.add_handle(PhysicalHandle(2), 8 * G);
+        whole.add_spare(PhysicalHandle(2), 0, 8 * G);
+        assert!(whole.take_spare(3 * G, 4 * G).is_none());
+        let piece = whole.take_spare(3 * G, 8 * G).unwrap();
+        assert_eq!((piece.offset, piece.bytes), (0, 8 * G));
+        assert!(whole.movable(PhysicalHandle(2), 0, 8 * G));
+        assert!(!whole.movable(PhysicalHandle(2), 0, 4 * G));
+    }
+
+    /// Held bytes and their peak follow handles created and forgotten.
+    #[test]
+    fn held_bytes_keep_their_peak() {
+        let mut physical = Physical::new(true);
+        physical.add_handle(PhysicalHandle(1), 4 * G);
+        physical.add_handle(PhysicalHandle(2), 2 * G);
+        physical.count_mapped(PhysicalHandle(2), 2 * G, true);
+        assert_eq!(physical.idle_handles(), vec![PhysicalHandle(1)]);
+        assert_eq!(physical.forget_handle(PhysicalHandle(1)), 4 * G);
+        assert_eq!(physical.held_bytes(), 2 * G);
+        assert_eq!(physical.peak_held_bytes(), 6 * G);
+    }
+}

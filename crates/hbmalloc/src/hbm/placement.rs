@@ -169,3 +169,64 @@ impl PlacementMemory {
         Some((recent.span, recent.ptr))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A free is offered to a request of its size and stream only, and only
+    /// for `RECENT_FREE_ALLOCATIONS` allocations.
+    #[test]
+    fn recent_free_is_offered_to_its_size_and_stream_for_a_while() {
+        let mut memory = PlacementMemory::new(2 << 20);
+        let born = memory.allocated();
+        memory.freed(StreamId(1), 4096, 0x1000, 7, born);
+        assert_eq!(memory.recent_free(StreamId(1), 4096), Some((7, 0x1000)));
+        assert_eq!(memory.recent_free(StreamId(2), 4096), None);
+        assert_eq!(memory.recent_free(StreamId(1), 8192), None);
+        for _ in 0..RECENT_FREE_ALLOCATIONS {
+            memory.allocated();
+        }
+        assert_eq!(memory.recent_free(StreamId(1), 4096), Some((7, 0x1000)));
+        memory.allocated();
+        assert_eq!(memory.recent_free(StreamId(1), 4096), None);
+    }
+
+    /// A size is mostly short-lived once 3 in 4 of at least 4 frees came
+    /// within `SHORT_LIVED_ALLOCATIONS` of their birth.
+    #[test]
+    fn sizes_freed_soon_after_birth_count_as_short_lived() {
+        let mut memory = PlacementMemory::new(2 << 20);
+        for i in 0..4u64 {
+            let born = memory.allocated();
+            if i == 0 {
+                for _ in 0..=SHORT_LIVED_ALLOCATIONS {
+                    memory.allocated();
+                }
+            }
+            memory.freed(StreamId(0), 512, 0, 0, born);
+            assert_eq!(memory.mostly_short(512), i == 3, "after {} frees", i + 1);
+        }
+        let born = memory.allocated();
+        for _ in 0..=SHORT_LIVED_ALLOCATIONS {
+            memory.allocated();
+        }
+        memory.freed(StreamId(0), 512, 0, 0, born);
+        assert!(!memory.mostly_short(512), "3 short in 5");
+        // Sizes of a granule or more are not tracked.
+        assert!(!memory.mostly_short(2 << 20));
+    }
+
+    /// Demand near its peak is within `SHORT_LIVED_NEAR_PEAK_PERCENT`; only
+    /// a new peak is growth.
+    #[test]
+    fn demand_tracks_its_peak() {
+        let mut memory = PlacementMemory::new(2 << 20);
+        assert!(memory.demand(1000));
+        assert!(memory.growing());
+        assert!(memory.demand(900));
+        assert!(!memory.growing());
+        assert!(!memory.demand(899));
+        assert_eq!(memory.peak_demand_bytes(), 1000);
+    }
+}
