@@ -441,13 +441,10 @@ impl HbmPolicy {
     /// (region, first, end), highest address first; ranges smaller than a
     /// granule (not in `large_free`) hold none.
     pub(super) fn free_granules(&self, granule: u64) -> impl Iterator<Item = (u32, u64, u64)> + '_ {
-        self.spans
-            .large_free_by_end()
-            .into_iter()
-            .filter_map(move |id| {
-                let (first, end) = self.whole_granules(granule, id);
-                (first < end).then_some((self.spans.get(id).region, first, end))
-            })
+        self.spans.large_free_by_end().filter_map(move |id| {
+            let (first, end) = self.whole_granules(granule, id);
+            (first < end).then_some((self.spans.get(id).region, first, end))
+        })
     }
 
     /// Granules lying wholly inside free ranges, highest address first

@@ -83,9 +83,8 @@ impl AliasGroups {
     /// A new group of memory just mapped a second time: its views (the
     /// donor's and the new one) recorded in their regions.
     pub(super) fn create(&mut self, group: AliasGroup, regions: &mut [Option<Region>]) -> u32 {
-        let views = group.views.clone();
         let id = self.insert(group);
-        for view in views {
+        for &view in &self.get(id).views {
             self.record_view(id, view, regions);
         }
         id

@@ -113,14 +113,14 @@ impl Spans {
     }
 
     /// The free spans of at least a granule, highest end address first.
-    pub(super) fn large_free_by_end(&self) -> Vec<u32> {
+    pub(super) fn large_free_by_end(&self) -> impl Iterator<Item = u32> {
         let mut by_end: Vec<(DevicePtr, u32)> = self
             .large_free
             .iter()
             .map(|(&end, &id)| (end, id))
             .collect();
         by_end.sort_unstable_by_key(|&(end, _)| std::cmp::Reverse(end));
-        by_end.into_iter().map(|(_, id)| id).collect()
+        by_end.into_iter().map(|(_, id)| id)
     }
 
     fn new_span(&mut self, span: Span) -> u32 {
