@@ -5,7 +5,7 @@
 //! reservation of its own; physical memory is created in granules, mapped
 //! under the blocks that need it, and kept mapped under free ranges as the
 //! cache. Past `max_waste_percent` over peak demand, idle granules are
-//! mapped a second time where they are needed (stitched, [`AliasGroup`])
+//! mapped a second time where they are needed (stitched, [`AliasGroup`](groups::AliasGroup))
 //! instead of new memory created, so a step that needs memory in one place
 //! early and another later finds both mapped next time round. A miss takes
 //! a wholly mapped free place before it maps memory at best fit
@@ -15,23 +15,29 @@
 //! the order a miss gets memory in, and the measurements behind each rule
 //! are in `docs/hbm-design.md`.
 //!
-//! This file holds the state and the entry points (malloc and placement,
-//! free and stream events, giving memory back, out of memory, restoring a
-//! recorded state); `hbm/` holds the rest, each an `impl HbmPolicy` block
-//! over the same state: `spans.rs` (blocks and free ranges linked to their
-//! neighbours), `size_index.rs` (best-fit order), `backing.rs` (physical
-//! memory under a placed block), `alias.rs` (alias groups), `bitmap.rs`
-//! (per-granule bitmaps), `inspect.rs` (snapshot and invariant checks).
+//! [`HbmPolicy`] composes its state by concern, each part a struct with
+//! private fields in its own file: [`Spans`](spans::Spans) (blocks and free
+//! ranges, and their best-fit indexes, `size_index.rs`),
+//! [`Physical`](physical::Physical) (handles, spare pieces, memory held),
+//! [`AliasGroups`](groups::AliasGroups) (memory mapped twice, and its marks
+//! in the regions' bitmaps, `bitmap.rs`) and
+//! [`PlacementMemory`](placement::PlacementMemory) (the allocation clock,
+//! lifetimes, recent frees, peak demand). The policy keeps the regions, the
+//! live blocks and what several parts share, and coordinates: this file
+//! holds the entry points (malloc and placement, free and stream events,
+//! giving memory back, out of memory, restoring a recorded state),
+//! `backing.rs` maps physical memory under a placed block, `alias.rs`
+//! places blocks on alias groups and makes groups of idle memory, and
+//! `inspect.rs` takes the snapshot and checks the invariants.
 
 use std::collections::BTreeMap;
-use std::hash::{BuildHasher, BuildHasherDefault};
 use std::ops::ControlFlow;
 
 use crate::config::ConfigError;
 use crate::device::{Device, DevicePtr, PhysicalHandle, StreamId};
 use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::events::{PendingEvents, Poll};
-use crate::fastmap::{FastMap, PointerHasher};
+use crate::fastmap::FastMap;
 use crate::history::{Action, History};
 use crate::policy::PolicyState;
 use crate::snapshot::SegmentImage;
@@ -40,12 +46,18 @@ use crate::stats::{decrease_pool, increase_pool, DeviceStats, StatArray};
 mod alias;
 mod backing;
 mod bitmap;
+mod groups;
 mod inspect;
+mod physical;
+mod placement;
 mod size_index;
 mod spans;
 
 use bitmap::{Bitmap, GranuleMap};
-use size_index::SizeIndex;
+use groups::AliasGroups;
+use physical::Physical;
+use placement::PlacementMemory;
+use spans::{Span, Spans, NO_SPAN};
 
 /// Deliberately broken behaviour, for proving that the simulation harness
 /// catches it (test builds only).
@@ -88,22 +100,6 @@ const GROWTH_CHUNK_WASTE_FACTOR: f64 = 4.0;
 /// many times the run's granules lie idle: stitching then leaves at least as
 /// much idle as it takes, for the program's next requests.
 const STITCH_BEFORE_PEAK_FACTOR: u64 = 2;
-/// A block freed within this many allocations of its own counts as
-/// short-lived (a temporary).
-const SHORT_LIVED_ALLOCATIONS: u64 = 8;
-/// A request that best fit would place on unmapped memory first tries the
-/// place where a block of its size and stream was freed within this many
-/// allocations, if still free, mapped and not in use at another view: memory
-/// just given back is reused before more is mapped elsewhere.
-const RECENT_FREE_ALLOCATIONS: u64 = 8;
-/// Slots in the table of recent frees, direct-mapped by size and stream: a
-/// collision only forgets a place, and the table never grows (48 KiB).
-const RECENT_FREE_SLOTS: usize = 1024;
-/// Near the peak (demand within this share of it), a block smaller than a
-/// granule whose size has mostly been short-lived goes at the *end* of its
-/// best-fit range when that is mapped, keeping the front of a hole whole for
-/// longer-lived blocks; only near the peak do holes cost memory.
-const SHORT_LIVED_NEAR_PEAK_PERCENT: u64 = 90;
 /// Most addresses one physical granule is mapped at: each alias costs a map
 /// call once and a page-table entry for good, so a granule that has moved
 /// this often is moved (unmapped) rather than mapped once more.
@@ -318,66 +314,8 @@ struct LiveBlock {
     /// looking at the alias groups.
     on_aliased: bool,
     /// The number of allocations made before this one (its birth, for
-    /// [`SizeLifetimes`]).
+    /// the lifetimes placement keeps).
     born: u64,
-}
-
-/// How long the blocks of one size lived: of the `frees` seen, `short`
-/// were freed within [`SHORT_LIVED_ALLOCATIONS`] allocations of their own.
-#[derive(Copy, Clone, Debug, Default)]
-struct SizeLifetimes {
-    frees: u64,
-    short: u64,
-}
-
-impl SizeLifetimes {
-    /// Most blocks of this size were temporaries (3 in 4, over 4 frees at least).
-    fn mostly_short(self) -> bool {
-        self.frees >= 4 && self.short * 4 >= self.frees * 3
-    }
-}
-
-/// Where a block was freed, for a request of its size and stream soon after
-/// (see [`RECENT_FREE_ALLOCATIONS`]). `span` is the free span the block
-/// became part of; merges and splits may retire or move it since, so a use
-/// checks that it is still free and still covers the place.
-#[derive(Copy, Clone, Debug)]
-struct RecentFree {
-    stream: StreamId,
-    size: u64,
-    ptr: DevicePtr,
-    span: u32,
-    /// `HbmPolicy::allocations` when it was freed.
-    freed_at: u64,
-}
-
-/// The slot of [`HbmPolicy::recent_frees`] for a size and stream.
-fn recent_free_slot(stream: StreamId, size: u64) -> usize {
-    let hash = BuildHasherDefault::<PointerHasher>::default().hash_one((stream, size));
-    (hash % RECENT_FREE_SLOTS as u64) as usize
-}
-
-/// No span: the end of a region's list.
-const NO_SPAN: u32 = u32::MAX;
-
-/// A stretch of a region, a live block or a free range, linked to its
-/// neighbours in address order (PyTorch's `Block` links, for the same
-/// reason): freeing finds the ranges to merge with in O(1), with no search.
-/// Free ranges are maximal: a free span's neighbours are live.
-#[derive(Copy, Clone, Debug)]
-struct Span {
-    start: DevicePtr,
-    size: u64,
-    region: u32,
-    prev: u32,
-    next: u32,
-    free: bool,
-}
-
-impl Span {
-    fn end(&self) -> DevicePtr {
-        self.start + self.size
-    }
 }
 
 /// A virtual reservation owned by one stream, or (without a virtual-memory
@@ -387,7 +325,7 @@ struct Region {
     base: DevicePtr,
     size: u64,
     stream: StreamId,
-    /// The stream's entry in `HbmPolicy::free_by_size`.
+    /// The stream's size-index slot in [`Spans`].
     size_index: usize,
     /// A plain segment: always fully backed, no granules.
     segment: bool,
@@ -406,14 +344,26 @@ struct Region {
     /// at a time.
     mapped: Bitmap,
     /// Granules whose physical memory is mapped at another address too (a
-    /// stitched alias, see [`AliasGroup`]): a block placed over them must
-    /// first check that no live block uses that memory elsewhere.
+    /// stitched alias, see [`AliasGroup`](groups::AliasGroup)): a block
+    /// placed over them must first check that no live block uses that
+    /// memory elsewhere.
     aliased: Bitmap,
     /// The alias group whose view covers each aliased granule.
     group_at: GranuleMap,
     /// Aliased granules whose group is in use at another view: no block may
     /// be placed on them (one bitmap test instead of a walk of the groups).
     lent: Bitmap,
+}
+
+/// Live region `index` of `regions`.
+#[inline]
+fn region_at(regions: &[Option<Region>], index: u32) -> &Region {
+    regions[index as usize].as_ref().expect("a live region")
+}
+
+#[inline]
+fn region_at_mut(regions: &mut [Option<Region>], index: u32) -> &mut Region {
+    regions[index as usize].as_mut().expect("a live region")
 }
 
 /// A request's size as blocks hold it: a multiple of `MIN_BLOCK_SIZE`.
@@ -500,70 +450,13 @@ type View = (u32, u64);
 /// Granules `[.1, .2)` of region `.0`.
 type GranuleSpan = (u32, u64, u64);
 
-/// Physical memory mapped at several addresses (*stitched*, as in GMLake).
-///
-/// When a request needs memory and the allowance is spent, granules lying
-/// idle under free ranges elsewhere are mapped under it a second time rather
-/// than moved: the old mapping stays, so when the program later wants memory
-/// at either address again it is still mapped there, and a repeating step
-/// makes no driver call. A group is `count` granules of one handle and every
-/// place (*view*) they are mapped whole; each view lies inside one chunk.
-/// Only one view may be in use at a time, and the group says which. Groups
-/// never overlap. An idle group is cut where a block or a donation needs
-/// only part of it, and idle neighbours that continue each other at every
-/// view are merged back. Bookkeeping is per group, not per granule, so a
-/// block costs the same however large it is.
-#[derive(Clone, Debug)]
-struct AliasGroup {
-    handle: PhysicalHandle,
-    offset: u64,
-    count: u64,
-    /// Where it is mapped (region, first granule): two to
-    /// [`HbmConfig::max_views`].
-    views: Vec<View>,
-    /// The view that uses it now (when `blocks > 0`) or used it last. A
-    /// different stream taking it over first waits for this view's stream.
-    user: View,
-    /// Live or pending-free blocks lying on it through `user`.
-    blocks: u32,
-}
-
-/// Memory that may be mapped under a range as well (see [`AliasGroup`]).
-enum Donor {
-    /// Granules mapped only at `view`, idle there: `count` granules of
-    /// `handle` from `offset`.
-    Granules {
-        view: View,
-        count: u64,
-        handle: PhysicalHandle,
-        offset: u64,
-    },
-    /// A whole alias group, idle at every view.
-    Group(u32),
-}
-
-/// Physical memory held but not mapped: `bytes` of `handle` from `offset`.
-#[derive(Copy, Clone, Debug)]
-struct Piece {
-    handle: PhysicalHandle,
-    offset: u64,
-    bytes: u64,
-}
-
-/// A physical handle: its size and how much of it is mapped now.
-#[derive(Copy, Clone, Debug)]
-struct HandleInfo {
-    bytes: u64,
-    mapped: u64,
-}
-
 /// What lies under the place chosen for a block.
 #[derive(Copy, Clone, Debug)]
 enum Place {
     /// Mapped memory, at best fit: nothing to back.
     Mapped,
     /// Mapped memory where a block of the same size was just freed: the
-    /// block goes exactly there (see [`RECENT_FREE_ALLOCATIONS`]).
+    /// block goes exactly there (see [`placement::RECENT_FREE_ALLOCATIONS`]).
     RecentlyFreed,
     /// A wholly mapped place in a free range best fit passed over (see
     /// [`DEFAULT_MAPPED_FIT`]): the block goes exactly there.
@@ -580,72 +473,30 @@ enum Backing {
     OutOfMemory,
 }
 
-/// The `hbm` policy's state for one device.
+/// The `hbm` policy's state for one device: the parts it composes, and
+/// what they share (regions, live blocks, events, statistics).
 #[derive(Debug)]
 pub(crate) struct HbmPolicy {
     config: HbmConfig,
     /// `None`: no virtual-memory API, regions are segments.
     granule: Option<u64>,
-    /// The device maps part of a handle ([`Device::maps_handle_parts`]);
-    /// false: every handle is mapped whole, so only whole handles move.
-    maps_handle_parts: bool,
+    /// Regions by index (`None`: given back). Their bitmaps are read by
+    /// placement and written by backing and the alias groups.
     regions: Vec<Option<Region>>,
     /// Allocated and pending-free blocks by address.
     live: FastMap<DevicePtr, LiveBlock>,
-    /// Every region's live blocks and free ranges (`NO_SPAN`-terminated
-    /// lists), by id; see [`Span`].
-    spans: Vec<Span>,
-    /// Retired span ids, reused first.
-    free_span_ids: Vec<u32>,
-    /// Free spans of at least a granule (the only ones that can hold a whole
-    /// one) by end address, for the walks that look for idle memory and
-    /// stealable chunks. A carve from the front or a merge with the next
-    /// range keeps a range's end, so the hot path rarely touches it. A hash
-    /// map, sorted by the walks (misses only): the hot path's inserts and
-    /// removes cost a B-tree about 150 instructions each.
-    large_free: FastMap<DevicePtr, u32>,
-    /// Free ranges per stream by (size, address), one entry per stream that
-    /// ever had a region (few: a linear search finds a stream's entry).
-    free_by_size: Vec<SizeIndex>,
-    /// Physical memory held but not mapped: pieces of handles, taken from
-    /// unmapped chunks (stolen, unpinned, or left over from failed maps).
-    /// Any piece can be split at granule boundaries and mapped elsewhere.
-    spare: Vec<Piece>,
-    /// Every physical handle held, with how much of it is mapped (counting
-    /// each view of an aliased granule).
-    handles: FastMap<PhysicalHandle, HandleInfo>,
-    /// Memory mapped at more than one address, by group id (`None`: a
-    /// retired id, reused from `free_group_ids`).
-    groups: Vec<Option<AliasGroup>>,
-    free_group_ids: Vec<u32>,
-    /// Reused by `claim` so that the hot path does not allocate.
-    scratch_views: Vec<(u64, u32)>,
-    /// Reused by `unclaim`, for the same reason.
-    scratch_idle: Vec<u32>,
+    /// Blocks and free ranges, and the free-range indexes.
+    spans: Spans,
+    /// Physical memory held.
+    physical: Physical,
+    /// Memory mapped at more than one address.
+    groups: AliasGroups,
+    /// What placement remembers of the program.
+    placement: PlacementMemory,
     /// End-of-use events of freed blocks other streams used.
     events: PendingEvents<DevicePtr>,
-    /// Stretches mapped whose `set_access` failed and whose unmap did not
-    /// happen (region, its base, first granule, end granule): access is
-    /// granted again before the next request is served.
-    without_access: Vec<(u32, DevicePtr, u64, u64)>,
-    /// Physical memory held: mapped granules, spare handles and segments.
-    held_bytes: u64,
-    /// Highest `held_bytes` seen: the peak reserved memory (kept here, not
-    /// read from the statistics, whose peaks the program may reset).
-    peak_held_bytes: u64,
-    /// Highest live-plus-pending bytes seen, including requests being served.
-    peak_demand_bytes: u64,
-    /// The request being served takes demand to a new peak.
-    growing: bool,
-    /// Allocations made so far: the clock block lifetimes are measured in.
-    allocations: u64,
-    /// How long blocks smaller than a granule lived, by size (indexed by
-    /// size / `MIN_BLOCK_SIZE`: 4,096 entries for 2 MiB granules).
-    lifetimes: Vec<SizeLifetimes>,
-    /// Where blocks were freed lately ([`RECENT_FREE_SLOTS`] slots).
-    recent_frees: Vec<Option<RecentFree>>,
     /// Statistics, history, device size, memory fraction (a hard limit on
-    /// `held_bytes`), capture flag.
+    /// memory held), capture flag.
     state: PolicyState,
 }
 
@@ -669,30 +520,15 @@ impl HbmPolicy {
         // CUDA's granularity is a power of two (2 MiB): the hot path finds a
         // block's granules by shifting, not dividing.
         let granule = granule.filter(|&g| g.is_power_of_two() && g >= MIN_BLOCK_SIZE);
-        let mut policy = HbmPolicy {
+        HbmPolicy {
             granule,
-            maps_handle_parts,
             regions: Vec::new(),
             live: FastMap::default(),
-            spans: Vec::new(),
-            free_span_ids: Vec::new(),
-            large_free: FastMap::default(),
-            free_by_size: Vec::new(),
-            spare: Vec::new(),
-            handles: FastMap::default(),
-            groups: Vec::new(),
-            free_group_ids: Vec::new(),
-            scratch_views: Vec::new(),
-            scratch_idle: Vec::new(),
+            spans: Spans::new(granule.unwrap_or(u64::MAX)),
+            physical: Physical::new(maps_handle_parts),
+            groups: AliasGroups::default(),
+            placement: PlacementMemory::new(granule.unwrap_or(SEGMENT_ROUND)),
             events: PendingEvents::default(),
-            without_access: Vec::new(),
-            held_bytes: 0,
-            peak_held_bytes: 0,
-            peak_demand_bytes: 0,
-            growing: false,
-            allocations: 0,
-            lifetimes: Vec::new(),
-            recent_frees: vec![None; RECENT_FREE_SLOTS],
             state: PolicyState::new(
                 config.initial_stats(),
                 history,
@@ -700,33 +536,70 @@ impl HbmPolicy {
                 config.per_process_memory_fraction,
             ),
             config,
-        };
-        let small_sizes = policy.granule.unwrap_or(SEGMENT_ROUND) / MIN_BLOCK_SIZE;
-        policy.lifetimes = vec![SizeLifetimes::default(); small_sizes as usize];
-        policy
+        }
     }
 
+    #[inline]
     fn region(&self, index: u32) -> &Region {
-        self.regions[index as usize]
-            .as_ref()
-            .expect("a live region")
+        region_at(&self.regions, index)
     }
 
+    #[inline]
     fn region_mut(&mut self, index: u32) -> &mut Region {
-        self.regions[index as usize]
-            .as_mut()
-            .expect("a live region")
+        region_at_mut(&mut self.regions, index)
     }
 
+    /// `bytes` more are held (a plain segment).
     fn add_held(&mut self, bytes: u64) {
-        self.held_bytes += bytes;
-        self.peak_held_bytes = self.peak_held_bytes.max(self.held_bytes);
+        self.physical.add_held(bytes);
+        self.count_reserved(bytes);
+    }
+
+    /// `bytes` fewer are held (a plain segment).
+    fn sub_held(&mut self, bytes: u64) {
+        self.physical.sub_held(bytes);
+        self.count_unreserved(bytes);
+    }
+
+    fn count_reserved(&mut self, bytes: u64) {
         increase(&mut self.state.stats.reserved_bytes, u64::MAX, bytes);
     }
 
-    fn sub_held(&mut self, bytes: u64) {
-        self.held_bytes -= bytes;
+    fn count_unreserved(&mut self, bytes: u64) {
         decrease(&mut self.state.stats.reserved_bytes, u64::MAX, bytes);
+    }
+
+    /// The size-index slot of span `id`'s stream.
+    #[inline]
+    fn slot_of(&self, id: u32) -> usize {
+        self.region(self.spans.get(id).region).size_index
+    }
+
+    /// Block span `id` becomes free, merged with its free neighbours;
+    /// returns the free span it is now part of.
+    #[inline]
+    fn release_span(&mut self, id: u32) -> u32 {
+        let slot = self.slot_of(id);
+        self.spans.release(id, slot)
+    }
+
+    /// Cuts a block of `size` bytes at `ptr` out of free span `id`; returns
+    /// the block's span.
+    #[inline]
+    fn take_span(&mut self, id: u32, ptr: DevicePtr, size: u64) -> u32 {
+        let slot = self.slot_of(id);
+        self.spans.take(id, slot, ptr, size)
+    }
+
+    /// The granules `[first, end)` of its region lying wholly inside span
+    /// `id` (none, `first >= end`, for a span smaller than a granule).
+    fn whole_granules(&self, granule: u64, id: u32) -> (u64, u64) {
+        let span = self.spans.get(id);
+        let base = self.region(span.region).base;
+        (
+            (span.start - base).div_ceil(granule),
+            (span.end() - base) / granule,
+        )
     }
 
     // ----- malloc -----
@@ -747,7 +620,7 @@ impl HbmPolicy {
         requested: u64,
         stream: StreamId,
     ) -> Result<DevicePtr, AllocError> {
-        if !self.without_access.is_empty() {
+        if self.physical.missing_access() {
             self.grant_missing_access(dev)?;
         }
         self.process_events(dev)?;
@@ -757,15 +630,13 @@ impl HbmPolicy {
             return Err(self.out_of_memory(dev, requested, size, stream));
         }
         let demand = self.state.stats.active_bytes[0].current as u64 + size;
-        self.growing = demand > self.peak_demand_bytes;
-        self.peak_demand_bytes = self.peak_demand_bytes.max(demand);
-        let near_peak = demand * 100 >= self.peak_demand_bytes * SHORT_LIVED_NEAR_PEAK_PERCENT;
+        let near_peak = self.placement.demand(demand);
         let mut retried = false;
         let (ptr, span, on_aliased) = loop {
             // A hit is mapped already. A miss goes where a block of this size
             // was just freed, if it can, before best fit maps memory.
             let chosen = match self.find_free(stream, size) {
-                Some((range, ptr)) if self.is_mapped(self.span(range).region, ptr, size) => {
+                Some((range, ptr)) if self.is_mapped(self.spans.get(range).region, ptr, size) => {
                     Some((range, ptr, Place::Mapped))
                 }
                 best => match (self.recently_freed_place(stream, size), best) {
@@ -776,11 +647,11 @@ impl HbmPolicy {
                     },
                     (None, None) => self
                         .new_region(dev, stream, size)?
-                        .map(|range| (range, self.span(range).start, Place::Unmapped)),
+                        .map(|range| (range, self.spans.get(range).start, Place::Unmapped)),
                 },
             };
             if let Some((range, ptr, place)) = chosen {
-                let region = self.span(range).region;
+                let region = self.spans.get(range).region;
                 let ptr = match place {
                     Place::RecentlyFreed | Place::MappedFit => ptr,
                     Place::Mapped | Place::Unmapped => {
@@ -839,7 +710,7 @@ impl HbmPolicy {
                 // larger than what is missing cannot be cut to fit: give
                 // spares back, so that a handle of the right size fits
                 // under the limit.
-                if !self.maps_handle_parts && self.whole_handle_granules(granule) > 1 {
+                if !self.physical.maps_handle_parts() && self.whole_handle_granules(granule) > 1 {
                     self.release_spares(dev)?;
                 }
             }
@@ -855,10 +726,9 @@ impl HbmPolicy {
                 stream_uses: Vec::new(),
                 span,
                 on_aliased,
-                born: self.allocations,
+                born: self.placement.allocated(),
             },
         );
-        self.allocations += 1;
         self.state
             .history
             .record(Action::Alloc, ptr, requested, stream);
@@ -877,13 +747,10 @@ impl HbmPolicy {
     /// As (free span, block address).
     #[inline]
     fn find_free(&self, stream: StreamId, size: u64) -> Option<(u32, DevicePtr)> {
-        let index = self
-            .free_by_size
-            .iter()
-            .find(|index| index.stream == stream)?;
+        let index = self.spans.index_of(stream)?;
         // The best fit is usually free to use: one lookup, no iterator.
         let (_, ptr, id) = index.first_fit(size)?;
-        if !self.blocked(self.span(id).region, ptr, size) {
+        if !self.blocked(self.spans.get(id).region, ptr, size) {
             return Some((id, ptr));
         }
         // On the stack: the hot path does not allocate.
@@ -895,7 +762,7 @@ impl HbmPolicy {
             if std::mem::take(&mut first) {
                 return ControlFlow::Continue(()); // tried above
             }
-            if !self.blocked(self.span(id).region, ptr, size) {
+            if !self.blocked(self.spans.get(id).region, ptr, size) {
                 return ControlFlow::Break(Some((id, ptr)));
             }
             blocked[count] = id;
@@ -924,7 +791,7 @@ impl HbmPolicy {
             return None;
         }
         let (_, ptr, id) = index.largest()?;
-        if !self.blocked(self.span(id).region, ptr, size) {
+        if !self.blocked(self.spans.get(id).region, ptr, size) {
             return Some((id, ptr));
         }
         self.slide(id, size, false).map(|at| (id, at))
@@ -933,18 +800,13 @@ impl HbmPolicy {
     /// Where in free span `id` a block of `size` bytes goes, `ptr` being the
     /// front (or past memory in use elsewhere): its end instead when the
     /// block is likely a temporary and demand is `near_peak` (see
-    /// [`SHORT_LIVED_NEAR_PEAK_PERCENT`]).
+    /// [`placement::SHORT_LIVED_NEAR_PEAK_PERCENT`]).
     #[inline]
     fn place_short_lived(&self, id: u32, ptr: DevicePtr, size: u64, near_peak: bool) -> DevicePtr {
-        if !near_peak
-            || !self
-                .lifetimes
-                .get((size / MIN_BLOCK_SIZE) as usize)
-                .is_some_and(|l| l.mostly_short())
-        {
+        if !near_peak || !self.placement.mostly_short(size) {
             return ptr;
         }
-        let range = *self.span(id);
+        let range = *self.spans.get(id);
         let end = range.end() - size;
         if end > ptr
             && self.is_mapped(range.region, end, size)
@@ -966,20 +828,14 @@ impl HbmPolicy {
     }
 
     /// The place a block of `size` bytes of `stream` was freed at within
-    /// [`RECENT_FREE_ALLOCATIONS`] allocations, as (free span, address),
-    /// when it is still free, mapped, and not in use at another view.
+    /// [`placement::RECENT_FREE_ALLOCATIONS`] allocations, as (free span,
+    /// address), when it is still free, mapped, and not in use at another
+    /// view.
     fn recently_freed_place(&self, stream: StreamId, size: u64) -> Option<(u32, DevicePtr)> {
-        let recent = self.recent_frees[recent_free_slot(stream, size)]?;
-        if recent.stream != stream
-            || recent.size != size
-            || self.allocations - recent.freed_at > RECENT_FREE_ALLOCATIONS
-        {
-            return None;
-        }
+        let (id, ptr) = self.placement.recent_free(stream, size)?;
         // Retired spans are never free, so a free span is a live one, and
         // free spans do not overlap: one that covers the place holds it.
-        let span = self.span(recent.span);
-        let ptr = recent.ptr;
+        let span = self.spans.get(id);
         if !span.free || ptr < span.start || ptr + size > span.end() {
             return None;
         }
@@ -990,7 +846,7 @@ impl HbmPolicy {
         {
             return None;
         }
-        Some((recent.span, ptr))
+        Some((id, ptr))
     }
 
     /// On a miss, the first wholly mapped place for a block of `size` bytes
@@ -1001,10 +857,7 @@ impl HbmPolicy {
         if limit == 0 || self.granule.is_none() {
             return None;
         }
-        let index = self
-            .free_by_size
-            .iter()
-            .find(|index| index.stream == stream)?;
+        let index = self.spans.index_of(stream)?;
         let mut seen = 0;
         index
             .walk_best_fit(size, |_, _, id| {
@@ -1024,7 +877,7 @@ impl HbmPolicy {
     /// The lowest place in free span `id` where a block of `size` bytes lies
     /// on mapped granules only and may lie ([`HbmPolicy::busy_end`]).
     fn mapped_place(&self, id: u32, size: u64) -> Option<DevicePtr> {
-        let range = self.span(id);
+        let range = self.spans.get(id);
         if self.region(range.region).segment {
             return Some(range.start);
         }
@@ -1037,7 +890,7 @@ impl HbmPolicy {
     /// alone, walking the alias groups only where nothing is lent.
     fn slide(&self, id: u32, size: u64, mapped_only: bool) -> Option<DevicePtr> {
         let granule = self.granule?;
-        let range = self.span(id);
+        let range = self.spans.get(id);
         let region_index = range.region;
         let region = self.region(region_index);
         let mut at = range.start;
@@ -1073,13 +926,7 @@ impl HbmPolicy {
         size: u64,
     ) -> Result<Option<u32>, AllocError> {
         let index = self.regions.len() as u32;
-        let size_index = match self.free_by_size.iter().position(|s| s.stream == stream) {
-            Some(slot) => slot,
-            None => {
-                self.free_by_size.push(SizeIndex::new(stream));
-                self.free_by_size.len() - 1
-            }
-        };
+        let size_index = self.spans.slot_for(stream);
         let region = match self.granule {
             Some(granule) => {
                 let wanted = (self
@@ -1096,7 +943,7 @@ impl HbmPolicy {
                 if self
                     .state
                     .limit_bytes
-                    .is_some_and(|limit| self.held_bytes + segment_size > limit)
+                    .is_some_and(|limit| self.physical.held_bytes() + segment_size > limit)
                 {
                     return Ok(None);
                 }
@@ -1117,15 +964,17 @@ impl HbmPolicy {
         let (base, region_size) = (region.base, region.size);
         self.regions.push(Some(region));
         increase(&mut self.state.stats.segment, u64::MAX, 1);
-        let span = self.new_span(Span {
-            start: base,
-            size: region_size,
-            region: index,
-            prev: NO_SPAN,
-            next: NO_SPAN,
-            free: true,
-        });
-        self.index_free(span);
+        let span = self.spans.add_free(
+            Span {
+                start: base,
+                size: region_size,
+                region: index,
+                prev: NO_SPAN,
+                next: NO_SPAN,
+                free: true,
+            },
+            size_index,
+        );
         Ok(Some(span))
     }
 
@@ -1133,7 +982,7 @@ impl HbmPolicy {
 
     pub(crate) fn live_size(&self, ptr: DevicePtr) -> Option<u64> {
         let block = self.live.get(&ptr).filter(|b| b.allocated)?;
-        Some(self.span(block.span).size)
+        Some(self.spans.get(block.span).size)
     }
 
     pub(crate) fn free(&mut self, dev: &dyn Device, ptr: DevicePtr) -> Result<(), AllocError> {
@@ -1143,7 +992,7 @@ impl HbmPolicy {
         block.allocated = false;
         let (requested, stream, span) = (block.requested, block.stream, block.span);
         let uses_pending = !block.stream_uses.is_empty();
-        let size = self.span(span).size;
+        let size = self.spans.get(span).size;
         decrease(&mut self.state.stats.allocation, size, 1);
         decrease(&mut self.state.stats.allocated_bytes, size, size);
         self.state
@@ -1163,13 +1012,7 @@ impl HbmPolicy {
     /// The block's last use is over: its range joins the free set.
     fn free_completed(&mut self, ptr: DevicePtr) {
         let block = self.live.remove(&ptr).expect("a live block");
-        let Span { size, region, .. } = *self.span(block.span);
-        if let Some(lifetimes) = self.lifetimes.get_mut((size / MIN_BLOCK_SIZE) as usize) {
-            lifetimes.frees += 1;
-            if self.allocations - block.born <= SHORT_LIVED_ALLOCATIONS {
-                lifetimes.short += 1;
-            }
-        }
+        let Span { size, region, .. } = *self.spans.get(block.span);
         decrease(&mut self.state.stats.active, size, 1);
         decrease(&mut self.state.stats.active_bytes, size, size);
         decrease(&mut self.state.stats.requested_bytes, size, block.requested);
@@ -1182,13 +1025,8 @@ impl HbmPolicy {
         } else {
             debug_assert!(self.aliased_span(region, ptr, size).is_none());
         }
-        self.recent_frees[recent_free_slot(block.stream, size)] = Some(RecentFree {
-            stream: block.stream,
-            size,
-            ptr,
-            span: free,
-            freed_at: self.allocations,
-        });
+        self.placement
+            .freed(block.stream, size, ptr, free, block.born);
     }
 
     pub(crate) fn record_stream(
@@ -1295,9 +1133,10 @@ impl HbmPolicy {
             .filter_map(|(i, r)| r.as_ref().map(|r| (i as u32, r)))
             .filter(|(i, r)| {
                 (r.segment || r.chunks.is_empty())
-                    && self.free_by_size[r.size_index]
-                        .get(r.size, r.base)
-                        .is_some_and(|id| self.span(id).region == *i)
+                    && self
+                        .spans
+                        .free_at(r.size_index, r.size, r.base)
+                        .is_some_and(|id| self.spans.get(id).region == *i)
             })
             .map(|(i, _)| i)
             .collect();
@@ -1317,11 +1156,11 @@ impl HbmPolicy {
                 dev.address_free(base, size)?;
             }
             let slot = self.region(index).size_index;
-            let span = self.free_by_size[slot]
-                .get(size, base)
+            let span = self
+                .spans
+                .free_at(slot, size, base)
                 .expect("a wholly free region is one indexed range");
-            self.unindex_free(span);
-            self.retire_span(span);
+            self.spans.remove_free(span, slot);
             self.regions[index as usize] = None;
             decrease(&mut self.state.stats.segment, u64::MAX, 1);
         }
@@ -1359,7 +1198,8 @@ impl HbmPolicy {
         // view; the cache cannot offer more than it holds (this shows during
         // a capture, when the retry unmaps nothing).
         let cached_free = self
-            .held_bytes
+            .physical
+            .held_bytes()
             .saturating_sub(self.state.stats.allocated_bytes[0].current as u64);
         let largest_free = match self.granule {
             Some(g) => self
@@ -1369,7 +1209,8 @@ impl HbmPolicy {
                 .sum::<u64>()
                 .min(cached_free),
             None => self
-                .free_by_size
+                .spans
+                .indexes()
                 .iter()
                 .filter_map(|index| index.largest())
                 .map(|(size, _, _)| size)
@@ -1380,7 +1221,7 @@ impl HbmPolicy {
             .live
             .values()
             .filter(|b| !b.allocated)
-            .map(|b| self.span(b.span).size)
+            .map(|b| self.spans.get(b.span).size)
             .sum();
         let granule = self.granule.unwrap_or(SEGMENT_ROUND);
         let mut report = OomReport {
@@ -1391,8 +1232,8 @@ impl HbmPolicy {
             device_total_bytes: self.state.device_total,
             device_free_bytes: device_free,
             allocated_bytes: allocated,
-            reserved_bytes: self.held_bytes,
-            cached_free_bytes: self.held_bytes.saturating_sub(allocated),
+            reserved_bytes: self.physical.held_bytes(),
+            cached_free_bytes: self.physical.held_bytes().saturating_sub(allocated),
             largest_free_block_bytes: largest_free,
             pending_free_bytes: pending,
             limit_bytes: self.state.limit_bytes,

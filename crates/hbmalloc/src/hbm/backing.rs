@@ -1,7 +1,8 @@
 //! Physical memory under virtual ranges: the allowance, creating handles and
 //! mapping them (with access granted once per stretch), mapping ahead at
-//! the top of the heap, spare pieces, and stealing wholly free chunks. See
-//! the policy's header for the order a miss takes memory in.
+//! the top of the heap, spare pieces, and stealing wholly free chunks. The
+//! memory itself is kept by [`Physical`](super::physical::Physical). See the
+//! policy's header for the order a miss takes memory in.
 
 use std::collections::BTreeSet;
 
@@ -10,16 +11,17 @@ use crate::error::AllocError;
 use crate::history::Action;
 
 use super::{
-    granules_under, Backing, Chunk, GranuleSpan, HandleInfo, HbmPolicy, Piece, GROWTH_CHUNK_BYTES,
+    granules_under, Backing, Chunk, GranuleSpan, HbmPolicy, GROWTH_CHUNK_BYTES,
     GROWTH_CHUNK_WASTE_FACTOR, MAX_MAP_AHEAD_PERCENT, STITCH_BEFORE_PEAK_FACTOR,
-    WHOLE_HANDLE_GRANULES_RANGE, WHOLE_HANDLE_HEAP_DIVISOR, WHOLE_HANDLE_MIN_GRANULES,
+    WHOLE_HANDLE_GRANULES_RANGE,
 };
 
 impl HbmPolicy {
     /// The memory this policy lets itself hold before it steals chunks
     /// rather than creating new ones.
     fn allowance_bytes(&self, granule: u64) -> u64 {
-        let allowed = self.peak_demand_bytes as f64 * (1.0 + self.config.max_waste_percent / 100.0);
+        let allowed = self.placement.peak_demand_bytes() as f64
+            * (1.0 + self.config.max_waste_percent / 100.0);
         (allowed as u64).div_ceil(granule) * granule
     }
 
@@ -31,13 +33,13 @@ impl HbmPolicy {
         bytes: u64,
         limit: u64,
     ) -> Result<Option<PhysicalHandle>, AllocError> {
-        if self.held_bytes + bytes > limit {
+        if self.physical.held_bytes() + bytes > limit {
             return Ok(None);
         }
         match dev.physical_create(bytes) {
             Ok(handle) => {
-                self.add_held(bytes);
-                self.handles.insert(handle, HandleInfo { bytes, mapped: 0 });
+                self.physical.add_handle(handle, bytes);
+                self.count_reserved(bytes);
                 self.state.stats.num_device_alloc += 1;
                 Ok(Some(handle))
             }
@@ -68,22 +70,15 @@ impl HbmPolicy {
             (r.base + first * granule, r.stream)
         };
         let bytes = count * granule;
-        let piece = Piece {
-            handle,
-            offset,
-            bytes,
-        };
         // A failed alias loses nothing: the memory is still mapped elsewhere.
         if let Err(e) = dev.map(va, bytes, handle, offset) {
             if !alias {
-                self.spare.push(piece);
+                self.physical.add_spare(handle, offset, bytes);
             }
             return Err(e.into());
         }
         self.state.stats.num_device_alloc += 1;
-        if let Some(info) = self.handles.get_mut(&handle) {
-            info.mapped += bytes;
-        }
+        self.physical.count_mapped(handle, bytes, true);
         let region = self.region_mut(region_index);
         region.chunks.insert(
             first,
@@ -145,17 +140,17 @@ impl HbmPolicy {
         // is where the calls are, and what the heap does not grow into is
         // one chunk at most.
         let needed: u64 = runs.iter().map(|r| r.1).sum::<u64>() * granule;
-        let peak = self.peak_demand_bytes as f64;
+        let peak = self.placement.peak_demand_bytes() as f64;
         let ahead_percent = self.config.max_waste_percent.min(MAX_MAP_AHEAD_PERCENT) / 2.0;
         let growth_floor = GROWTH_CHUNK_BYTES
             .min((peak * self.config.max_waste_percent * GROWTH_CHUNK_WASTE_FACTOR / 100.0) as u64);
         let chunk_granules = ((peak * ahead_percent / 100.0) as u64).max(growth_floor) / granule;
-        let ahead_limit = if self.growing && !pressed {
+        let ahead_limit = if self.placement.growing() && !pressed {
             (soft_limit + chunk_granules * granule).min(hard_limit)
         } else {
             soft_limit
         };
-        let budget = ahead_limit.saturating_sub(self.held_bytes + needed) / granule;
+        let budget = ahead_limit.saturating_sub(self.physical.held_bytes() + needed) / granule;
         // Only the last run is extended, and only it may use the ahead limit.
         let mut last_extended = false;
         if let Some(last) = runs.last_mut() {
@@ -174,7 +169,7 @@ impl HbmPolicy {
         // small run instead of new memory being created beside it.
         let last_room = runs.last().map_or(end, |r| {
             let run_end = r.0 + r.1;
-            if self.maps_handle_parts {
+            if self.physical.maps_handle_parts() {
                 run_end
             } else {
                 let limit = region
@@ -242,7 +237,8 @@ impl HbmPolicy {
                 let undone = !self.state.capture_underway
                     && self.unmap_spans(dev, granule, &victims).is_ok();
                 if !undone {
-                    self.without_access.push((region_index, base, from, to));
+                    self.physical
+                        .left_without_access((region_index, base, from, to));
                 }
                 return Err(e.into());
             }
@@ -257,7 +253,7 @@ impl HbmPolicy {
     #[cold]
     pub(super) fn grant_missing_access(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
         let granule = self.granule.unwrap_or(1);
-        while let Some(&(region_index, base, start, end)) = self.without_access.last() {
+        while let Some((region_index, base, start, end)) = self.physical.next_without_access() {
             let region = self
                 .regions
                 .get(region_index as usize)
@@ -271,7 +267,7 @@ impl HbmPolicy {
                     from = region.next_with(to, end, true);
                 }
             }
-            self.without_access.pop();
+            self.physical.access_granted();
         }
         Ok(())
     }
@@ -310,9 +306,10 @@ impl HbmPolicy {
         // A new handle would raise the peak reserved memory while demand is
         // below its own peak: stitch plentiful idle memory in first.
         let needed_stop = end.min(needed_end);
-        if !self.growing
+        if !self.placement.growing()
             && cursor < needed_stop
-            && self.held_bytes + (end - cursor) * granule > self.peak_held_bytes
+            && self.physical.held_bytes() + (end - cursor) * granule
+                > self.physical.peak_held_bytes()
         {
             let run = (cursor, needed_stop);
             cursor = self.alias_idle(dev, granule, span, run, room, STITCH_BEFORE_PEAK_FACTOR)?;
@@ -375,10 +372,10 @@ impl HbmPolicy {
     ) -> Result<u64, AllocError> {
         let count = end - cursor;
         // All or nothing against the limit, as one handle would be.
-        if self.held_bytes + count * granule > limit {
+        if self.physical.held_bytes() + count * granule > limit {
             return Ok(cursor);
         }
-        let per_handle = if self.maps_handle_parts {
+        let per_handle = if self.physical.maps_handle_parts() {
             count
         } else {
             self.whole_handle_granules(granule)
@@ -398,21 +395,14 @@ impl HbmPolicy {
     }
 
     /// The most granules a new handle holds on a device that maps whole
-    /// handles only: `whole_handle_granules` ([`super::HbmConfig`]), or by
-    /// default a share of the most memory held so far
-    /// ([`WHOLE_HANDLE_HEAP_DIVISOR`]). That never shrinks, so no handle
-    /// made earlier is larger than one made now.
+    /// handles only: the configured number, or a share of the most memory
+    /// held so far (`Physical::whole_handle_granules`).
     pub(super) fn whole_handle_granules(&self, granule: u64) -> u64 {
-        self.config.whole_handle_granules.unwrap_or_else(|| {
-            let scaled = self.peak_held_bytes / granule / WHOLE_HANDLE_HEAP_DIVISOR;
-            scaled.clamp(
-                WHOLE_HANDLE_MIN_GRANULES,
-                *WHOLE_HANDLE_GRANULES_RANGE.end(),
-            )
-        })
+        self.physical
+            .whole_handle_granules(self.config.whole_handle_granules, granule)
     }
 
-    /// Maps spare pieces into `[cursor, end)` (see [`HbmPolicy::spare_for`]),
+    /// Maps spare pieces into `[cursor, end)` (see `Physical::take_spare`),
     /// cutting the last one to fit where handles map in part, or mapping a
     /// whole one on past `end` (up to `room`, unmapped) where they map
     /// whole; returns the first granule still unmapped (`end` or past it
@@ -428,22 +418,10 @@ impl HbmPolicy {
         while cursor < end {
             let room = (end - cursor) * granule;
             let past = (room_end.max(end) - cursor) * granule;
-            let Some(best) = self.spare_for(room, past) else {
+            let Some(piece) = self.physical.take_spare(room, past) else {
                 break;
             };
-            let piece = self.spare.swap_remove(best);
-            let take = if self.maps_handle_parts {
-                piece.bytes.min(room)
-            } else {
-                piece.bytes
-            };
-            if piece.bytes > take {
-                self.spare.push(Piece {
-                    handle: piece.handle,
-                    offset: piece.offset + take,
-                    bytes: piece.bytes - take,
-                });
-            }
+            let take = piece.bytes;
             self.map_chunk(
                 dev,
                 granule,
@@ -459,69 +437,13 @@ impl HbmPolicy {
         Ok(cursor)
     }
 
-    /// The spare piece to map into `room` bytes: the smallest that covers
-    /// them, else the largest (cut to fit); where handles map whole only
-    /// (pieces are whole handles then, never cut), the largest that fits,
-    /// else the smallest that fits in `past` bytes (mapped on past `room`).
-    /// The first of equals; `None` when no piece will do.
-    fn spare_for(&self, room: u64, past: u64) -> Option<usize> {
-        let mut best: Option<usize> = None;
-        for (i, piece) in self.spare.iter().enumerate() {
-            let Some(b) = best.map(|b| &self.spare[b]) else {
-                if self.maps_handle_parts || piece.bytes <= past.max(room) {
-                    best = Some(i);
-                }
-                continue;
-            };
-            let better = if !self.maps_handle_parts {
-                match (piece.bytes <= room, b.bytes <= room) {
-                    (true, true) => piece.bytes > b.bytes,
-                    (true, false) => true,
-                    (false, true) => false,
-                    (false, false) => piece.bytes <= past && piece.bytes < b.bytes,
-                }
-            } else {
-                match (piece.bytes >= room, b.bytes >= room) {
-                    (true, true) => piece.bytes < b.bytes,
-                    (true, false) => true,
-                    (false, true) => false,
-                    (false, false) => piece.bytes > b.bytes,
-                }
-            };
-            if better {
-                best = Some(i);
-            }
-        }
-        debug_assert!(best.is_none_or(|b| {
-            let piece = &self.spare[b];
-            let granules = piece.bytes / self.granule.unwrap_or(1);
-            self.movable(piece.handle, piece.offset, granules)
-        }));
-        best
-    }
-
-    /// Whether `granules` granules of `handle` from byte `offset` may be
-    /// mapped somewhere on their own: any part of a handle where the device
-    /// maps parts, else all of it only.
-    pub(super) fn movable(&self, handle: PhysicalHandle, offset: u64, granules: u64) -> bool {
-        let bytes = granules * self.granule.unwrap_or(0);
-        self.maps_handle_parts
-            || (offset == 0 && self.handles.get(&handle).is_some_and(|h| h.bytes == bytes))
-    }
-
     /// The granules `[first, end)` lying wholly inside each free range, as
     /// (region, first, end), highest address first; ranges smaller than a
     /// granule (not in `large_free`) hold none.
     pub(super) fn free_granules(&self, granule: u64) -> impl Iterator<Item = (u32, u64, u64)> + '_ {
-        let mut by_end: Vec<(DevicePtr, u32)> = self
-            .large_free
-            .iter()
-            .map(|(&end, &id)| (end, id))
-            .collect();
-        by_end.sort_unstable_by_key(|&(end, _)| std::cmp::Reverse(end));
-        by_end.into_iter().filter_map(move |(_, id)| {
+        self.spans.large_free_by_end().filter_map(move |id| {
             let (first, end) = self.whole_granules(granule, id);
-            (first < end).then_some((self.span(id).region, first, end))
+            (first < end).then_some((self.spans.get(id).region, first, end))
         })
     }
 
@@ -602,42 +524,40 @@ impl HbmPolicy {
             self.state
                 .history
                 .record(Action::SegmentUnmap, va, bytes, stream);
-            if let Some(info) = self.handles.get_mut(&chunk.handle) {
-                info.mapped -= bytes;
-            }
+            self.physical.count_mapped(chunk.handle, bytes, false);
             let region = self.region_mut(region_index);
             region.chunk_starts.set(start, 1, false);
             region.mapped.set(start, chunk.count, false);
             if !region.aliased.any(start, start + chunk.count) {
-                self.spare.push(Piece {
-                    handle: chunk.handle,
-                    offset: chunk.offset,
-                    bytes,
-                });
+                self.physical.add_spare(chunk.handle, chunk.offset, bytes);
                 continue;
             }
             // Views of alias groups stay held at their other views; the rest
             // of the chunk becomes spare pieces.
             let end = start + chunk.count;
-            let views: Vec<(u64, u32)> = self.views_in(region_index, start, end).collect();
+            let views: Vec<(u64, u32)> = self
+                .groups
+                .views_in(&self.regions, region_index, start, end)
+                .collect();
             let mut cursor = start;
             for (view_start, id) in views {
                 if view_start > cursor {
-                    self.spare.push(Piece {
-                        handle: chunk.handle,
-                        offset: chunk.offset + (cursor - start) * granule,
-                        bytes: (view_start - cursor) * granule,
-                    });
+                    self.physical.add_spare(
+                        chunk.handle,
+                        chunk.offset + (cursor - start) * granule,
+                        (view_start - cursor) * granule,
+                    );
                 }
-                cursor = view_start + self.group(id).count;
-                self.drop_view(id, (region_index, view_start));
+                cursor = view_start + self.groups.get(id).count;
+                self.groups
+                    .drop_view(id, (region_index, view_start), &mut self.regions);
             }
             if cursor < end {
-                self.spare.push(Piece {
-                    handle: chunk.handle,
-                    offset: chunk.offset + (cursor - start) * granule,
-                    bytes: (end - cursor) * granule,
-                });
+                self.physical.add_spare(
+                    chunk.handle,
+                    chunk.offset + (cursor - start) * granule,
+                    (end - cursor) * granule,
+                );
             }
         }
         Ok(())
@@ -645,19 +565,11 @@ impl HbmPolicy {
 
     /// Releases every handle of which nothing is mapped.
     pub(super) fn release_spares(&mut self, dev: &dyn Device) -> Result<(), AllocError> {
-        let mut idle: Vec<PhysicalHandle> = self
-            .handles
-            .iter()
-            .filter(|(_, info)| info.mapped == 0)
-            .map(|(&h, _)| h)
-            .collect();
         // In handle order, as the calls are recorded.
-        idle.sort_unstable();
-        for handle in idle {
+        for handle in self.physical.idle_handles() {
             dev.physical_release(handle)?;
-            let info = self.handles.remove(&handle).expect("a held handle");
-            self.spare.retain(|p| p.handle != handle);
-            self.sub_held(info.bytes);
+            let bytes = self.physical.forget_handle(handle);
+            self.count_unreserved(bytes);
             self.state.stats.num_device_free += 1;
         }
         Ok(())
