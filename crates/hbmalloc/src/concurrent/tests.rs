@@ -338,6 +338,9 @@ fn a_pools_live_allocations_are_its_own_in_address_order() {
     let elsewhere = alloc.malloc_in_pool(other, 4 * MIB, StreamId(1)).unwrap();
     let outside = alloc.malloc(4 * MIB, StreamId(1)).unwrap();
     alloc.free(kept[1]).unwrap();
+    assert_eq!(alloc.allocation_size(kept[0]).unwrap(), 4 * MIB);
+    assert_eq!(alloc.allocation_size(outside).unwrap(), 4 * MIB);
+    assert!(alloc.allocation_size(kept[1]).is_err(), "freed");
     let mut expected = vec![kept[0], kept[2]];
     expected.sort_unstable();
     assert_eq!(alloc.pool_live_allocations(pool), Some(expected));
