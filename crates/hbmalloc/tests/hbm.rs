@@ -645,6 +645,21 @@ fn an_impossible_request_changes_no_later_decision() {
     assert_eq!(run(true), run(false));
 }
 
+/// The refusal of a request no device holds stops at the device's size: a
+/// request of all of it is served.
+#[test]
+fn a_request_of_the_whole_device_is_served() {
+    let mut a = hbm(GIB, "");
+    let whole = a.malloc(GIB, StreamId(0)).unwrap();
+    check(&a);
+    a.free(whole).unwrap();
+    assert!(matches!(
+        a.malloc(GIB + 512, StreamId(0)),
+        Err(AllocError::OutOfMemory(_))
+    ));
+    check(&a);
+}
+
 #[test]
 fn memory_fraction_is_a_hard_limit() {
     let mut a = hbm(GIB, "per_process_memory_fraction:0.25");
