@@ -708,6 +708,29 @@ fn snapshot_reports_mapped_ranges_as_expandable_segments() {
     a.free(q).unwrap();
 }
 
+/// Without virtual memory the memory fraction is a limit on segments, and a
+/// segment that takes the memory held exactly to it is allowed.
+#[test]
+fn without_virtual_memory_a_segment_may_reach_the_fraction_exactly() {
+    let device = SimDevice::with_config(SimConfig {
+        capacity_bytes: GIB,
+        granularity: None,
+        ..SimConfig::default()
+    });
+    let mut a = allocator(device, "hbm", "per_process_memory_fraction:0.25");
+    let first = a.malloc(128 * MIB, StreamId(0)).unwrap();
+    let second = a.malloc(128 * MIB, StreamId(0)).unwrap();
+    assert_eq!(a.device().used_bytes(), 256 * MIB);
+    assert!(matches!(
+        a.malloc(2 * MIB, StreamId(0)),
+        Err(AllocError::OutOfMemory(_))
+    ));
+    for p in [first, second] {
+        a.free(p).unwrap();
+    }
+    check(&a);
+}
+
 #[test]
 fn without_virtual_memory_falls_back_to_segments() {
     let device = SimDevice::with_config(SimConfig {
