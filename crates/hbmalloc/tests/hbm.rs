@@ -40,6 +40,15 @@ fn hbm(capacity: u64, conf: &str) -> Allocator<SimDevice> {
     allocator(SimDevice::with_capacity(capacity), "hbm", conf)
 }
 
+/// A device with no virtual-memory API: `hbm` falls back to segments.
+fn without_virtual_memory(capacity: u64) -> SimDevice {
+    SimDevice::with_config(SimConfig {
+        capacity_bytes: capacity,
+        granularity: None,
+        ..SimConfig::default()
+    })
+}
+
 /// A device whose driver also maps part of a physical handle: the what-if
 /// on which `hbm` maps a growing heap in large chunks and stitches single
 /// granules of them.
@@ -712,12 +721,11 @@ fn snapshot_reports_mapped_ranges_as_expandable_segments() {
 /// segment that takes the memory held exactly to it is allowed.
 #[test]
 fn without_virtual_memory_a_segment_may_reach_the_fraction_exactly() {
-    let device = SimDevice::with_config(SimConfig {
-        capacity_bytes: GIB,
-        granularity: None,
-        ..SimConfig::default()
-    });
-    let mut a = allocator(device, "hbm", "per_process_memory_fraction:0.25");
+    let mut a = allocator(
+        without_virtual_memory(GIB),
+        "hbm",
+        "per_process_memory_fraction:0.25",
+    );
     let first = a.malloc(128 * MIB, StreamId(0)).unwrap();
     let second = a.malloc(128 * MIB, StreamId(0)).unwrap();
     assert_eq!(a.device().used_bytes(), 256 * MIB);
@@ -733,12 +741,7 @@ fn without_virtual_memory_a_segment_may_reach_the_fraction_exactly() {
 
 #[test]
 fn without_virtual_memory_falls_back_to_segments() {
-    let device = SimDevice::with_config(SimConfig {
-        capacity_bytes: GIB,
-        granularity: None,
-        ..SimConfig::default()
-    });
-    let mut a = allocator(device, "hbm", "");
+    let mut a = allocator(without_virtual_memory(GIB), "hbm", "");
     let mut random = Random(5);
     let mut live = Vec::new();
     for _ in 0..2000 {

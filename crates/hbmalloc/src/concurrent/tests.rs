@@ -10,12 +10,16 @@ use crate::stats::StatType;
 
 const MIB: u64 = 1 << 20;
 
-fn shared(settings: &str) -> SharedAllocator<SimDevice> {
-    let config = AllocatorConfig {
+/// An engine's configuration from a settings string, without history.
+fn config(settings: &str) -> AllocatorConfig {
+    AllocatorConfig {
         policy: PolicyConfig::from_settings(settings).unwrap(),
         history_entries: 0,
-    };
-    SharedAllocator::new(SimDevice::new(), config, 8).unwrap()
+    }
+}
+
+fn shared(settings: &str) -> SharedAllocator<SimDevice> {
+    SharedAllocator::new(SimDevice::new(), config(settings), 8).unwrap()
 }
 
 /// Two streams whose allocations go to different shards.
@@ -176,11 +180,12 @@ fn a_capture_covers_every_engine_and_a_pool_made_during_it() {
 
 #[test]
 fn a_shard_out_of_memory_takes_back_a_released_pools_cache_but_not_a_held_one() {
-    let config = AllocatorConfig {
-        policy: PolicyConfig::from_settings("policy:pytorch").unwrap(),
-        history_entries: 0,
-    };
-    let alloc = SharedAllocator::new(SimDevice::with_capacity(64 * MIB), config, 4).unwrap();
+    let alloc = SharedAllocator::new(
+        SimDevice::with_capacity(64 * MIB),
+        config("policy:pytorch"),
+        4,
+    )
+    .unwrap();
     let (held, released) = (PoolId(1, 0), PoolId(2, 0));
     alloc.create_or_incref_pool(held).unwrap();
     alloc.create_or_incref_pool(released).unwrap();
@@ -278,12 +283,9 @@ fn history_of_several_shards_is_one_unbroken_window_in_recorded_order() {
 fn the_single_lock_baseline_is_the_engine_behind_a_lock() {
     // The same program through `ThreadSafeAllocator` on a locked engine and
     // straight on an engine: the same pointers, statistics and driver calls.
-    let config = AllocatorConfig {
-        policy: PolicyConfig::from_settings("policy:pytorch").unwrap(),
-        history_entries: 0,
-    };
-    let locked = Mutex::new(Allocator::new(SimDevice::new(), config.clone()).unwrap());
-    let mut plain = Allocator::new(SimDevice::new(), config).unwrap();
+    let pytorch = config("policy:pytorch");
+    let locked = Mutex::new(Allocator::new(SimDevice::new(), pytorch.clone()).unwrap());
+    let mut plain = Allocator::new(SimDevice::new(), pytorch).unwrap();
     let shared: &dyn ThreadSafeAllocator = &locked;
     let (main, side) = (StreamId(1), StreamId(2));
     let a = shared.malloc(3 * MIB, main).unwrap();
@@ -317,11 +319,7 @@ fn the_single_lock_baseline_is_the_engine_behind_a_lock() {
 #[test]
 fn shards_are_as_many_as_asked_and_at_least_one() {
     assert_eq!(shared("policy:pytorch").shard_count(), 8);
-    let config = AllocatorConfig {
-        policy: PolicyConfig::from_settings("policy:pytorch").unwrap(),
-        history_entries: 0,
-    };
-    let one = SharedAllocator::new(SimDevice::new(), config, 0).unwrap();
+    let one = SharedAllocator::new(SimDevice::new(), config("policy:pytorch"), 0).unwrap();
     assert_eq!(one.shard_count(), 1);
 }
 
@@ -352,11 +350,12 @@ fn a_pools_live_allocations_are_its_own_in_address_order() {
 
 #[test]
 fn a_pool_out_of_memory_takes_back_the_shards_caches() {
-    let config = AllocatorConfig {
-        policy: PolicyConfig::from_settings("policy:pytorch").unwrap(),
-        history_entries: 0,
-    };
-    let alloc = SharedAllocator::new(SimDevice::with_capacity(64 * MIB), config, 4).unwrap();
+    let alloc = SharedAllocator::new(
+        SimDevice::with_capacity(64 * MIB),
+        config("policy:pytorch"),
+        4,
+    )
+    .unwrap();
     // A shard caches 40 MiB; the pool's 40 MiB fits only once it is given back.
     let cached = alloc.malloc(40 * MIB, StreamId(1)).unwrap();
     alloc.free(cached).unwrap();
