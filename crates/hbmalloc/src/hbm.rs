@@ -1374,6 +1374,86 @@ mod tests {
         assert_eq!(policy(2 * MIB).granule, Some(2 * MIB));
     }
 
+    /// A policy over a simulated device of `capacity` bytes whose handles
+    /// are one granule each, so that memory is mapped where blocks are.
+    fn one_granule_handles(capacity: u64) -> (crate::sim::SimDevice, HbmPolicy) {
+        let dev = crate::sim::SimDevice::with_capacity(capacity);
+        let config = HbmConfig::parse("whole_handle_granules:1").unwrap();
+        let policy = HbmPolicy::new(
+            config,
+            capacity,
+            dev.granularity(),
+            dev.maps_handle_parts(),
+            History::with_capacity(0),
+        );
+        (dev, policy)
+    }
+
+    /// A place remembered as freed is offered only while its span, which a
+    /// retired id may now name elsewhere, still covers all of it: here the
+    /// span is a 2 MiB free range at the place, and the 4 MiB remembered
+    /// would run over a live block.
+    #[test]
+    fn a_recent_place_its_span_no_longer_covers_is_not_offered() {
+        let (dev, mut policy) = one_granule_handles(1 << 30);
+        let s = StreamId(0);
+        let a = policy.malloc(&dev, 4 * MIB, s).unwrap();
+        let b = policy.malloc(&dev, 6 * MIB, s).unwrap();
+        policy.malloc(&dev, 2 * MIB, s).unwrap();
+        assert_eq!(b, a + 4 * MIB);
+        policy.free(&dev, a).unwrap(); // remembered: 4 MiB at `a`
+        policy.free(&dev, b).unwrap(); // merges: `a`'s span id retired
+        let front = policy.malloc(&dev, 2 * MIB, s).unwrap(); // reuses the id
+        let rest = policy.malloc(&dev, 8 * MIB, s).unwrap();
+        assert_eq!((front, rest), (a, a + 2 * MIB));
+        policy.free(&dev, front).unwrap(); // the id is a free span again
+        let (id, ptr) = policy.placement.recent_free(s, 4 * MIB).unwrap();
+        let span = *policy.spans.get(id);
+        assert_eq!(
+            (ptr, span.free, span.start, span.end()),
+            (a, true, a, a + 2 * MIB)
+        );
+        assert!(policy.is_mapped(span.region, a, 4 * MIB));
+        assert_eq!(policy.recently_freed_place(s, 4 * MIB), None);
+        let c = policy.malloc(&dev, 4 * MIB, s).unwrap();
+        assert!(
+            c + 4 * MIB <= rest || c >= rest + 8 * MIB,
+            "over a live block"
+        );
+    }
+
+    /// When every best-fit candidate is in use elsewhere at its start and
+    /// cannot slide, the largest free range is the fallback, slid past its
+    /// own granule in use elsewhere.
+    #[test]
+    fn the_largest_range_fallback_slides_past_memory_in_use_elsewhere() {
+        let (dev, mut policy) = one_granule_handles(1 << 30);
+        let s = StreamId(0);
+        let holes: Vec<DevicePtr> = (0..=MAX_CANDIDATES)
+            .map(|_| {
+                let hole = policy.malloc(&dev, 4 * MIB, s).unwrap();
+                policy.malloc(&dev, 2 * MIB, s).unwrap();
+                hole
+            })
+            .collect();
+        for &hole in &holes {
+            policy.free(&dev, hole).unwrap();
+        }
+        let (_, tail, tail_id) = policy.spans.index_of(s).unwrap().largest().unwrap();
+        let region = policy.spans.get(tail_id).region;
+        let base = policy.region(region).base;
+        // Each range's first granule is lent to a view in use: blocked.
+        for start in holes.iter().copied().chain([tail]) {
+            let granule = (start - base) / (2 * MIB);
+            policy.region_mut(region).lent.set(granule, 1, true);
+        }
+        assert!(holes.iter().all(|&h| policy.blocked(region, h, 4 * MIB)));
+        assert_eq!(
+            policy.find_free(s, 4 * MIB),
+            Some((tail_id, tail + 2 * MIB))
+        );
+    }
+
     #[test]
     fn next_unlent_skips_unmapped_and_lent_granules() {
         let mut region = Region::new(0, 200 * 2 * MIB, StreamId(0), 0, 200);
