@@ -392,3 +392,82 @@ impl<D: Device> Allocator<D> {
         self.engine.policy().check_invariants()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::SimDevice;
+
+    /// What the C ABI reports for a device it has built no allocator for
+    /// yet is what an allocator of the same configuration reports at birth.
+    #[test]
+    fn a_configuration_reports_what_its_new_allocator_does() {
+        for settings in [
+            "policy:pytorch",
+            "policy:pytorch,max_split_size_mb:64,per_process_memory_fraction:0.25",
+            "policy:hbm",
+            "policy:hbm,per_process_memory_fraction:0.5",
+        ] {
+            let policy = PolicyConfig::from_settings(settings).unwrap();
+            let config = AllocatorConfig {
+                policy: policy.clone(),
+                history_entries: 0,
+            };
+            let allocator = Allocator::new(SimDevice::with_capacity(1 << 30), config).unwrap();
+            assert_eq!(&policy.initial_stats(), allocator.stats(), "{settings}");
+            assert_eq!(
+                policy.memory_fraction(),
+                allocator.memory_fraction(),
+                "{settings}"
+            );
+        }
+        let split = PolicyConfig::from_settings("policy:pytorch,max_split_size_mb:64").unwrap();
+        assert_eq!(split.initial_stats().max_split_size, 64 << 20);
+        let limited = PolicyConfig::from_settings("policy:hbm,per_process_memory_fraction:0.5");
+        assert_eq!(limited.unwrap().memory_fraction(), 0.5);
+    }
+
+    fn allocator(settings: &str) -> Allocator<SimDevice> {
+        let config = AllocatorConfig {
+            policy: PolicyConfig::from_settings(settings).unwrap(),
+            history_entries: 0,
+        };
+        Allocator::new(SimDevice::with_capacity(1 << 30), config).unwrap()
+    }
+
+    /// The largest request is refused as out of memory on this device, one
+    /// byte more as a size no program means.
+    #[test]
+    fn sizes_past_the_largest_request_are_invalid() {
+        for settings in ["policy:pytorch", "policy:hbm"] {
+            let mut a = allocator(settings);
+            let s = StreamId(0);
+            assert!(matches!(
+                a.malloc(0, s),
+                Err(AllocError::InvalidSize { .. })
+            ));
+            let too_large = a.malloc(MAX_REQUEST_BYTES + 1, s);
+            assert!(matches!(too_large, Err(AllocError::InvalidSize { .. })));
+            let largest = a.malloc(MAX_REQUEST_BYTES, s);
+            assert!(
+                matches!(largest, Err(AllocError::OutOfMemory(_))),
+                "{settings}"
+            );
+        }
+    }
+
+    /// `reset_peak_memory_stats()` brings every peak down to the current value.
+    #[test]
+    fn resetting_peaks_brings_them_to_the_current_values() {
+        for settings in ["policy:pytorch", "policy:hbm"] {
+            let mut a = allocator(settings);
+            let ptr = a.malloc(8 << 20, StreamId(0)).unwrap();
+            a.free(ptr).unwrap();
+            let active = a.stats().active_bytes[0];
+            assert!(active.peak > active.current, "{settings}");
+            a.reset_peak_stats();
+            let active = a.stats().active_bytes[0];
+            assert_eq!(active.peak, active.current, "{settings}");
+        }
+    }
+}
