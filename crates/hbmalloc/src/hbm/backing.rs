@@ -138,7 +138,7 @@ impl HbmPolicy {
         // takes demand to a new peak maps at least `GROWTH_CHUNK_BYTES` ahead,
         // even past the allowance: growth (a first step, a longer sequence)
         // is where the calls are, and what the heap does not grow into is
-        // one chunk at most.
+        // one chunk at most (see `growing_limit` for a small heap).
         let needed: u64 = runs.iter().map(|r| r.1).sum::<u64>() * granule;
         let peak = self.placement.peak_demand_bytes() as f64;
         let ahead_percent = self.config.max_waste_percent.min(MAX_MAP_AHEAD_PERCENT) / 2.0;
@@ -146,7 +146,9 @@ impl HbmPolicy {
             .min((peak * self.config.max_waste_percent * GROWTH_CHUNK_WASTE_FACTOR / 100.0) as u64);
         let chunk_granules = ((peak * ahead_percent / 100.0) as u64).max(growth_floor) / granule;
         let ahead_limit = if self.placement.growing() && !pressed {
-            (soft_limit + chunk_granules * granule).min(hard_limit)
+            let waste = self.config.max_waste_percent;
+            growing_limit(peak, waste, soft_limit, chunk_granules * granule, granule)
+                .min(hard_limit)
         } else {
             soft_limit
         };
@@ -573,5 +575,45 @@ impl HbmPolicy {
             self.state.stats.num_device_free += 1;
         }
         Ok(())
+    }
+}
+
+/// What a heap growing to a new peak of demand `peak` may hold: a `chunk`
+/// past the allowance `soft_limit`, but in all no more than the chunk's and
+/// the allowance's shares of peak demand (`1 + GROWTH_CHUNK_WASTE_FACTOR`
+/// times `waste_percent`), rounded down to granules: the allowance is
+/// rounded up, and on a heap of a few hundred MiB a granule of rounding is
+/// a percent of efficiency.
+fn growing_limit(peak: f64, waste_percent: f64, soft_limit: u64, chunk: u64, granule: u64) -> u64 {
+    let share = 1.0 + waste_percent * (1.0 + GROWTH_CHUNK_WASTE_FACTOR) / 100.0;
+    let cap = (peak * share) as u64 / granule * granule;
+    (soft_limit + chunk).min(cap.max(soft_limit))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn a_small_heap_grows_within_its_share_of_peak_demand() {
+        let g = 2 * MIB;
+        let peak = 107.9 * MIB as f64;
+        // Allowance 1% rounded up: 110 MiB; a 4 MiB chunk would make 114,
+        // 5.7% over the peak; the share, 5%, rounds down to 112.
+        assert_eq!(growing_limit(peak, 1.0, 110 * MIB, 4 * MIB, g), 112 * MIB);
+        // A large heap's chunk is well within its share.
+        let peak = 10_000.0 * MIB as f64;
+        assert_eq!(
+            growing_limit(peak, 1.0, 10_100 * MIB, 12 * MIB, g),
+            10_112 * MIB
+        );
+        // Never below the allowance, nor past it with no waste allowed.
+        assert_eq!(
+            growing_limit(10.5 * MIB as f64, 1.0, 12 * MIB, 0, g),
+            12 * MIB
+        );
+        assert_eq!(growing_limit(peak, 0.0, 10_000 * MIB, 0, g), 10_000 * MIB);
     }
 }
