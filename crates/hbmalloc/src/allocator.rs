@@ -398,6 +398,14 @@ mod tests {
     use super::*;
     use crate::sim::SimDevice;
 
+    fn allocator(settings: &str) -> Allocator<SimDevice> {
+        let config = AllocatorConfig {
+            policy: PolicyConfig::from_settings(settings).unwrap(),
+            history_entries: 0,
+        };
+        Allocator::new(SimDevice::with_capacity(1 << 30), config).unwrap()
+    }
+
     /// What the C ABI reports for a device it has built no allocator for
     /// yet is what an allocator of the same configuration reports at birth.
     #[test]
@@ -409,11 +417,7 @@ mod tests {
             "policy:hbm,per_process_memory_fraction:0.5",
         ] {
             let policy = PolicyConfig::from_settings(settings).unwrap();
-            let config = AllocatorConfig {
-                policy: policy.clone(),
-                history_entries: 0,
-            };
-            let allocator = Allocator::new(SimDevice::with_capacity(1 << 30), config).unwrap();
+            let allocator = allocator(settings);
             assert_eq!(&policy.initial_stats(), allocator.stats(), "{settings}");
             assert_eq!(
                 policy.memory_fraction(),
@@ -425,14 +429,6 @@ mod tests {
         assert_eq!(split.initial_stats().max_split_size, 64 << 20);
         let limited = PolicyConfig::from_settings("policy:hbm,per_process_memory_fraction:0.5");
         assert_eq!(limited.unwrap().memory_fraction(), 0.5);
-    }
-
-    fn allocator(settings: &str) -> Allocator<SimDevice> {
-        let config = AllocatorConfig {
-            policy: PolicyConfig::from_settings(settings).unwrap(),
-            history_entries: 0,
-        };
-        Allocator::new(SimDevice::with_capacity(1 << 30), config).unwrap()
     }
 
     /// The largest request is refused as out of memory on this device, one
