@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use hbmalloc_replay::{FidelityReport, Metrics, Plan, Timeline, Verdict};
+use hbmalloc_replay::{FidelityReport, Metrics, Plan, Timeline, Verdict, DRIFT_TOLERANCE};
 
 use crate::human;
 
@@ -483,6 +483,12 @@ pub fn metrics_text(m: &Metrics) -> String {
         let _ = writeln!(
             out,
             "  efficiency_at_half         {half:.4} (the first half of the ops alone)"
+        );
+    }
+    if !m.drift_within_reach {
+        let _ = writeln!(
+            out,
+            "  drift_within_reach         no (no allocator that holds whole granules meets the efficiency target with efficiency within {DRIFT_TOLERANCE} of efficiency_at_half)"
         );
     }
     if let Some(c) = m.min_capacity_bytes {

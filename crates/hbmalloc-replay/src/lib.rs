@@ -24,7 +24,7 @@ pub use fidelity::{
     fidelity, Divergence, FidelityError, FidelityReport, SegmentEvent, Verdict, CONTEXT_AFTER,
     CONTEXT_BEFORE,
 };
-pub use floor::{growth_floor, steady_state_growth_floor};
+pub use floor::{drift_within_reach, growth_floor, steady_state_growth_floor, DRIFT_TOLERANCE};
 pub use metrics::{
     evaluate, live_bytes_after_ops, peak_live_bytes, snapshot, timeline, EvalOptions,
     FreeBreakdown, Metrics, RecordedMetrics, ReplaySnapshot, SnapshotMoment, Timeline,

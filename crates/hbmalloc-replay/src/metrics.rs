@@ -7,8 +7,8 @@ use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op};
 use serde::Serialize;
 
 use crate::{
-    growth_floor, steady_state_growth_floor, Outcome, PreparedTrace, ReplayError, ReplayOptions,
-    UNBOUNDED_CAPACITY_BYTES,
+    drift_within_reach, growth_floor, steady_state_growth_floor, Outcome, PreparedTrace,
+    ReplayError, ReplayOptions, UNBOUNDED_CAPACITY_BYTES,
 };
 
 /// Bisection resolution for `min_capacity_bytes`: one device granule.
@@ -102,6 +102,13 @@ pub struct Metrics {
     /// drift, a cache that holds more the longer it runs. `None` when the
     /// replay stopped before the middle.
     pub efficiency_at_half: Option<f64>,
+    /// Whether any allocator that holds memory in whole granules can meet
+    /// the efficiency target with `efficiency` within
+    /// [`DRIFT_TOLERANCE`](crate::DRIFT_TOLERANCE) of `efficiency_at_half`
+    /// ([`drift_within_reach`]): false on a small heap whose live memory
+    /// rises in the second half by a share no two granule counts match.
+    /// The same for every policy.
+    pub drift_within_reach: bool,
     /// `peak_reserved_bytes - peak_live_bytes`; `None` as for `efficiency`.
     pub waste_bytes: Option<u64>,
     /// Smallest capacity on which the whole trace runs without running out of memory.
@@ -307,6 +314,11 @@ pub fn evaluate(
         efficiency_at_half: run
             .peak_reserved_at_half
             .map(|reserved| ratio(peak_live_at_half, reserved)),
+        drift_within_reach: drift_within_reach(
+            peak_live_at_half,
+            peak_live,
+            SimConfig::default().granularity.unwrap_or(1),
+        ),
         waste_bytes: completed.then(|| run.peak_reserved_bytes.saturating_sub(peak_live)),
         min_capacity_bytes: min_capacity,
         min_capacity_resolution_bytes: MIN_CAPACITY_RESOLUTION_BYTES,
