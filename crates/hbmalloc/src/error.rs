@@ -318,6 +318,35 @@ mod tests {
         r.limit_bytes = Some(72 << 30);
         r.judge();
         assert_eq!(r.verdict, OomVerdict::ConfiguredLimit);
+        // Past what the device could give even without the limit, the
+        // limit is not to blame.
+        r.allocated_bytes = 77 << 30;
+        r.judge();
+        assert_eq!(
+            r.verdict,
+            OomVerdict::RealDemand,
+            "80 GiB needed, 79 reachable"
+        );
+    }
+
+    /// The report says which verdict it reached, each in words of its own.
+    #[test]
+    fn each_verdict_explains_itself() {
+        let verdicts = [
+            OomVerdict::RealDemand,
+            OomVerdict::ConfiguredLimit,
+            OomVerdict::PendingStreams,
+            OomVerdict::Fragmentation,
+        ];
+        let texts: std::collections::BTreeSet<&str> =
+            verdicts.iter().map(|v| v.explain()).collect();
+        assert_eq!(texts.len(), verdicts.len());
+        for verdict in verdicts {
+            let mut r = report();
+            r.verdict = verdict;
+            assert!(!verdict.explain().is_empty());
+            assert!(r.render().contains(verdict.explain()), "{verdict:?}");
+        }
     }
 
     #[test]
