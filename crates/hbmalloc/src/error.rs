@@ -329,6 +329,15 @@ mod tests {
         );
     }
 
+    /// Memory other processes hold is named only when there is some.
+    #[test]
+    fn memory_held_elsewhere_is_named_when_there_is_some() {
+        let mut r = report();
+        assert!(r.render().contains("1.00 GiB held outside this allocator"));
+        r.device_free_bytes = 2 << 30;
+        assert!(!r.render().contains("held outside"));
+    }
+
     /// The report says which verdict it reached, each in words of its own.
     #[test]
     fn each_verdict_explains_itself() {
