@@ -122,9 +122,9 @@ fn allowed_after_ops(live_after_ops: &[u64]) -> Vec<u64> {
 /// allocator meets both targets. The pairs tried: the whole run's peak
 /// held `r2` from `peak_live` rounded up to granules to the most the target
 /// allows, the first half's `r1` from `peak_live_at_half` rounded up to
-/// granules to `r2` (a peak cannot fall). The first half need not meet
-/// the efficiency target on its own: "out of reach" assumes the least of
-/// an allocator that it can.
+/// granules to `r2` (a peak cannot fall). The first half is not held to
+/// the efficiency target on its own, so "out of reach" holds even for an
+/// allocator that wastes more there.
 pub fn drift_within_reach(peak_live_at_half: u64, peak_live: u64, granule: u64) -> bool {
     if peak_live_at_half == 0 || granule == 0 {
         return true;
