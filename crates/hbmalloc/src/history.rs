@@ -185,6 +185,25 @@ mod tests {
         history.entries().map(|e| e.size).collect()
     }
 
+    /// The names are PyTorch's `TraceEntry` actions, which its memory
+    /// visualizer reads from a snapshot: a contract, not a choice.
+    #[test]
+    fn actions_carry_pytorchs_names() {
+        let names = [
+            (Action::Alloc, "alloc"),
+            (Action::FreeRequested, "free_requested"),
+            (Action::FreeCompleted, "free_completed"),
+            (Action::SegmentAlloc, "segment_alloc"),
+            (Action::SegmentFree, "segment_free"),
+            (Action::SegmentMap, "segment_map"),
+            (Action::SegmentUnmap, "segment_unmap"),
+            (Action::Oom, "oom"),
+        ];
+        for (action, name) in names {
+            assert_eq!(action.name(), name);
+        }
+    }
+
     #[test]
     fn the_capacity_can_change_while_recording() {
         let mut history = History::with_capacity(0);
