@@ -204,6 +204,23 @@ mod tests {
         }
     }
 
+    /// `recorded` counts every entry, dropped ones too; a cleared history
+    /// is complete from the next entry on.
+    #[test]
+    fn counts_survive_drops_and_clears() {
+        let mut history = History::with_capacity(0);
+        assert!(!history.is_enabled());
+        history.set_capacity(2, false);
+        assert!(history.is_enabled());
+        for size in 1..=5 {
+            history.record(Action::Alloc, 0, size, StreamId(0));
+        }
+        assert_eq!((history.recorded(), history.complete_from()), (5, 3));
+        history.set_capacity(2, true);
+        assert_eq!((history.recorded(), history.complete_from()), (5, 5));
+        assert_eq!(history.entries().count(), 0);
+    }
+
     #[test]
     fn the_capacity_can_change_while_recording() {
         let mut history = History::with_capacity(0);
