@@ -124,3 +124,47 @@ pub struct BlockImage {
     /// True when the program holds it.
     pub allocated: bool,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A segment's sums count the blocks of each state as PyTorch's
+    /// snapshot does; the state names are its too (its memory visualizer
+    /// reads them).
+    #[test]
+    fn a_segment_sums_its_blocks_by_state() {
+        let block = |address, size, requested_size, state| BlockSnapshot {
+            address,
+            size,
+            requested_size,
+            state,
+        };
+        let segment = SegmentSnapshot {
+            address: 0,
+            total_size: 700,
+            stream: StreamId(0),
+            small_pool: false,
+            expandable: false,
+            blocks: vec![
+                block(0, 100, 90, BlockState::ActiveAllocated),
+                block(100, 200, 150, BlockState::ActivePendingFree),
+                block(300, 400, 0, BlockState::Inactive),
+            ],
+        };
+        assert_eq!(segment.allocated_size(), 100);
+        assert_eq!(segment.active_size(), 300);
+        assert_eq!(segment.requested_size(), 240);
+        assert_eq!(largest_free_block(&[segment]), 400);
+        let names = [
+            BlockState::ActiveAllocated,
+            BlockState::ActivePendingFree,
+            BlockState::Inactive,
+        ]
+        .map(BlockState::name);
+        assert_eq!(
+            names,
+            ["active_allocated", "active_pending_free", "inactive"]
+        );
+    }
+}
