@@ -222,3 +222,33 @@ impl<D: Device + ?Sized> DeviceAdaptor for Arc<D> {
         self
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::{SimConfig, SimDevice};
+
+    /// What a device is (its name, granularity, whether it maps parts of
+    /// handles) passes through every adaptor unchanged: an allocator built
+    /// over an adaptor must decide as over the device itself.
+    #[test]
+    fn adaptors_pass_what_a_device_is_through() {
+        for maps_handle_parts in [false, true] {
+            for granularity in [None, Some(2 << 20)] {
+                let device = Arc::new(SimDevice::with_config(SimConfig {
+                    maps_handle_parts,
+                    granularity,
+                    ..SimConfig::default()
+                }));
+                let shared: &dyn Device = &Arc::clone(&device);
+                let limited = LimitedDevice::new(Arc::clone(&device));
+                let capture = CaptureSafeDevice(device.as_ref());
+                for adaptor in [shared, &limited as &dyn Device, &capture] {
+                    assert_eq!(adaptor.name(), Device::name(device.as_ref()));
+                    assert_eq!(adaptor.granularity(), granularity);
+                    assert_eq!(adaptor.maps_handle_parts(), maps_handle_parts);
+                }
+            }
+        }
+    }
+}
