@@ -14,6 +14,14 @@ use crate::{
 /// Bisection resolution for `min_capacity_bytes`: one device granule.
 pub const MIN_CAPACITY_RESOLUTION_BYTES: u64 = 2 << 20;
 
+/// The granule of the simulated device every replay runs on: what memory
+/// is held in, for the offline plan and the drift floor alike.
+pub(crate) fn device_granule() -> u64 {
+    SimConfig::default()
+        .granularity
+        .unwrap_or(MIN_CAPACITY_RESOLUTION_BYTES)
+}
+
 /// What to measure.
 #[derive(Clone, Debug)]
 pub struct EvalOptions {
@@ -314,11 +322,7 @@ pub fn evaluate(
         efficiency_at_half: run
             .peak_reserved_at_half
             .map(|reserved| ratio(peak_live_at_half, reserved)),
-        drift_within_reach: drift_within_reach(
-            peak_live_at_half,
-            peak_live,
-            SimConfig::default().granularity.unwrap_or(1),
-        ),
+        drift_within_reach: drift_within_reach(peak_live_at_half, peak_live, device_granule()),
         waste_bytes: completed.then(|| run.peak_reserved_bytes.saturating_sub(peak_live)),
         min_capacity_bytes: min_capacity,
         min_capacity_resolution_bytes: MIN_CAPACITY_RESOLUTION_BYTES,

@@ -26,7 +26,6 @@
 
 use std::collections::{HashMap, HashSet};
 
-use hbmalloc::SimConfig;
 use hbmalloc_trace::{find_last_step, DeviceTrace, InitialBlockState, Op};
 use serde::Serialize;
 
@@ -142,10 +141,7 @@ fn lifetimes(trace: &DeviceTrace) -> Vec<Lifetime> {
 /// and returns the arena that takes, with granules of the simulated
 /// device's size (the one every replay runs on).
 pub fn plan_greedy_by_size(trace: &DeviceTrace) -> Plan {
-    let granule = SimConfig::default()
-        .granularity
-        .unwrap_or(crate::metrics::MIN_CAPACITY_RESOLUTION_BYTES);
-    plan_with_granule(trace, granule)
+    plan_with_granule(trace, crate::metrics::device_granule())
 }
 
 fn plan_with_granule(trace: &DeviceTrace, granule: u64) -> Plan {
