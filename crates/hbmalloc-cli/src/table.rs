@@ -507,9 +507,12 @@ pub fn metrics_text(m: &Metrics) -> String {
         .collect();
     let _ = writeln!(out, "  device_calls               {}", calls.join(" "));
     let _ = writeln!(out, "  cache_hit_rate             {:.4}", m.cache_hit_rate);
-    let _ = match m.steady_state_device_calls {
-        Some(calls) => writeln!(out, "  steady_state_device_calls  {calls}"),
-        None => writeln!(
+    let _ = match (m.steady_state_device_calls, m.steady_state_driver_seconds) {
+        (Some(calls), Some(seconds)) => writeln!(
+            out,
+            "  steady_state_device_calls  {calls} ({seconds:.6} s of simulated driver time)"
+        ),
+        _ => writeln!(
             out,
             "  steady_state_device_calls  none: out of memory before the second half of the trace"
         ),

@@ -34,6 +34,7 @@ fn replay_json_has_the_design_metric_names() {
         "cache_hit_rate",
         "steady_state_device_calls",
         "steady_state_calls_by_kind",
+        "steady_state_driver_seconds",
         "simulated_driver_seconds",
         "ns_per_op",
         "recorded",

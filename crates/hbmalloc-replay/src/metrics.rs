@@ -136,6 +136,11 @@ pub struct Metrics {
     /// were called): what the steady-state calls are made of; `None` as for
     /// `steady_state_device_calls`.
     pub steady_state_calls_by_kind: Option<BTreeMap<String, u64>>,
+    /// What the second half's driver calls cost under the latency model:
+    /// the steady state's driver time, where calls of different kinds and
+    /// sizes cost different amounts (a map a tenth of an access grant);
+    /// `None` as for `steady_state_device_calls`.
+    pub steady_state_driver_seconds: Option<f64>,
     /// The fewest times any allocator must get new memory in the second half
     /// of the trace if it meets the efficiency target wherever the trace
     /// might have ended ([`steady_state_growth_floor`]): each is one driver
@@ -331,6 +336,10 @@ pub fn evaluate(
         cache_hit_rate: ratio(run.cache_hits, run.mallocs),
         steady_state_device_calls: run.steady_state_calls.as_ref().map(|c| c.memory_calls()),
         steady_state_calls_by_kind: run.steady_state_calls.as_ref().map(by_kind),
+        steady_state_driver_seconds: run
+            .steady_state_calls
+            .as_ref()
+            .map(|c| c.simulated_ns as f64 / 1e9),
         steady_state_growth_floor: steady_state_growth_floor(&live),
         simulated_driver_seconds: run.calls.simulated_ns as f64 / 1e9,
         driver_time_floor_seconds: growth_floor(&live) as f64
@@ -853,15 +862,30 @@ mod tests {
             assert!(failed.out_of_memory.is_some(), "{settings}");
             assert_eq!(failed.steady_state_device_calls, None, "{settings}");
             assert_eq!(failed.steady_state_calls_by_kind, None, "{settings}");
+            assert_eq!(failed.steady_state_driver_seconds, None, "{settings}");
             let completed = evaluate("peak.csv", &trace, &options(settings, None)).unwrap();
             assert!(completed.steady_state_device_calls.is_some(), "{settings}");
         }
     }
 
     #[test]
-    fn every_policy_grows_at_least_as_often_as_the_floor_says() {
-        // Four 64 MiB tensors kept: the second half (ops 3 and 4) takes live
-        // memory past anything an efficient allocator could hold before.
+    fn the_steady_state_driver_time_is_what_the_second_half_calls_cost() {
+        // Four 64 MiB tensors kept: `pytorch` makes one `cudaMalloc` each,
+        // two of them in the second half (ops 2 and 3).
+        let trace = growing_trace();
+        let m = evaluate("growing.csv", &trace, &options("policy:pytorch", None)).unwrap();
+        let by_kind = m.steady_state_calls_by_kind.clone().unwrap();
+        assert_eq!(by_kind.get("segment_alloc"), Some(&2), "{by_kind:?}");
+        let one = LatencyModel::h100().of(CallKind::SegmentAlloc, 64 * MIB) as f64 / 1e9;
+        let seconds = m.steady_state_driver_seconds.unwrap();
+        assert!(
+            (seconds - 2.0 * one).abs() < 1e-12,
+            "{seconds} against {one}"
+        );
+        assert!(m.simulated_driver_seconds >= 4.0 * one - 1e-12);
+    }
+
+    fn growing_trace() -> DeviceTrace {
         let csv = format!(
             "Thread,Time,Action,Pointer,Size,Stream\n\
              1,0.1,allocate,0x1000,{size},0x0\n\
@@ -871,7 +895,14 @@ mod tests {
             size = 64 * MIB
         );
         let trace = hbmalloc_trace::parse_bytes("growing.csv", csv.as_bytes()).unwrap();
-        let trace = trace.devices.into_iter().next().unwrap();
+        trace.devices.into_iter().next().unwrap()
+    }
+
+    #[test]
+    fn every_policy_grows_at_least_as_often_as_the_floor_says() {
+        // Four 64 MiB tensors kept: the second half (ops 3 and 4) takes live
+        // memory past anything an efficient allocator could hold before.
+        let trace = growing_trace();
         for (settings, calls_per_growth) in [("policy:pytorch", 1), ("policy:hbm", 2)] {
             let m = evaluate("growing.csv", &trace, &options(settings, None)).unwrap();
             assert_eq!(m.steady_state_growth_floor, 2, "{settings}");
