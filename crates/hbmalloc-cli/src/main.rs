@@ -10,8 +10,8 @@ use clap::{Args, Parser, Subcommand};
 use hbmalloc::format::format_bytes;
 use hbmalloc::{LatencyModel, PolicyConfig};
 use hbmalloc_replay::{
-    evaluate, fidelity, plan_greedy_by_size, plan_last_step, snapshot, timeline, EvalOptions,
-    Metrics, SnapshotMoment, Verdict,
+    calls_log, evaluate, fidelity, plan_greedy_by_size, plan_last_step, snapshot, timeline,
+    EvalOptions, Metrics, SnapshotMoment, Verdict,
 };
 use hbmalloc_trace::Trace;
 
@@ -282,6 +282,13 @@ struct ReplayArgs {
     /// (`compare --timeline` says when reserved memory grew).
     #[arg(long, num_args = 2, value_names = ["N", "PATH"])]
     snapshot_at_op: Option<Vec<String>>,
+    /// Also write a row for every op that called the driver to PATH, as
+    /// CSV (the op, what it asked for, live and reserved memory after it,
+    /// the simulated driver time, then a count per kind of call): which
+    /// requests cost driver time, and what for. For a trace of several
+    /// devices, `.devN` goes before the extension. One trace file only.
+    #[arg(long, value_name = "PATH")]
+    calls_log: Option<PathBuf>,
     #[command(flatten)]
     what_if: WhatIf,
 }
@@ -536,6 +543,7 @@ fn replay(args: ReplayArgs) -> Result<(), String> {
         json,
         snapshot_at_peak,
         snapshot_at_op,
+        calls_log,
         what_if,
     } = args;
     let policy = PolicyConfig::parse(&policy, &config).map_err(|e| e.to_string())?;
@@ -552,9 +560,9 @@ fn replay(args: ReplayArgs) -> Result<(), String> {
         }
         (None, None) => None,
     };
-    if snapshot_request.is_some() && traces.len() > 1 {
+    if (snapshot_request.is_some() || calls_log.is_some()) && traces.len() > 1 {
         return Err(format!(
-            "a snapshot is written for one trace, and {} traces were given",
+            "a snapshot or calls log is written for one trace, and {} traces were given",
             traces.len()
         ));
     }
@@ -581,6 +589,16 @@ fn replay(args: ReplayArgs) -> Result<(), String> {
                     "{}",
                     hbmalloc::memory_summary(&m.final_stats, device.device, false)
                 );
+            }
+            if let Some(path) = &calls_log {
+                let path = device_path(path, device.device, trace.devices.len() > 1);
+                let written = write_calls_log(device, &options, &path)
+                    .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
+                if json {
+                    eprintln!("hbmalloc: {written}");
+                } else {
+                    outln!("  {written}");
+                }
             }
             if let Some((moment, path)) = &snapshot_request {
                 let path = device_path(path, device.device, trace.devices.len() > 1);
@@ -706,6 +724,27 @@ fn write_timeline(
         "timeline of {} ops, {} configurations -> {}",
         timeline.live_bytes.len() - 1,
         timeline.reserved_bytes.len(),
+        path.display()
+    ))
+}
+
+/// Writes what every op of `device` called the driver for (see
+/// `--calls-log`) and says what it holds.
+fn write_calls_log(
+    device: &hbmalloc_trace::DeviceTrace,
+    options: &EvalOptions,
+    path: &Path,
+) -> Result<String, String> {
+    let log = calls_log(device, options).map_err(|e| e.to_string())?;
+    let mut file = std::fs::File::create(path)
+        .map(std::io::BufWriter::new)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    table::write_calls_csv(device, &log, &mut file)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(format!(
+        "calls log                  {} of {} ops called the driver -> {}",
+        log.ops.len(),
+        device.ops.len(),
         path.display()
     ))
 }

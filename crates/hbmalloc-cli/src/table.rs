@@ -3,7 +3,11 @@
 
 use std::fmt::Write;
 
-use hbmalloc_replay::{FidelityReport, Metrics, Plan, Timeline, Verdict, DRIFT_TOLERANCE};
+use hbmalloc::CallKind;
+use hbmalloc_replay::{
+    CallsLog, FidelityReport, Metrics, Plan, Timeline, Verdict, DRIFT_TOLERANCE,
+};
+use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op};
 
 use crate::human;
 
@@ -668,9 +672,135 @@ pub fn write_timeline_csv(
     out.flush()
 }
 
+/// Writes `replay --calls-log`'s CSV: a row per op that called the driver
+/// (op index, what the op was and its requested bytes, live and reserved
+/// bytes after it, blank where it failed, simulated driver nanoseconds),
+/// then a count per kind of call, for the kinds any row made.
+pub fn write_calls_csv(
+    trace: &DeviceTrace,
+    log: &CallsLog,
+    out: &mut impl std::io::Write,
+) -> std::io::Result<()> {
+    let kinds: Vec<CallKind> = CallKind::ALL
+        .into_iter()
+        .filter(|&kind| log.ops.iter().any(|(_, calls)| calls.get(kind) > 0))
+        .collect();
+    write!(
+        out,
+        "op,action,size_bytes,live_bytes,reserved_bytes,driver_ns"
+    )?;
+    for kind in &kinds {
+        write!(out, ",{}", kind.name())?;
+    }
+    writeln!(out)?;
+    // A free names its allocation: its size is that of the allocation
+    // (or of the live block the window started with).
+    let mut sizes: std::collections::HashMap<_, u64> = trace
+        .initial_segments
+        .iter()
+        .flat_map(|segment| &segment.blocks)
+        .filter_map(|block| match block.state {
+            InitialBlockState::Allocated(id) => Some((id, block.requested_size)),
+            InitialBlockState::Free => None,
+        })
+        .collect();
+    let mut seen = 0;
+    for (op, calls) in &log.ops {
+        for earlier in &trace.ops[seen..=*op] {
+            if let Op::Alloc { id, size, .. } = *earlier {
+                sizes.insert(id, size);
+            }
+        }
+        seen = op + 1;
+        let (action, size) = match trace.ops[*op] {
+            Op::Alloc { size, .. } => ("alloc", Some(size)),
+            Op::Free { id } => ("free", sizes.get(&id).copied()),
+            Op::RecordStream { .. } => ("record_stream", None),
+            Op::StreamComplete { .. } => ("stream_complete", None),
+            Op::EmptyCache => ("empty_cache", None),
+            Op::Oom { size, .. } => ("recorded_oom", Some(size)),
+        };
+        let blank = |value: Option<u64>| value.map_or(String::new(), |v| v.to_string());
+        let reserved = log.reserved_bytes.get(op + 1).copied();
+        let live = reserved.and(log.live_bytes.get(op + 1).copied());
+        write!(
+            out,
+            "{op},{action},{},{},{},{}",
+            blank(size),
+            blank(live),
+            blank(reserved),
+            calls.simulated_ns
+        )?;
+        for &kind in &kinds {
+            write!(out, ",{}", calls.get(kind))?;
+        }
+        writeln!(out)?;
+    }
+    out.flush()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_calls_log_names_each_op_and_the_size_a_free_gives_back() {
+        use hbmalloc::CallCounts;
+        use hbmalloc_trace::{InitialBlock, InitialSegment};
+        // A block live when the window starts (id 7), one allocated in it
+        // (id 1): freeing either gives back its requested size.
+        let trace = DeviceTrace {
+            initial_segments: vec![InitialSegment {
+                address: 0,
+                stream: 0,
+                small_pool: false,
+                expandable: false,
+                blocks: vec![InitialBlock {
+                    size: 4096,
+                    requested_size: 4000,
+                    state: InitialBlockState::Allocated(7),
+                }],
+            }],
+            ops: vec![
+                Op::Alloc {
+                    id: 1,
+                    size: 1000,
+                    stream: 0,
+                },
+                Op::EmptyCache,
+                Op::Free { id: 7 },
+                Op::Free { id: 1 },
+            ],
+            ..DeviceTrace::default()
+        };
+        let calls = |kind: CallKind, ns| {
+            let mut counts = CallCounts::default();
+            counts.by_kind[kind as usize] = 1;
+            counts.simulated_ns = ns;
+            counts
+        };
+        let log = CallsLog {
+            live_bytes: vec![4000, 5000, 5000, 1000, 0],
+            reserved_bytes: vec![4096, 6144, 4096, 4096],
+            ops: vec![
+                (0, calls(CallKind::SegmentAlloc, 10)),
+                (1, calls(CallKind::SegmentFree, 20)),
+                (2, calls(CallKind::SegmentFree, 30)),
+                (3, calls(CallKind::SegmentFree, 40)),
+            ],
+        };
+        let mut csv = Vec::new();
+        write_calls_csv(&trace, &log, &mut csv).unwrap();
+        // The last free ran out of memory: no reserved bytes after it.
+        assert_eq!(
+            String::from_utf8(csv).unwrap(),
+            "op,action,size_bytes,live_bytes,reserved_bytes,driver_ns,segment_alloc,segment_free\n\
+             0,alloc,1000,5000,6144,10,1,0\n\
+             1,empty_cache,,5000,4096,20,0,1\n\
+             2,free,4000,1000,4096,30,0,1\n\
+             3,free,1000,,,40,0,1\n"
+        );
+    }
 
     #[test]
     fn the_timeline_csv_has_a_quoted_column_per_configuration_and_blanks_after_an_error() {

@@ -297,6 +297,53 @@ fn snapshot_at_peak_refuses_several_traces_and_unwritable_paths() {
 }
 
 #[test]
+fn replay_logs_the_driver_calls_of_every_op_that_made_any() {
+    let trace = temp_file(PEAK_IN_THE_MIDDLE);
+    let trace = trace.path().to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("calls.csv");
+    let file = path.to_str().unwrap();
+    let log = |args: &[&str]| {
+        let stdout = succeed(&[&["replay", trace, "--calls-log", file], args].concat());
+        assert!(stdout.contains("2 of 5 ops called the driver"), "{stdout}");
+        std::fs::read_to_string(&path).unwrap()
+    };
+    // PyTorch's allocator: a `cudaMalloc` for each of the first two
+    // requests, timed as measured on the H100; the frees and the third
+    // request are served from its cache.
+    let h100 = hbmalloc::LatencyModel::h100();
+    let malloc_ns = |bytes: u64| h100.of(hbmalloc::CallKind::SegmentAlloc, bytes);
+    let (first, second) = (malloc_ns(64 << 20), malloc_ns(32 << 20));
+    assert_eq!(
+        log(&["--policy", "pytorch"]),
+        format!(
+            "op,action,size_bytes,live_bytes,reserved_bytes,driver_ns,segment_alloc\n\
+             0,alloc,67108864,67108864,67108864,{first},1\n\
+             1,alloc,33554432,100663296,100663296,{second},1\n"
+        )
+    );
+    // On 80 MiB the second request fails after two tries (and a look at
+    // the device's free memory): nothing after it is held, so its memory
+    // columns are blank.
+    let failed = log(&["--policy", "pytorch", "--capacity", "80MiB"]);
+    let tries = 2 * second + h100.of(hbmalloc::CallKind::MemoryInfo, 0);
+    assert!(
+        failed.ends_with(&format!("\n1,alloc,33554432,,,{tries},2,1\n")),
+        "{failed}"
+    );
+    // Policy hbm: a reservation, then creates, maps and an access grant.
+    let hbm = log(&["--policy", "hbm"]);
+    assert!(
+        hbm.starts_with("op,action,size_bytes,live_bytes,reserved_bytes,driver_ns,address_reserve,physical_create,map,set_access\n0,alloc,"),
+        "{hbm}"
+    );
+    assert_clear_error(
+        &hbmalloc(&["replay", trace, trace, "--calls-log", file]),
+        "one trace",
+    );
+}
+
+#[test]
 fn replay_writes_a_snapshot_after_any_op() {
     let trace = temp_file(PEAK_IN_THE_MIDDLE);
     let dir = tempfile::tempdir().unwrap();

@@ -26,8 +26,8 @@ pub use fidelity::{
 };
 pub use floor::{drift_within_reach, growth_floor, steady_state_growth_floor, DRIFT_TOLERANCE};
 pub use metrics::{
-    evaluate, live_bytes_after_ops, peak_live_bytes, snapshot, timeline, EvalOptions,
-    FreeBreakdown, Metrics, RecordedMetrics, ReplaySnapshot, SnapshotMoment, Timeline,
+    calls_log, evaluate, live_bytes_after_ops, peak_live_bytes, snapshot, timeline, CallsLog,
+    EvalOptions, FreeBreakdown, Metrics, RecordedMetrics, ReplaySnapshot, SnapshotMoment, Timeline,
 };
 pub use plan::{plan_greedy_by_size, plan_last_step, Plan, StepPlan, PLAN_BLOCK_ROUND};
 
@@ -71,6 +71,9 @@ pub struct ReplayOptions {
     /// Keep the reserved bytes after every op in
     /// [`RunResult::reserved_after_ops`] (8 bytes an op).
     pub record_reserved_after_ops: bool,
+    /// Keep what each op called in [`RunResult::calls_by_op`] (a read of
+    /// the device's counters around every op).
+    pub record_calls_by_op: bool,
 }
 
 impl ReplayOptions {
@@ -87,6 +90,7 @@ impl ReplayOptions {
             check_invariants_every: 0,
             snapshot_after_ops: None,
             record_reserved_after_ops: false,
+            record_calls_by_op: false,
         }
     }
 }
@@ -171,6 +175,10 @@ pub struct RunResult {
     /// (`[0]`: the window's initial state), up to the last op that ran
     /// (not the op that ran out of memory).
     pub reserved_after_ops: Vec<u64>,
+    /// With [`ReplayOptions::record_calls_by_op`]: each op that called the
+    /// driver, as (op index, the calls it made and their simulated time),
+    /// in order, the op that ran out of memory included.
+    pub calls_by_op: Vec<(usize, CallCounts)>,
 }
 
 /// A trace's ops with allocation ids renumbered densely, ready to replay many
@@ -369,6 +377,7 @@ impl PreparedTrace {
             ops_at_peak_reserved: 0,
             snapshot: None,
             reserved_after_ops: Vec::new(),
+            calls_by_op: Vec::new(),
         };
 
         for (image, slots) in &self.initial {
@@ -416,7 +425,16 @@ impl PreparedTrace {
                 calls_at_half = Some(allocator.device().call_counts());
                 result.peak_reserved_at_half = Some(allocator.device().peak_used_bytes());
             }
+            let calls_before = options
+                .record_calls_by_op
+                .then(|| allocator.device().call_counts());
             let step = self.step(&mut allocator, &mut ptrs, (i, *op), options, &mut result);
+            if let Some(before) = calls_before {
+                let made = allocator.device().call_counts().since(&before);
+                if made.by_kind.iter().any(|&n| n > 0) {
+                    result.calls_by_op.push((i, made));
+                }
+            }
             let reserved = reserved_now(&allocator);
             if options.record_reserved_after_ops && step.is_ok() {
                 result.reserved_after_ops.push(reserved as u64);

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use hbmalloc::{BlockState, CallKind, LatencyModel, PolicyConfig, SimConfig, Snapshot};
+use hbmalloc::{BlockState, CallCounts, CallKind, LatencyModel, PolicyConfig, SimConfig, Snapshot};
 use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op};
 use serde::Serialize;
 
@@ -259,6 +259,35 @@ pub fn timeline(
     Ok(Timeline {
         live_bytes: live_bytes_after_ops(trace),
         reserved_bytes,
+    })
+}
+
+/// What each op of one trace called the driver for, under one
+/// configuration (`hbmalloc replay --calls-log`): which requests cost driver
+/// time, and what they did with it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallsLog {
+    /// [`live_bytes_after_ops`].
+    pub live_bytes: Vec<u64>,
+    /// Reserved bytes after each op, `[i]` after `i` ops, up to the last op
+    /// that ran ([`RunResult::reserved_after_ops`](crate::RunResult::reserved_after_ops)).
+    pub reserved_bytes: Vec<u64>,
+    /// Each op that called the driver: its index and the calls it made,
+    /// with their simulated time under the configuration's latency model.
+    pub ops: Vec<(usize, CallCounts)>,
+}
+
+/// Replays `trace` once under `options` and keeps what every op called.
+/// `find_min_capacity` is ignored.
+pub fn calls_log(trace: &DeviceTrace, options: &EvalOptions) -> Result<CallsLog, ReplayError> {
+    let mut replay = options.replay_options();
+    replay.record_reserved_after_ops = true;
+    replay.record_calls_by_op = true;
+    let run = PreparedTrace::new(trace)?.run(&replay)?;
+    Ok(CallsLog {
+        live_bytes: live_bytes_after_ops(trace),
+        reserved_bytes: run.reserved_after_ops,
+        ops: run.calls_by_op,
     })
 }
 
