@@ -506,7 +506,7 @@ fn compare(args: CompareArgs) -> Result<(), String> {
             rows.push(metrics);
             plans.push(plan);
             if let Some(path) = &timeline_path {
-                let path = device_path(path, device.device, trace.devices.len() > 1);
+                let path = device_path(path, device.device, trace.devices.len());
                 let written = write_timeline(device, &configurations, &path).map_err(in_device)?;
                 eprintln!(
                     "hbmalloc: {} device {}: {written}",
@@ -591,7 +591,7 @@ fn replay(args: ReplayArgs) -> Result<(), String> {
                 );
             }
             if let Some(path) = &calls_log {
-                let path = device_path(path, device.device, trace.devices.len() > 1);
+                let path = device_path(path, device.device, trace.devices.len());
                 let written = write_calls_log(device, &options, &path)
                     .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
                 if json {
@@ -601,7 +601,7 @@ fn replay(args: ReplayArgs) -> Result<(), String> {
                 }
             }
             if let Some((moment, path)) = &snapshot_request {
-                let path = device_path(path, device.device, trace.devices.len() > 1);
+                let path = device_path(path, device.device, trace.devices.len());
                 let written = write_snapshot(device, &options, *moment, &path)
                     .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
                 if json {
@@ -694,9 +694,10 @@ fn what_would_help(
     Ok(out)
 }
 
-/// `path` with `.devN` before its extension when a trace has several devices.
-fn device_path(path: &Path, device: i64, several: bool) -> PathBuf {
-    if !several {
+/// `path` with `.devN` before its extension when a trace has several
+/// devices (`devices` of them).
+fn device_path(path: &Path, device: i64, devices: usize) -> PathBuf {
+    if devices <= 1 {
         return path.to_path_buf();
     }
     let stem = path.file_stem().unwrap_or_default().to_string_lossy();
@@ -980,16 +981,13 @@ mod tests {
     #[test]
     fn snapshot_paths_name_the_device_when_a_trace_has_several() {
         let path = Path::new("out/peak.pickle");
+        assert_eq!(device_path(path, 1, 1), PathBuf::from("out/peak.pickle"));
         assert_eq!(
-            device_path(path, 1, false),
-            PathBuf::from("out/peak.pickle")
-        );
-        assert_eq!(
-            device_path(path, 1, true),
+            device_path(path, 1, 2),
             PathBuf::from("out/peak.dev1.pickle")
         );
         assert_eq!(
-            device_path(Path::new("peak"), 0, true),
+            device_path(Path::new("peak"), 0, 3),
             PathBuf::from("peak.dev0")
         );
     }

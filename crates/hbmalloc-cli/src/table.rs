@@ -704,15 +704,15 @@ pub fn write_calls_csv(
             InitialBlockState::Free => None,
         })
         .collect();
-    let mut seen = 0;
-    for (op, calls) in &log.ops {
-        for earlier in &trace.ops[seen..=*op] {
-            if let Op::Alloc { id, size, .. } = *earlier {
-                sizes.insert(id, size);
-            }
+    let mut logged = log.ops.iter().peekable();
+    for (op, traced) in trace.ops.iter().enumerate() {
+        if let Op::Alloc { id, size, .. } = *traced {
+            sizes.insert(id, size);
         }
-        seen = op + 1;
-        let (action, size) = match trace.ops[*op] {
+        let Some((_, calls)) = logged.next_if(|(at, _)| *at == op) else {
+            continue;
+        };
+        let (action, size) = match *traced {
             Op::Alloc { size, .. } => ("alloc", Some(size)),
             Op::Free { id } => ("free", sizes.get(&id).copied()),
             Op::RecordStream { .. } => ("record_stream", None),

@@ -306,7 +306,7 @@ fn replay_logs_the_driver_calls_of_every_op_that_made_any() {
     let log = |args: &[&str]| {
         let stdout = succeed(&[&["replay", trace, "--calls-log", file], args].concat());
         assert!(stdout.contains("2 of 5 ops called the driver"), "{stdout}");
-        std::fs::read_to_string(&path).unwrap()
+        (stdout, std::fs::read_to_string(&path).unwrap())
     };
     // PyTorch's allocator: a `cudaMalloc` for each of the first two
     // requests, timed as measured on the H100; the frees and the third
@@ -314,8 +314,14 @@ fn replay_logs_the_driver_calls_of_every_op_that_made_any() {
     let h100 = hbmalloc::LatencyModel::h100();
     let malloc_ns = |bytes: u64| h100.of(hbmalloc::CallKind::SegmentAlloc, bytes);
     let (first, second) = (malloc_ns(64 << 20), malloc_ns(32 << 20));
+    let (stdout, csv) = log(&["--policy", "pytorch"]);
+    // The second half (ops 2 to 4) calls nothing.
+    assert!(
+        stdout.contains("steady_state_device_calls  0 (0.000000 s of simulated driver time)"),
+        "{stdout}"
+    );
     assert_eq!(
-        log(&["--policy", "pytorch"]),
+        csv,
         format!(
             "op,action,size_bytes,live_bytes,reserved_bytes,driver_ns,segment_alloc\n\
              0,alloc,67108864,67108864,67108864,{first},1\n\
@@ -325,14 +331,14 @@ fn replay_logs_the_driver_calls_of_every_op_that_made_any() {
     // On 80 MiB the second request fails after two tries (and a look at
     // the device's free memory): nothing after it is held, so its memory
     // columns are blank.
-    let failed = log(&["--policy", "pytorch", "--capacity", "80MiB"]);
+    let (_, failed) = log(&["--policy", "pytorch", "--capacity", "80MiB"]);
     let tries = 2 * second + h100.of(hbmalloc::CallKind::MemoryInfo, 0);
     assert!(
         failed.ends_with(&format!("\n1,alloc,33554432,,,{tries},2,1\n")),
         "{failed}"
     );
     // Policy hbm: a reservation, then creates, maps and an access grant.
-    let hbm = log(&["--policy", "hbm"]);
+    let (_, hbm) = log(&["--policy", "hbm"]);
     assert!(
         hbm.starts_with("op,action,size_bytes,live_bytes,reserved_bytes,driver_ns,address_reserve,physical_create,map,set_access\n0,alloc,"),
         "{hbm}"

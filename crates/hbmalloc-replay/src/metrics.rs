@@ -914,6 +914,26 @@ mod tests {
         assert!(m.simulated_driver_seconds >= 4.0 * one - 1e-12);
     }
 
+    #[test]
+    fn the_calls_log_keeps_each_op_that_called_the_driver_and_no_other() {
+        // `pytorch`: a `cudaMalloc` for each of the first two requests; the
+        // frees and the third request are served from its cache.
+        let trace = peak_in_the_middle();
+        let log = calls_log(&trace, &options("policy:pytorch", None)).unwrap();
+        let one = |bytes| {
+            let mut calls = CallCounts::default();
+            calls.by_kind[CallKind::SegmentAlloc as usize] = 1;
+            calls.simulated_ns = LatencyModel::h100().of(CallKind::SegmentAlloc, bytes);
+            calls
+        };
+        assert_eq!(log.ops, vec![(0, one(64 * MIB)), (1, one(32 * MIB))]);
+        assert_eq!(log.live_bytes, live_bytes_after_ops(&trace));
+        assert_eq!(
+            log.reserved_bytes,
+            vec![0, 64 * MIB, 96 * MIB, 96 * MIB, 96 * MIB, 96 * MIB]
+        );
+    }
+
     fn growing_trace() -> DeviceTrace {
         let csv = format!(
             "Thread,Time,Action,Pointer,Size,Stream\n\
