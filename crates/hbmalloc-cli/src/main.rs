@@ -708,6 +708,18 @@ fn device_path(path: &Path, device: i64, devices: usize) -> PathBuf {
     path.with_file_name(name)
 }
 
+/// Creates `path` and writes it with `write`; an error names the path.
+fn write_file(
+    path: &Path,
+    write: impl FnOnce(&mut io::BufWriter<std::fs::File>) -> io::Result<()>,
+) -> Result<(), String> {
+    let error = |e: io::Error| format!("{}: {e}", path.display());
+    let mut file = std::fs::File::create(path)
+        .map(io::BufWriter::new)
+        .map_err(error)?;
+    write(&mut file).map_err(error)
+}
+
 /// Writes the timeline of `configurations` on `device` (see `--timeline`)
 /// and says what it holds.
 fn write_timeline(
@@ -716,11 +728,7 @@ fn write_timeline(
     path: &Path,
 ) -> Result<String, String> {
     let timeline = timeline(device, configurations).map_err(|e| e.to_string())?;
-    let mut file = std::fs::File::create(path)
-        .map(std::io::BufWriter::new)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    table::write_timeline_csv(&timeline, &mut file)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+    write_file(path, |file| table::write_timeline_csv(&timeline, file))?;
     Ok(format!(
         "timeline of {} ops, {} configurations -> {}",
         timeline.live_bytes.len() - 1,
@@ -737,11 +745,7 @@ fn write_calls_log(
     path: &Path,
 ) -> Result<String, String> {
     let log = calls_log(device, options).map_err(|e| e.to_string())?;
-    let mut file = std::fs::File::create(path)
-        .map(std::io::BufWriter::new)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    table::write_calls_csv(device, &log, &mut file)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+    write_file(path, |file| table::write_calls_csv(device, &log, file))?;
     Ok(format!(
         "calls log                  {} of {} ops called the driver -> {}",
         log.ops.len(),

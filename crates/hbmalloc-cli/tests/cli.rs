@@ -347,6 +347,10 @@ fn replay_logs_the_driver_calls_of_every_op_that_made_any() {
         &hbmalloc(&["replay", trace, trace, "--calls-log", file]),
         "one trace",
     );
+    assert_clear_error(
+        &hbmalloc(&["replay", trace, "--calls-log", "/nonexistent-dir/calls.csv"]),
+        "/nonexistent-dir/calls.csv",
+    );
 }
 
 #[test]
