@@ -590,25 +590,26 @@ fn replay(args: ReplayArgs) -> Result<(), String> {
                     hbmalloc::memory_summary(&m.final_stats, device.device, false)
                 );
             }
-            if let Some(path) = &calls_log {
+            // A file written beside the metrics: its path for this device,
+            // and a line saying what it holds (on stderr beside JSON).
+            let write_beside = |path: &Path, write: &dyn Fn(&Path) -> Result<String, String>| {
                 let path = device_path(path, device.device, trace.devices.len());
-                let written = write_calls_log(device, &options, &path)
+                let written = write(&path)
                     .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
                 if json {
                     eprintln!("hbmalloc: {written}");
                 } else {
                     outln!("  {written}");
                 }
+                Ok::<(), String>(())
+            };
+            if let Some(path) = &calls_log {
+                write_beside(path, &|path| write_calls_log(device, &options, path))?;
             }
             if let Some((moment, path)) = &snapshot_request {
-                let path = device_path(path, device.device, trace.devices.len());
-                let written = write_snapshot(device, &options, *moment, &path)
-                    .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
-                if json {
-                    eprintln!("hbmalloc: {written}");
-                } else {
-                    outln!("  {written}");
-                }
+                write_beside(path, &|path| {
+                    write_snapshot(device, &options, *moment, path)
+                })?;
             }
         }
     }

@@ -135,14 +135,12 @@ pub fn drift_within_reach(peak_live_at_half: u64, peak_live: u64, granule: u64) 
     let mut r2 = peak_live.div_ceil(granule) * granule;
     while r2 <= ceiling {
         // Efficiency at half falls as `r1` grows: the `r1` within the
-        // tolerance of this `r2`'s efficiency form one interval.
+        // tolerance of this `r2`'s efficiency form one interval. (`r2` is
+        // within the ceiling, so its efficiency is at least the target,
+        // far above the tolerance.)
         let efficiency = whole / r2 as f64;
         let low = (half / (efficiency + DRIFT_TOLERANCE)).max(r1_least as f64);
-        let high = if efficiency > DRIFT_TOLERANCE {
-            (half / (efficiency - DRIFT_TOLERANCE)).min(r2 as f64)
-        } else {
-            r2 as f64
-        };
+        let high = (half / (efficiency - DRIFT_TOLERANCE)).min(r2 as f64);
         let r1 = (low / granule as f64).ceil() * granule as f64;
         if r1 <= high {
             return true;

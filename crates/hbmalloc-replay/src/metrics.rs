@@ -22,6 +22,11 @@ pub(crate) fn device_granule() -> u64 {
         .unwrap_or(MIN_CAPACITY_RESOLUTION_BYTES)
 }
 
+/// Simulated nanoseconds as seconds, as every `*_seconds` metric reports them.
+fn seconds(ns: u64) -> f64 {
+    ns as f64 / 1e9
+}
+
 /// What to measure.
 #[derive(Clone, Debug)]
 pub struct EvalOptions {
@@ -368,16 +373,16 @@ pub fn evaluate(
         steady_state_driver_seconds: run
             .steady_state_calls
             .as_ref()
-            .map(|c| c.simulated_ns as f64 / 1e9),
+            .map(|c| seconds(c.simulated_ns)),
         steady_state_growth_floor: steady_state_growth_floor(&live),
-        simulated_driver_seconds: run.calls.simulated_ns as f64 / 1e9,
-        driver_time_floor_seconds: growth_floor(&live) as f64
-            * options.latency.cheapest_growth_ns() as f64
-            / 1e9,
+        simulated_driver_seconds: seconds(run.calls.simulated_ns),
+        driver_time_floor_seconds: seconds(
+            growth_floor(&live) * options.latency.cheapest_growth_ns(),
+        ),
         recorded_seconds,
         driver_time_fraction: recorded_seconds
             .filter(|&s| s > 0.0 && trace.device >= 0)
-            .map(|s| run.calls.simulated_ns as f64 / 1e9 / s),
+            .map(|s| seconds(run.calls.simulated_ns) / s),
         ns_per_op: if ops == 0 {
             0.0
         } else {
