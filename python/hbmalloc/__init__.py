@@ -46,6 +46,7 @@ __all__ = [
     "replay",
     "library_path",
     "settings",
+    "driver_calls",
     "write_log",
 ]
 
@@ -134,6 +135,16 @@ def settings(device=0):
     """The policy and configuration of ``device``'s allocator, as a settings
     string (``policy:pytorch,expandable_segments:True``)."""
     return _native.settings(device)
+
+
+def driver_calls(device=0):
+    """The driver calls ``device``'s allocator has made, by kind:
+    ``{"map": {"calls": N, "seconds": S}, ...}`` for every kind
+    (``segment_alloc`` is ``cudaMalloc``, ``physical_create``
+    ``cuMemCreate``, ...), ``seconds`` being the wall-clock time spent in
+    them (the driver call and the context switch around it). All zero before
+    the device's first allocation."""
+    return {kind: {"calls": calls, "seconds": seconds} for kind, calls, seconds in _native.driver_calls(device)}
 
 
 def replay(

@@ -201,6 +201,14 @@ fn log_path() -> PyResult<Option<std::path::PathBuf>> {
         .map(|log| log.path))
 }
 
+/// `[(kind, calls, seconds)]`: the driver calls `device`'s allocator has
+/// made, by kind, and the wall-clock seconds spent in them.
+#[pyfunction]
+#[pyo3(signature = (device = 0))]
+fn driver_calls(device: i32) -> PyResult<Vec<(&'static str, u64, f64)>> {
+    hbmalloc_capi::driver_calls(device).map_err(to_py)
+}
+
 /// The native module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -210,6 +218,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(replay_json, m)?)?;
     m.add_function(wrap_pyfunction!(settings, m)?)?;
+    m.add_function(wrap_pyfunction!(driver_calls, m)?)?;
     m.add_function(wrap_pyfunction!(configuration_source, m)?)?;
     m.add_function(wrap_pyfunction!(record_stream, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak_memory_stats, m)?)?;

@@ -98,6 +98,22 @@ def test_memory_stats_has_pytorchs_keys(c_abi):
 
 
 @needs_driver
+def test_driver_calls_count_and_time_what_the_allocator_asked_of_the_driver(c_abi):
+    before = hbmalloc.driver_calls(0)
+    ptr = c_abi.hbmalloc_alloc(64 * MIB, 0, None)  # policy pytorch: a cudaMalloc of its own
+    assert ptr
+    after = hbmalloc.driver_calls(0)
+    c_abi.hbmalloc_free(ptr, 64 * MIB, 0, None)
+    assert set(after) == set(before) and "segment_alloc" in after
+    made = {k: after[k]["calls"] - before[k]["calls"] for k in after}
+    assert made["segment_alloc"] == 1
+    assert after["segment_alloc"]["seconds"] > before["segment_alloc"]["seconds"]
+    for kind, calls in made.items():
+        if calls == 0:
+            assert after[kind]["seconds"] == before[kind]["seconds"], kind
+
+
+@needs_driver
 def test_memory_summary_and_empty_cache(c_abi):
     ptr = c_abi.hbmalloc_alloc(MIB // 2, 0, None)
     text = hbmalloc.memory_summary(0)

@@ -41,8 +41,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use hbmalloc::{
-    AllocError, AllocatorConfig, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceStats,
-    PolicyConfig, PoolId, SharedAllocator, StreamId, ThreadSafeAllocator,
+    AllocError, AllocatorConfig, CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr,
+    DeviceStats, PolicyConfig, PoolId, SharedAllocator, StreamId, ThreadSafeAllocator,
 };
 use hbmalloc_cuda::{CudaDevice, CudaDriver};
 
@@ -738,4 +738,19 @@ pub fn check_invariants(device: i32) -> Result<(), ApiError> {
 pub fn settings(device: i32) -> Result<String, ApiError> {
     let configured = runtime()?.config.policy.to_settings();
     Ok(with_existing_allocator(device, |a| Ok(a.settings()))?.unwrap_or(configured))
+}
+
+/// The driver calls `device`'s allocator has made, by kind: (kind, calls,
+/// wall-clock seconds spent in them), every kind in `CallKind::ALL`'s order
+/// (all zero before the device's first allocation).
+pub fn driver_calls(device: i32) -> Result<Vec<(&'static str, u64, f64)>, ApiError> {
+    let (calls, nanos) = with_existing_allocator(device, |a| {
+        Ok((a.device().call_counts().by_kind, a.device().call_nanos()))
+    })?
+    .unwrap_or_default();
+    Ok(CallKind::ALL
+        .iter()
+        .zip(calls.iter().zip(nanos))
+        .map(|(kind, (&count, ns))| (kind.name(), count, ns as f64 * 1e-9))
+        .collect())
 }

@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use hbmalloc::{
     CallCounts, CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId,
@@ -36,6 +37,20 @@ struct EventTable {
     /// Recorded and not yet retired.
     recorded: HashMap<u64, CuEvent>,
     next_id: u64,
+}
+
+/// Adds the time from its creation to its drop to one kind's total: dropped
+/// on every return, so a failed call is timed too.
+struct CallTimer<'a> {
+    nanos: &'a AtomicU64,
+    started: Instant,
+}
+
+impl Drop for CallTimer<'_> {
+    fn drop(&mut self) {
+        let elapsed = u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.nanos.fetch_add(elapsed, Ordering::Relaxed);
+    }
 }
 
 /// One CUDA device, driven through its primary context (the context the
@@ -70,6 +85,8 @@ pub struct CudaDevice {
     events: Mutex<EventTable>,
     /// `Device` calls made, by kind (indexed like `CallKind::ALL`).
     calls: [AtomicU64; CallKind::ALL.len()],
+    /// Wall-clock nanoseconds spent in them, by kind.
+    nanos: [AtomicU64; CallKind::ALL.len()],
     /// Segments, handles and mappings made, for sharing with other
     /// processes (`ipc.rs`).
     shared: Mutex<ShareTable>,
@@ -181,6 +198,7 @@ impl CudaDevice {
             access_ordinals: vec![device_ordinal],
             events: Mutex::new(EventTable::default()),
             calls: std::array::from_fn(|_| AtomicU64::new(0)),
+            nanos: std::array::from_fn(|_| AtomicU64::new(0)),
             shared: Mutex::new(ShareTable::default()),
             shareable: AtomicBool::new(true),
         };
@@ -337,8 +355,22 @@ impl CudaDevice {
         counts
     }
 
-    fn count(&self, call: CallKind) {
+    /// Wall-clock nanoseconds spent in `Device` calls so far, by kind
+    /// (indexed like `CallKind::ALL`), failed ones included: the driver call
+    /// and what surrounds it (making the context current, relaxing a
+    /// capture, the bookkeeping). What the simulator's latency model claims
+    /// is checked against this on a real GPU.
+    pub fn call_nanos(&self) -> [u64; CallKind::ALL.len()] {
+        std::array::from_fn(|i| self.nanos[i].load(Ordering::Relaxed))
+    }
+
+    /// Counts `call` now and adds its duration when the guard drops.
+    fn timed(&self, call: CallKind) -> CallTimer<'_> {
         self.calls[call as usize].fetch_add(1, Ordering::Relaxed);
+        CallTimer {
+            nanos: &self.nanos[call as usize],
+            started: Instant::now(),
+        }
     }
 
     fn lock_events(&self) -> MutexGuard<'_, EventTable> {
@@ -439,7 +471,7 @@ impl Device for CudaDevice {
 
     fn memory_info(&self) -> DeviceResult<MemoryInfo> {
         let call = CallKind::MemoryInfo;
-        self.count(call);
+        let _timed = self.timed(call);
         let _current = self.make_current(call)?;
         let (free_bytes, total_bytes) = self
             .driver
@@ -453,7 +485,7 @@ impl Device for CudaDevice {
 
     fn segment_alloc(&self, size: u64) -> DeviceResult<DevicePtr> {
         let call = CallKind::SegmentAlloc;
-        self.count(call);
+        let _timed = self.timed(call);
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
         let _relaxed = self.relax_capture(call)?;
@@ -467,7 +499,7 @@ impl Device for CudaDevice {
 
     fn segment_free(&self, ptr: DevicePtr, size: u64) -> DeviceResult<()> {
         let call = CallKind::SegmentFree;
-        self.count(call);
+        let _timed = self.timed(call);
         let _current = self.make_current(call)?;
         self.driver
             .mem_free(ptr)
@@ -482,7 +514,7 @@ impl Device for CudaDevice {
 
     fn address_reserve(&self, size: u64) -> DeviceResult<DevicePtr> {
         let call = CallKind::AddressReserve;
-        self.count(call);
+        let _timed = self.timed(call);
         self.require_vmm(call)?;
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
@@ -494,7 +526,7 @@ impl Device for CudaDevice {
 
     fn address_free(&self, base: DevicePtr, size: u64) -> DeviceResult<()> {
         let call = CallKind::AddressFree;
-        self.count(call);
+        let _timed = self.timed(call);
         self.require_vmm(call)?;
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
@@ -505,7 +537,7 @@ impl Device for CudaDevice {
 
     fn physical_create(&self, size: u64) -> DeviceResult<PhysicalHandle> {
         let call = CallKind::PhysicalCreate;
-        self.count(call);
+        let _timed = self.timed(call);
         self.require_vmm(call)?;
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
@@ -540,7 +572,7 @@ impl Device for CudaDevice {
 
     fn physical_release(&self, handle: PhysicalHandle) -> DeviceResult<()> {
         let call = CallKind::PhysicalRelease;
-        self.count(call);
+        let _timed = self.timed(call);
         self.require_vmm(call)?;
         let _current = self.make_current(call)?;
         self.driver
@@ -559,7 +591,7 @@ impl Device for CudaDevice {
         offset: u64,
     ) -> DeviceResult<()> {
         let call = CallKind::Map;
-        self.count(call);
+        let _timed = self.timed(call);
         self.require_vmm(call)?;
         let bytes = CudaDevice::size_arg(call, size)?;
         let offset_bytes = CudaDevice::size_arg(call, offset)?;
@@ -598,7 +630,7 @@ impl Device for CudaDevice {
 
     fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
         let call = CallKind::SetAccess;
-        self.count(call);
+        let _timed = self.timed(call);
         self.require_vmm(call)?;
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
@@ -616,7 +648,7 @@ impl Device for CudaDevice {
 
     fn unmap(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
         let call = CallKind::Unmap;
-        self.count(call);
+        let _timed = self.timed(call);
         self.require_vmm(call)?;
         let bytes = CudaDevice::size_arg(call, size)?;
         let _current = self.make_current(call)?;
@@ -629,7 +661,7 @@ impl Device for CudaDevice {
 
     fn record_event(&self, stream: StreamId) -> DeviceResult<EventId> {
         let call = CallKind::EventRecord;
-        self.count(call);
+        let _timed = self.timed(call);
         let _current = self.make_current(call)?;
         let mut table = self.lock_events();
         let event = match table.free.pop() {
@@ -651,7 +683,7 @@ impl Device for CudaDevice {
 
     fn query_event(&self, event: EventId) -> DeviceResult<bool> {
         let call = CallKind::EventQuery;
-        self.count(call);
+        let _timed = self.timed(call);
         // Held across the query so two threads cannot retire one event twice;
         // cuEventQuery does not block.
         let mut table = self.lock_events();
@@ -671,7 +703,7 @@ impl Device for CudaDevice {
 
     fn synchronize_event(&self, event: EventId) -> DeviceResult<()> {
         let call = CallKind::EventSynchronize;
-        self.count(call);
+        let _timed = self.timed(call);
         // Taken out of the table so the lock is not held while blocking.
         let Some(cu_event) = self.lock_events().recorded.remove(&event.0) else {
             return Err(CudaDevice::unknown_event(call, event));
@@ -691,7 +723,7 @@ impl Device for CudaDevice {
 
     fn synchronize_device(&self) -> DeviceResult<()> {
         let call = CallKind::DeviceSynchronize;
-        self.count(call);
+        let _timed = self.timed(call);
         let _current = self.make_current(call)?;
         self.driver
             .ctx_synchronize()

@@ -651,6 +651,14 @@ fn the_double_behaves_like_the_simulated_device() {
     assert_eq!(cuda.call_counts().by_kind, sim.call_counts().by_kind);
     // Two whole maps, one refused over a mapping, one of part of a handle.
     assert_eq!(cuda.call_counts().get(CallKind::Map), 4);
+    // Every kind called was timed, and no other.
+    let counts = cuda.call_counts().by_kind;
+    for (kind, (calls, nanos)) in CallKind::ALL
+        .iter()
+        .zip(counts.iter().zip(cuda.call_nanos()))
+    {
+        assert_eq!(*calls > 0, nanos > 0, "{kind}: {calls} calls in {nanos} ns");
+    }
 }
 
 /// Whether `cuMemMap` maps part of a handle is asked of the driver when the
