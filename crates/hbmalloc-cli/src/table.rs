@@ -729,7 +729,7 @@ pub fn write_calls_csv(
             blank(size),
             blank(live),
             blank(reserved),
-            calls.simulated_ns
+            calls.simulated_ns()
         )?;
         for &kind in &kinds {
             write!(out, ",{}", calls.get(kind))?;
@@ -776,7 +776,7 @@ mod tests {
         let calls = |kind: CallKind, ns| {
             let mut counts = CallCounts::default();
             counts.by_kind[kind as usize] = 1;
-            counts.simulated_ns = ns;
+            counts.simulated_ns_by_kind[kind as usize] = ns;
             counts
         };
         let log = CallsLog {

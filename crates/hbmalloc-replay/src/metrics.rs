@@ -154,6 +154,9 @@ pub struct Metrics {
     pub steady_state_growth_floor: u64,
     /// Driver time under the latency model.
     pub simulated_driver_seconds: f64,
+    /// `simulated_driver_seconds` by kind of call (only kinds that were
+    /// called): where the driver time goes.
+    pub simulated_driver_seconds_by_kind: BTreeMap<String, f64>,
     /// The least driver time any allocator that meets the efficiency target
     /// wherever the trace might have ended spends under the same latency
     /// model: [`growth_floor`] growths at the cheapest a growth can cost
@@ -349,6 +352,16 @@ pub fn evaluate(
             .map(|k| (k.name().to_string(), calls.get(*k)))
             .collect()
     };
+    let seconds_by_kind = |calls: &hbmalloc::CallCounts| -> BTreeMap<String, f64> {
+        CallKind::ALL
+            .iter()
+            .filter(|k| calls.get(**k) > 0)
+            .map(|&k| {
+                let ns = calls.simulated_ns_by_kind[k as usize];
+                (k.name().to_string(), seconds(ns))
+            })
+            .collect()
+    };
     Ok(Metrics {
         trace: source.to_string(),
         device: trace.device,
@@ -373,16 +386,17 @@ pub fn evaluate(
         steady_state_driver_seconds: run
             .steady_state_calls
             .as_ref()
-            .map(|c| seconds(c.simulated_ns)),
+            .map(|c| seconds(c.simulated_ns())),
         steady_state_growth_floor: steady_state_growth_floor(&live),
-        simulated_driver_seconds: seconds(run.calls.simulated_ns),
+        simulated_driver_seconds: seconds(run.calls.simulated_ns()),
+        simulated_driver_seconds_by_kind: seconds_by_kind(&run.calls),
         driver_time_floor_seconds: seconds(
             growth_floor(&live) * options.latency.cheapest_growth_ns(),
         ),
         recorded_seconds,
         driver_time_fraction: recorded_seconds
             .filter(|&s| s > 0.0 && trace.device >= 0)
-            .map(|s| seconds(run.calls.simulated_ns) / s),
+            .map(|s| seconds(run.calls.simulated_ns()) / s),
         ns_per_op: if ops == 0 {
             0.0
         } else {
@@ -917,6 +931,15 @@ mod tests {
             "{seconds} against {one}"
         );
         assert!(m.simulated_driver_seconds >= 4.0 * one - 1e-12);
+        // Where the run's driver time went: the four mallocs, and what else
+        // was called, adding up to the whole.
+        let by_kind = &m.simulated_driver_seconds_by_kind;
+        assert!(
+            (by_kind["segment_alloc"] - 4.0 * one).abs() < 1e-12,
+            "{by_kind:?}"
+        );
+        let total: f64 = by_kind.values().sum();
+        assert!((total - m.simulated_driver_seconds).abs() < 1e-12);
     }
 
     #[test]
@@ -928,7 +951,8 @@ mod tests {
         let one = |bytes| {
             let mut calls = CallCounts::default();
             calls.by_kind[CallKind::SegmentAlloc as usize] = 1;
-            calls.simulated_ns = LatencyModel::h100().of(CallKind::SegmentAlloc, bytes);
+            calls.simulated_ns_by_kind[CallKind::SegmentAlloc as usize] =
+                LatencyModel::h100().of(CallKind::SegmentAlloc, bytes);
             calls
         };
         assert_eq!(log.ops, vec![(0, one(64 * MIB)), (1, one(32 * MIB))]);

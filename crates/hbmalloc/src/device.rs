@@ -217,14 +217,19 @@ pub type DeviceResult<T> = Result<T, DeviceError>;
 pub struct CallCounts {
     /// Calls of each kind, indexed like [`CallKind::ALL`].
     pub by_kind: [u64; CallKind::ALL.len()],
-    /// Simulated driver time in nanoseconds.
-    pub simulated_ns: u64,
+    /// Simulated driver time of each kind, in nanoseconds, indexed likewise.
+    pub simulated_ns_by_kind: [u64; CallKind::ALL.len()],
 }
 
 impl CallCounts {
     /// Calls of one kind.
     pub fn get(&self, kind: CallKind) -> u64 {
         self.by_kind[kind as usize]
+    }
+
+    /// Simulated driver time of every call, in nanoseconds.
+    pub fn simulated_ns(&self) -> u64 {
+        self.simulated_ns_by_kind.iter().sum()
     }
 
     /// Calls that change what memory the device holds (see [`CallKind::moves_memory`]).
@@ -241,8 +246,9 @@ impl CallCounts {
         let mut out = CallCounts::default();
         for i in 0..self.by_kind.len() {
             out.by_kind[i] = self.by_kind[i] - earlier.by_kind[i];
+            out.simulated_ns_by_kind[i] =
+                self.simulated_ns_by_kind[i] - earlier.simulated_ns_by_kind[i];
         }
-        out.simulated_ns = self.simulated_ns - earlier.simulated_ns;
         out
     }
 }

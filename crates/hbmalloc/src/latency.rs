@@ -6,6 +6,11 @@
 //! flat below the first and extended along the last segment's slope above
 //! the last. The default, [`LatencyModel::h100`], is measured; anything
 //! kinder is a what-if the caller asks for by name.
+//!
+//! A curve prices one call over one mapping. Granting access to a range
+//! costs one grant per mapping in it (the driver's time grows with the
+//! handles, not the bytes), so the simulated device charges `set_access`
+//! mapping by mapping.
 
 use crate::device::CallKind;
 

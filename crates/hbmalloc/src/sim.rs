@@ -111,7 +111,7 @@ struct SimState {
     events: FastMap<u64, PendingEvent>,
     next_event: u64,
     calls: [u64; CallKind::ALL.len()],
-    simulated_ns: u64,
+    simulated_ns: [u64; CallKind::ALL.len()],
     faults: Vec<(Fault, u64)>,
     /// Kernels the caller said are queued, by id: see [`SimDevice::enqueue_use`].
     uses: BTreeMap<u64, UseRecord>,
@@ -228,7 +228,7 @@ impl SimDevice {
                 events: FastMap::default(),
                 next_event: 1,
                 calls: [0; CallKind::ALL.len()],
-                simulated_ns: 0,
+                simulated_ns: [0; CallKind::ALL.len()],
                 faults: Vec::new(),
                 uses: BTreeMap::new(),
                 next_use: 1,
@@ -250,7 +250,7 @@ impl SimDevice {
         let state = self.lock();
         CallCounts {
             by_kind: state.calls,
-            simulated_ns: state.simulated_ns,
+            simulated_ns_by_kind: state.simulated_ns,
         }
     }
 
@@ -481,8 +481,14 @@ impl SimState {
     /// Counts the call, charges its latency for `bytes` and applies any
     /// armed fault.
     fn enter(&mut self, call: CallKind, bytes: u64) -> DeviceResult<()> {
+        let ns = self.config.latency.of(call, bytes);
+        self.enter_costing(call, ns)
+    }
+
+    /// [`enter`](Self::enter) for a call that costs `ns`.
+    fn enter_costing(&mut self, call: CallKind, ns: u64) -> DeviceResult<()> {
         self.calls[call as usize] += 1;
-        self.simulated_ns += self.config.latency.of(call, bytes);
+        self.simulated_ns[call as usize] += ns;
         let count = self.calls[call as usize];
         for (fault, armed_at) in &self.faults {
             if fault.call != call {
@@ -894,7 +900,21 @@ impl Device for SimDevice {
 
     fn set_access(&self, va: DevicePtr, size: u64) -> DeviceResult<()> {
         let mut state = self.lock();
-        state.enter(CallKind::SetAccess, size)?;
+        // The driver grants access mapping by mapping: a range over k
+        // handles costs k single grants, whatever their sizes.
+        let latency = &state.config.latency;
+        let per_mapping: u64 = state
+            .mappings
+            .range(va..va.saturating_add(size))
+            .map(|(_, m)| latency.of(CallKind::SetAccess, m.size))
+            .sum();
+        // A range with nothing mapped fails below, after one grant's cost.
+        let ns = if per_mapping > 0 {
+            per_mapping
+        } else {
+            latency.of(CallKind::SetAccess, size)
+        };
+        state.enter_costing(CallKind::SetAccess, ns)?;
         let mut covered = 0;
         for (_, m) in state.mappings.range_mut(va..va + size) {
             m.accessible = true;
@@ -1120,6 +1140,39 @@ mod tests {
     fn latency_is_charged_per_call() {
         let dev = SimDevice::new();
         dev.segment_alloc(2 * MIB).unwrap();
-        assert_eq!(dev.call_counts().simulated_ns, 52_700);
+        assert_eq!(dev.call_counts().simulated_ns(), 52_700);
+    }
+
+    #[test]
+    fn access_to_a_range_costs_one_grant_per_mapping_in_it() {
+        let latency = LatencyModel::h100();
+        let grant = |bytes| latency.of(CallKind::SetAccess, bytes);
+        let dev = SimDevice::new();
+        let base = dev.address_reserve(64 * MIB).unwrap();
+        let sizes = [2 * MIB, 2 * MIB, 20 * MIB];
+        let mut va = base;
+        for size in sizes {
+            let handle = dev.physical_create(size).unwrap();
+            dev.map(va, size, handle, 0).unwrap();
+            va += size;
+        }
+        let cost = |f: &dyn Fn()| {
+            let before = dev.call_counts().simulated_ns();
+            f();
+            dev.call_counts().simulated_ns() - before
+        };
+        let all = cost(&|| dev.set_access(base, 24 * MIB).unwrap());
+        assert_eq!(all, 2 * grant(2 * MIB) + grant(20 * MIB));
+        assert!(
+            all > grant(24 * MIB),
+            "more than one grant of the range's size"
+        );
+        assert_eq!(
+            cost(&|| dev.set_access(base, 2 * MIB).unwrap()),
+            grant(2 * MIB)
+        );
+        // Nothing mapped: refused, at one grant's cost.
+        let refused = cost(&|| assert!(dev.set_access(base + 40 * MIB, 2 * MIB).is_err()));
+        assert_eq!(refused, grant(2 * MIB));
     }
 }
