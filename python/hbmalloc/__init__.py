@@ -144,7 +144,8 @@ def driver_calls(device=0):
     ``cuMemCreate``, ...), ``seconds`` being the wall-clock time spent in
     them (the driver call and the context switch around it). All zero before
     the device's first allocation."""
-    return {kind: {"calls": calls, "seconds": seconds} for kind, calls, seconds in _native.driver_calls(device)}
+    calls = _native.driver_calls(device)
+    return {kind: {"calls": count, "seconds": seconds} for kind, count, seconds in calls}
 
 
 def replay(

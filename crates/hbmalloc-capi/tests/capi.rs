@@ -14,7 +14,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use hbmalloc::{StreamId, ThreadSafeAllocator};
 use hbmalloc_capi::{
-    check_invariants, hbmalloc_alloc, hbmalloc_begin_capture, hbmalloc_cache_info,
+    check_invariants, driver_calls, hbmalloc_alloc, hbmalloc_begin_capture, hbmalloc_cache_info,
     hbmalloc_create_or_incref_pool, hbmalloc_empty_cache, hbmalloc_end_capture, hbmalloc_free,
     hbmalloc_history_entries, hbmalloc_init, hbmalloc_last_error, hbmalloc_last_error_code,
     hbmalloc_mem_get_info, hbmalloc_memory_fraction, hbmalloc_pool_alloc,
@@ -137,6 +137,30 @@ fn second_device_has_its_own_allocator() {
     free(p, 1);
     assert_ok();
     assert_consistent();
+}
+
+#[test]
+fn driver_calls_count_and_time_each_kind_the_allocator_called() {
+    let _serial = setup();
+    let kinds: Vec<&str> = hbmalloc::CallKind::ALL.iter().map(|k| k.name()).collect();
+    // The allocator exists (opening it asks the device's size).
+    free(alloc(4096, 0), 0);
+    assert_ok();
+    let before = driver_calls(0).unwrap();
+    assert_eq!(before.iter().map(|c| c.0).collect::<Vec<_>>(), kinds);
+    // Larger than anything cached: policy pytorch makes a cudaMalloc of its own.
+    let p = alloc(256 * MIB, 0);
+    assert_ok();
+    let after = driver_calls(0).unwrap();
+    free(p, 0);
+    assert_ok();
+    for ((kind, calls, seconds), (_, calls_before, seconds_before)) in after.iter().zip(&before) {
+        let made = calls - calls_before;
+        assert_eq!(made, u64::from(*kind == "segment_alloc"), "{kind}");
+        // A call takes some nanoseconds (seconds from ns: not a whole second).
+        assert_eq!(made > 0, seconds > seconds_before, "{kind}");
+        assert!(*seconds < 1.0, "{kind}: {seconds} s");
+    }
 }
 
 #[test]

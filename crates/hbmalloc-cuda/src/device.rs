@@ -346,7 +346,8 @@ impl CudaDevice {
     }
 
     /// `Device` calls made so far, by kind, failed ones included (like
-    /// `SimDevice::call_counts`; `simulated_ns_by_kind` stays 0: see [`CudaDevice::call_nanos`] for measured time).
+    /// `SimDevice::call_counts`; `simulated_ns_by_kind` stays 0: the time
+    /// they took is [`CudaDevice::call_nanos`]).
     pub fn call_counts(&self) -> CallCounts {
         let mut counts = CallCounts::default();
         for (slot, count) in counts.by_kind.iter_mut().zip(&self.calls) {

@@ -329,3 +329,26 @@ pub trait Device: Send + Sync {
     /// Blocks until all work on the device has completed.
     fn synchronize_device(&self) -> DeviceResult<()>;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn calls_since_an_earlier_count_are_the_difference_kind_by_kind() {
+        let at = |maps, map_ns, creates, create_ns| {
+            let mut counts = CallCounts::default();
+            counts.by_kind[CallKind::Map as usize] = maps;
+            counts.simulated_ns_by_kind[CallKind::Map as usize] = map_ns;
+            counts.by_kind[CallKind::PhysicalCreate as usize] = creates;
+            counts.simulated_ns_by_kind[CallKind::PhysicalCreate as usize] = create_ns;
+            counts
+        };
+        let earlier = at(2, 7_000, 1, 14_600);
+        let later = at(5, 17_500, 1, 14_600);
+        let made = later.since(&earlier);
+        assert_eq!(made, at(3, 10_500, 0, 0));
+        assert_eq!(made.simulated_ns(), 10_500);
+        assert_eq!(made.memory_calls(), 3);
+    }
+}

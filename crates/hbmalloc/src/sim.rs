@@ -111,7 +111,7 @@ struct SimState {
     events: FastMap<u64, PendingEvent>,
     next_event: u64,
     calls: [u64; CallKind::ALL.len()],
-    simulated_ns: [u64; CallKind::ALL.len()],
+    simulated_ns_by_kind: [u64; CallKind::ALL.len()],
     faults: Vec<(Fault, u64)>,
     /// Kernels the caller said are queued, by id: see [`SimDevice::enqueue_use`].
     uses: BTreeMap<u64, UseRecord>,
@@ -228,7 +228,7 @@ impl SimDevice {
                 events: FastMap::default(),
                 next_event: 1,
                 calls: [0; CallKind::ALL.len()],
-                simulated_ns: [0; CallKind::ALL.len()],
+                simulated_ns_by_kind: [0; CallKind::ALL.len()],
                 faults: Vec::new(),
                 uses: BTreeMap::new(),
                 next_use: 1,
@@ -250,7 +250,7 @@ impl SimDevice {
         let state = self.lock();
         CallCounts {
             by_kind: state.calls,
-            simulated_ns_by_kind: state.simulated_ns,
+            simulated_ns_by_kind: state.simulated_ns_by_kind,
         }
     }
 
@@ -488,7 +488,7 @@ impl SimState {
     /// [`enter`](Self::enter) for a call that costs `ns`.
     fn enter_costing(&mut self, call: CallKind, ns: u64) -> DeviceResult<()> {
         self.calls[call as usize] += 1;
-        self.simulated_ns[call as usize] += ns;
+        self.simulated_ns_by_kind[call as usize] += ns;
         let count = self.calls[call as usize];
         for (fault, armed_at) in &self.faults {
             if fault.call != call {
@@ -902,10 +902,11 @@ impl Device for SimDevice {
         let mut state = self.lock();
         // The driver grants access mapping by mapping: a range over k
         // handles costs k single grants, whatever their sizes.
+        let end = va.saturating_add(size);
         let latency = &state.config.latency;
         let per_mapping: u64 = state
             .mappings
-            .range(va..va.saturating_add(size))
+            .range(va..end)
             .map(|(_, m)| latency.of(CallKind::SetAccess, m.size))
             .sum();
         // A range with nothing mapped fails below, after one grant's cost.
@@ -916,7 +917,7 @@ impl Device for SimDevice {
         };
         state.enter_costing(CallKind::SetAccess, ns)?;
         let mut covered = 0;
-        for (_, m) in state.mappings.range_mut(va..va + size) {
+        for (_, m) in state.mappings.range_mut(va..end) {
             m.accessible = true;
             covered += m.size;
         }
