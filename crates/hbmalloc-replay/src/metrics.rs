@@ -345,23 +345,18 @@ pub fn evaluate(
     let ops = run.mallocs + run.frees;
     let recorded_seconds = trace.recorded_span_us.map(|us| us as f64 / 1e6);
     let completed = out_of_memory.is_none();
-    let by_kind = |calls: &hbmalloc::CallCounts| -> BTreeMap<String, u64> {
+    // A figure per kind of call, for the kinds that were called.
+    fn per_kind<T>(
+        calls: &hbmalloc::CallCounts,
+        figure: impl Fn(CallKind) -> T,
+    ) -> BTreeMap<String, T> {
         CallKind::ALL
             .iter()
-            .filter(|k| calls.get(**k) > 0)
-            .map(|k| (k.name().to_string(), calls.get(*k)))
+            .filter(|&&k| calls.get(k) > 0)
+            .map(|&k| (k.name().to_string(), figure(k)))
             .collect()
-    };
-    let seconds_by_kind = |calls: &hbmalloc::CallCounts| -> BTreeMap<String, f64> {
-        CallKind::ALL
-            .iter()
-            .filter(|k| calls.get(**k) > 0)
-            .map(|&k| {
-                let ns = calls.simulated_ns_by_kind[k as usize];
-                (k.name().to_string(), seconds(ns))
-            })
-            .collect()
-    };
+    }
+    let by_kind = |calls: &hbmalloc::CallCounts| per_kind(calls, |k| calls.get(k));
     Ok(Metrics {
         trace: source.to_string(),
         device: trace.device,
@@ -389,7 +384,9 @@ pub fn evaluate(
             .map(|c| seconds(c.simulated_ns())),
         steady_state_growth_floor: steady_state_growth_floor(&live),
         simulated_driver_seconds: seconds(run.calls.simulated_ns()),
-        simulated_driver_seconds_by_kind: seconds_by_kind(&run.calls),
+        simulated_driver_seconds_by_kind: per_kind(&run.calls, |k| {
+            seconds(run.calls.simulated_ns_by_kind[k as usize])
+        }),
         driver_time_floor_seconds: seconds(
             growth_floor(&live) * options.latency.cheapest_growth_ns(),
         ),

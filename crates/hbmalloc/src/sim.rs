@@ -904,28 +904,32 @@ impl Device for SimDevice {
         // handles costs k single grants, whatever their sizes.
         let end = va.saturating_add(size);
         let latency = &state.config.latency;
-        let per_mapping: u64 = state
-            .mappings
-            .range(va..end)
-            .map(|(_, m)| latency.of(CallKind::SetAccess, m.size))
-            .sum();
-        // A range with nothing mapped fails below, after one grant's cost.
-        let ns = if per_mapping > 0 {
-            per_mapping
+        let (covered, grants) =
+            state
+                .mappings
+                .range(va..end)
+                .fold((0, 0), |(covered, grants), (_, m)| {
+                    (
+                        covered + m.size,
+                        grants + latency.of(CallKind::SetAccess, m.size),
+                    )
+                });
+        // A range with nothing mapped is refused at one grant's cost.
+        let ns = if grants > 0 {
+            grants
         } else {
             latency.of(CallKind::SetAccess, size)
         };
         state.enter_costing(CallKind::SetAccess, ns)?;
-        let mut covered = 0;
-        for (_, m) in state.mappings.range_mut(va..end) {
-            m.accessible = true;
-            covered += m.size;
-        }
+        // Refused whole, as the driver refuses it: nothing is granted.
         if covered != size {
             return Err(invalid(
                 CallKind::SetAccess,
                 format!("{va:#x}+{size} is not fully mapped"),
             ));
+        }
+        for (_, m) in state.mappings.range_mut(va..end) {
+            m.accessible = true;
         }
         Ok(())
     }
