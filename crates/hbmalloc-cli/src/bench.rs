@@ -23,11 +23,13 @@ pub fn run(
     runs: &[PolicyConfig],
     repeat: usize,
     json: bool,
+    hits: bool,
 ) -> Result<(), String> {
     // Each configuration's column is as wide as its header.
+    let unit = if hits { "hit ns/op" } else { "ns/op" };
     let headers: Vec<String> = runs
         .iter()
-        .map(|p| format!("{} ns/op", label(&p.to_settings())))
+        .map(|p| format!("{} {unit}", label(&p.to_settings())))
         .collect();
     let widths: Vec<usize> = headers.iter().map(|h| h.chars().count().max(9)).collect();
     if !json {
@@ -44,23 +46,46 @@ pub fn run(
         for device in &trace.devices {
             let prepared = PreparedTrace::new(device)
                 .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
-            let mut samples: Vec<Vec<f64>> = vec![Vec::new(); runs.len()];
+            let mut samples: Vec<Samples> = vec![Samples::default(); runs.len()];
             for _ in 0..repeat {
                 for (i, policy) in runs.iter().enumerate() {
-                    let mut options = ReplayOptions::new(policy.clone());
-                    options.latency = LatencyModel::zero();
-                    let result = prepared
-                        .run(&options)
-                        .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
+                    let replay = |time_cache_hits: bool| {
+                        let mut options = ReplayOptions::new(policy.clone());
+                        options.latency = LatencyModel::zero();
+                        options.time_cache_hits = time_cache_hits;
+                        prepared
+                            .run(&options)
+                            .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))
+                    };
+                    let result = replay(false)?;
                     let ops = (result.mallocs + result.frees).max(1);
-                    samples[i].push(result.loop_ns as f64 / ops as f64);
+                    samples[i].ns.push(result.loop_ns as f64 / ops as f64);
+                    // Timing each op slows the loop: a replay of its own.
+                    if hits {
+                        let timed = replay(true)?;
+                        samples[i]
+                            .hit_ns
+                            .push(timed.hit_ns as f64 / timed.hit_ops.max(1) as f64);
+                        samples[i].hit_share = timed.hit_ops as f64 / ops as f64;
+                    }
                 }
             }
-            let medians: Vec<f64> = samples.iter_mut().map(|s| median(s)).collect();
+            let medians: Vec<(f64, f64)> = samples
+                .iter_mut()
+                .map(|s| (median(&mut s.ns), median(&mut s.hit_ns)))
+                .collect();
             if json {
-                for (policy, ns) in runs.iter().zip(&medians) {
+                for ((policy, (ns, hit_ns)), sample) in runs.iter().zip(&medians).zip(&samples) {
+                    let hit = if hits {
+                        format!(
+                            ",\"hit_ns_per_op\":{hit_ns:.1},\"hit_share\":{:.4}",
+                            sample.hit_share
+                        )
+                    } else {
+                        String::new()
+                    };
                     outln!(
-                        "{{\"trace\":{:?},\"device\":{},\"settings\":{:?},\"ns_per_op\":{:.1},\"repeat\":{}}}",
+                        "{{\"trace\":{:?},\"device\":{},\"settings\":{:?},\"ns_per_op\":{:.1}{hit},\"repeat\":{}}}",
                         trace.source,
                         device.device,
                         policy.to_settings(),
@@ -74,11 +99,15 @@ pub fn run(
                     fit(&trace_name(&trace.source), 30),
                     device_label(device.device)
                 );
-                for (ns, width) in medians.iter().zip(&widths) {
+                let shown: Vec<f64> = medians
+                    .iter()
+                    .map(|&(ns, hit_ns)| if hits { hit_ns } else { ns })
+                    .collect();
+                for (ns, width) in shown.iter().zip(&widths) {
                     out!(" {ns:>width$.1}");
                 }
-                if medians.len() > 1 {
-                    out!(" {:>12.2}", medians[medians.len() - 1] / medians[0]);
+                if shown.len() > 1 {
+                    out!(" {:>12.2}", shown[shown.len() - 1] / shown[0]);
                 }
                 outln!();
             }
@@ -93,12 +122,18 @@ pub fn run(
         } else {
             ""
         };
+        let hit = if hits {
+            " hit ns/op: the mallocs and frees that called no driver (each policy's own), each \
+             timed on its own (two clock reads an op included)."
+        } else {
+            ""
+        };
         out!(
             "\n{}",
             wrap(
                 &format!(
-                    "ratio: last configuration's ns/op divided by the first's, measured in the \
-                     same run.{cpu}"
+                    "ratio: last configuration's figure divided by the first's, measured in the \
+                     same run.{hit}{cpu}"
                 ),
                 100
             )
@@ -107,9 +142,21 @@ pub fn run(
     Ok(())
 }
 
+/// One configuration's measurements over the repeats.
+#[derive(Clone, Default)]
+struct Samples {
+    /// Nanoseconds per malloc or free, the whole loop timed.
+    ns: Vec<f64>,
+    /// Nanoseconds per cache hit, each timed on its own (with `--hits`).
+    hit_ns: Vec<f64>,
+    /// Share of the mallocs and frees that were cache hits (the same in
+    /// every repeat: the engine is deterministic).
+    hit_share: f64,
+}
+
 fn median(samples: &mut [f64]) -> f64 {
     samples.sort_by(|a, b| a.total_cmp(b));
-    samples[samples.len() / 2]
+    samples.get(samples.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// One measured workload for the thread-scaling table.

@@ -326,6 +326,11 @@ enum Command {
         /// Print one JSON object per line.
         #[arg(long)]
         json: bool,
+        /// Also time each malloc and free on its own and report those that
+        /// call no driver (cache hits) apart: `hit ns/op` in the table,
+        /// `hit_ns_per_op` and `hit_share` in `--json`.
+        #[arg(long)]
+        hits: bool,
     },
     /// Measure operations per second for several threads: the sharded
     /// thread-safe allocator against one mutex around the same engine.
@@ -409,10 +414,11 @@ fn run(command: Command) -> Result<(), String> {
             runs,
             repeat,
             json,
+            hits,
         } => {
             let runs = parse_runs(&runs)?;
             let traces = load_or_bundled(&traces)?;
-            bench::run(&traces, &runs, repeat, json)
+            bench::run(&traces, &runs, repeat, json, hits)
         }
         Command::BenchScaling { runs, live, churn } => {
             let runs = parse_runs(&runs)?;

@@ -20,6 +20,24 @@ fn compare_with_no_argument_runs_the_bundled_trace() {
 }
 
 #[test]
+fn bench_hits_reports_the_cache_hits_apart() {
+    let stdout = succeed(&["bench", "--hits", "--json", "--repeat", "1"]);
+    let rows: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    assert!(!rows.is_empty(), "{stdout}");
+    for row in rows {
+        let (hit_ns, share) = (row["hit_ns_per_op"].as_f64(), row["hit_share"].as_f64());
+        assert!(hit_ns.is_some_and(|ns| ns > 0.0), "{row}");
+        // Some ops of the bundled trace call the driver, most do not.
+        assert!(share.is_some_and(|s| s > 0.5 && s < 1.0), "{row}");
+    }
+    let table = succeed(&["bench", "--hits", "--repeat", "1"]);
+    assert!(table.contains("hbm hit ns/op"), "{table}");
+}
+
+#[test]
 fn replay_json_has_the_design_metric_names() {
     let out = hbmalloc(&["compare", "--json", "--no-min-capacity"]);
     assert!(out.status.success());

@@ -74,6 +74,10 @@ pub struct ReplayOptions {
     /// Keep what each op called in [`RunResult::calls_by_op`] (a read of
     /// the device's counters around every op).
     pub record_calls_by_op: bool,
+    /// Time each malloc and free that calls no driver (a cache hit) and
+    /// keep the sum in [`RunResult::hit_ns`]: two clock reads an op, so
+    /// [`RunResult::loop_ns`] is not comparable with a run without it.
+    pub time_cache_hits: bool,
 }
 
 impl ReplayOptions {
@@ -91,6 +95,7 @@ impl ReplayOptions {
             snapshot_after_ops: None,
             record_reserved_after_ops: false,
             record_calls_by_op: false,
+            time_cache_hits: false,
         }
     }
 }
@@ -152,6 +157,11 @@ pub struct RunResult {
     pub cache_hits: u64,
     /// Wall-clock nanoseconds spent in the op loop.
     pub loop_ns: u64,
+    /// Mallocs and frees that called no driver (served from or returned to
+    /// the cache); counted only with [`ReplayOptions::time_cache_hits`].
+    pub hit_ops: u64,
+    /// Wall-clock nanoseconds those ops took, each timed on its own.
+    pub hit_ns: u64,
     /// Segment events of the engine's history with the index of the op that
     /// caused them (only with `record_history`).
     pub segment_events: Vec<(usize, TraceEntry)>,
@@ -370,6 +380,8 @@ impl PreparedTrace {
             frees: 0,
             cache_hits: 0,
             loop_ns: 0,
+            hit_ops: 0,
+            hit_ns: 0,
             segment_events: Vec::new(),
             unreproduced_ooms: 0,
             final_stats: DeviceStats::default(),
@@ -428,7 +440,16 @@ impl PreparedTrace {
             let calls_before = options
                 .record_calls_by_op
                 .then(|| allocator.device().call_counts());
+            let hit_timer = (options.time_cache_hits && calls_allocator(*op, &ptrs))
+                .then(|| (driver_traffic(&allocator), Instant::now()));
             let step = self.step(&mut allocator, &mut ptrs, (i, *op), options, &mut result);
+            if let Some((traffic, started)) = hit_timer {
+                let ns = started.elapsed().as_nanos() as u64;
+                if step.is_ok() && driver_traffic(&allocator) == traffic {
+                    result.hit_ops += 1;
+                    result.hit_ns += ns;
+                }
+            }
             if let Some(before) = calls_before {
                 let made = allocator.device().call_counts().since(&before);
                 if made.by_kind.iter().any(|&n| n > 0) {
@@ -603,6 +624,16 @@ impl PreparedTrace {
             }
         }
         Ok(())
+    }
+}
+
+/// Whether `op` is a malloc or free the allocator is called for.
+#[inline]
+fn calls_allocator(op: DenseOp, ptrs: &[DevicePtr]) -> bool {
+    match op {
+        DenseOp::Alloc { size, .. } => size > 0,
+        DenseOp::Free { slot } => ptrs[slot] != 0,
+        _ => false,
     }
 }
 

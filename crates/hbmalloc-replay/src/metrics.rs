@@ -765,6 +765,23 @@ mod tests {
     }
 
     #[test]
+    fn only_the_ops_that_call_no_driver_are_timed_as_cache_hits() {
+        let trace = peak_in_the_middle();
+        for settings in ["policy:pytorch", "policy:hbm"] {
+            let mut replay = options(settings, None).replay_options();
+            let untimed = PreparedTrace::new(&trace).unwrap().run(&replay).unwrap();
+            assert_eq!((untimed.hit_ops, untimed.hit_ns), (0, 0), "{settings}");
+            replay.time_cache_hits = true;
+            let run = PreparedTrace::new(&trace).unwrap().run(&replay).unwrap();
+            // The two first mallocs call the driver; both frees and the
+            // last malloc are served by the cache.
+            assert_eq!((run.mallocs, run.frees), (3, 2), "{settings}");
+            assert_eq!(run.hit_ops, 3, "{settings}");
+            assert!(run.hit_ns > 0 && run.hit_ns <= run.loop_ns, "{settings}");
+        }
+    }
+
+    #[test]
     fn the_peak_snapshot_says_where_its_free_memory_lies() {
         let trace = peak_in_the_middle();
         for settings in ["policy:pytorch", "policy:hbm"] {
