@@ -123,8 +123,8 @@ pub fn run(
             ""
         };
         let hit = if hits {
-            " hit ns/op: the mallocs and frees that called no driver (each policy's own), each \
-             timed on its own (two clock reads an op included)."
+            " hit ns/op: the mallocs and frees that allocated, mapped or freed no device memory \
+             (each policy's own), each timed on its own (two clock reads an op included)."
         } else {
             ""
         };

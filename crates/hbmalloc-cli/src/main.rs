@@ -327,7 +327,8 @@ enum Command {
         #[arg(long)]
         json: bool,
         /// Also time each malloc and free on its own and report those that
-        /// call no driver (cache hits) apart: `hit ns/op` in the table,
+        /// allocate, map or free no device memory (cache hits) apart: `hit
+        /// ns/op` in the table,
         /// `hit_ns_per_op` and `hit_share` in `--json`.
         #[arg(long)]
         hits: bool,

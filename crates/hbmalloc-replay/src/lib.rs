@@ -74,7 +74,8 @@ pub struct ReplayOptions {
     /// Keep what each op called in [`RunResult::calls_by_op`] (a read of
     /// the device's counters around every op).
     pub record_calls_by_op: bool,
-    /// Time each malloc and free that calls no driver (a cache hit) and
+    /// Time each malloc and free that makes no driver allocation or free (a
+    /// cache hit; an event may be recorded or queried) and
     /// keep the sum in [`RunResult::hit_ns`]: two clock reads an op, so
     /// [`RunResult::loop_ns`] is not comparable with a run without it.
     pub time_cache_hits: bool,
@@ -157,8 +158,9 @@ pub struct RunResult {
     pub cache_hits: u64,
     /// Wall-clock nanoseconds spent in the op loop.
     pub loop_ns: u64,
-    /// Mallocs and frees that called no driver (served from or returned to
-    /// the cache); counted only with [`ReplayOptions::time_cache_hits`].
+    /// Mallocs and frees that made no driver allocation or free (served
+    /// from or returned to the cache); counted only with
+    /// [`ReplayOptions::time_cache_hits`].
     pub hit_ops: u64,
     /// Wall-clock nanoseconds those ops took, each timed on its own.
     pub hit_ns: u64,
