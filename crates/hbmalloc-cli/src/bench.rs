@@ -58,15 +58,13 @@ pub fn run(
                             .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))
                     };
                     let result = replay(false)?;
-                    let ops = (result.mallocs + result.frees).max(1);
-                    samples[i].ns.push(result.loop_ns as f64 / ops as f64);
+                    let ops = result.mallocs + result.frees;
+                    samples[i].ns.push(per_op(result.loop_ns, ops));
                     // Timing each op slows the loop: a replay of its own.
                     if hits {
                         let timed = replay(true)?;
-                        samples[i]
-                            .hit_ns
-                            .push(timed.hit_ns as f64 / timed.hit_ops.max(1) as f64);
-                        samples[i].hit_share = timed.hit_ops as f64 / ops as f64;
+                        samples[i].hit_ns.push(per_op(timed.hit_ns, timed.hit_ops));
+                        samples[i].hit_share = per_op(timed.hit_ops, ops);
                     }
                 }
             }
@@ -152,6 +150,11 @@ struct Samples {
     /// Share of the mallocs and frees that were cache hits (the same in
     /// every repeat: the engine is deterministic).
     hit_share: f64,
+}
+
+/// `total` over `ops` (0 with no ops).
+fn per_op(total: u64, ops: u64) -> f64 {
+    total as f64 / ops.max(1) as f64
 }
 
 fn median(samples: &mut [f64]) -> f64 {
@@ -478,4 +481,17 @@ fn scaling_point(policy: &PolicyConfig, count: u64, churn: u64) -> Result<(f64, 
         .since(&calls_before)
         .memory_calls();
     Ok((ns, calls))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn figures_per_op_and_their_median() {
+        assert_eq!(per_op(1_000, 4), 250.0);
+        assert_eq!(per_op(1_000, 0), 1_000.0);
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut []), 0.0);
+    }
 }

@@ -765,8 +765,26 @@ mod tests {
     }
 
     #[test]
-    fn only_the_ops_that_call_no_driver_are_timed_as_cache_hits() {
-        let trace = peak_in_the_middle();
+    fn only_mallocs_and_frees_that_allocate_nothing_are_timed_as_cache_hits() {
+        // `peak_in_the_middle`, then an empty tensor made and dropped: the
+        // allocator is not called for it, so it is no hit.
+        let csv = format!(
+            "Thread,Time,Action,Pointer,Size,Stream\n\
+             1,0.1,allocate,0x1000,{},0x0\n\
+             1,0.2,allocate,0x2000,{},0x0\n\
+             1,0.3,free,0x1000,{},0x0\n\
+             1,0.4,free,0x2000,{},0x0\n\
+             1,0.5,allocate,0x3000,{},0x0\n\
+             1,0.6,allocate,0x4000,0,0x0\n\
+             1,0.7,free,0x4000,0,0x0\n",
+            64 * MIB,
+            32 * MIB,
+            64 * MIB,
+            32 * MIB,
+            16 * MIB
+        );
+        let trace = hbmalloc_trace::parse_bytes("hits.csv", csv.as_bytes()).unwrap();
+        let trace = trace.devices.into_iter().next().unwrap();
         for settings in ["policy:pytorch", "policy:hbm"] {
             let mut replay = options(settings, None).replay_options();
             let untimed = PreparedTrace::new(&trace).unwrap().run(&replay).unwrap();
