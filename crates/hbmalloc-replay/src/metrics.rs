@@ -650,13 +650,18 @@ mod tests {
     /// 64 MiB and 32 MiB allocated, both freed, then 16 MiB that the cache
     /// serves: reserved memory peaks after the second op and stays there.
     fn peak_in_the_middle() -> DeviceTrace {
+        peak_in_the_middle_then("")
+    }
+
+    /// [`peak_in_the_middle`] followed by the RMM log rows `more`.
+    fn peak_in_the_middle_then(more: &str) -> DeviceTrace {
         let csv = format!(
             "Thread,Time,Action,Pointer,Size,Stream\n\
              1,0.1,allocate,0x1000,{},0x0\n\
              1,0.2,allocate,0x2000,{},0x0\n\
              1,0.3,free,0x1000,{},0x0\n\
              1,0.4,free,0x2000,{},0x0\n\
-             1,0.5,allocate,0x3000,{},0x0\n",
+             1,0.5,allocate,0x3000,{},0x0\n{more}",
             64 * MIB,
             32 * MIB,
             64 * MIB,
@@ -766,25 +771,10 @@ mod tests {
 
     #[test]
     fn only_mallocs_and_frees_that_allocate_nothing_are_timed_as_cache_hits() {
-        // `peak_in_the_middle`, then an empty tensor made and dropped: the
-        // allocator is not called for it, so it is no hit.
-        let csv = format!(
-            "Thread,Time,Action,Pointer,Size,Stream\n\
-             1,0.1,allocate,0x1000,{},0x0\n\
-             1,0.2,allocate,0x2000,{},0x0\n\
-             1,0.3,free,0x1000,{},0x0\n\
-             1,0.4,free,0x2000,{},0x0\n\
-             1,0.5,allocate,0x3000,{},0x0\n\
-             1,0.6,allocate,0x4000,0,0x0\n\
-             1,0.7,free,0x4000,0,0x0\n",
-            64 * MIB,
-            32 * MIB,
-            64 * MIB,
-            32 * MIB,
-            16 * MIB
-        );
-        let trace = hbmalloc_trace::parse_bytes("hits.csv", csv.as_bytes()).unwrap();
-        let trace = trace.devices.into_iter().next().unwrap();
+        // An empty tensor made and dropped at the end: the allocator is not
+        // called for it, so it is no hit.
+        let trace =
+            peak_in_the_middle_then("1,0.6,allocate,0x4000,0,0x0\n1,0.7,free,0x4000,0,0x0\n");
         for settings in ["policy:pytorch", "policy:hbm"] {
             let mut replay = options(settings, None).replay_options();
             let untimed = PreparedTrace::new(&trace).unwrap().run(&replay).unwrap();
@@ -792,7 +782,7 @@ mod tests {
             replay.time_cache_hits = true;
             let run = PreparedTrace::new(&trace).unwrap().run(&replay).unwrap();
             // The two first mallocs call the driver; both frees and the
-            // last malloc are served by the cache.
+            // 16 MiB malloc are served by the cache.
             assert_eq!((run.mallocs, run.frees), (3, 2), "{settings}");
             assert_eq!(run.hit_ops, 3, "{settings}");
             assert!(run.hit_ns > 0 && run.hit_ns <= run.loop_ns, "{settings}");
