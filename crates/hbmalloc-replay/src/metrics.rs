@@ -771,10 +771,12 @@ mod tests {
 
     #[test]
     fn only_mallocs_and_frees_that_allocate_nothing_are_timed_as_cache_hits() {
-        // An empty tensor made and dropped at the end: the allocator is not
-        // called for it, so it is no hit.
-        let trace =
-            peak_in_the_middle_then("1,0.6,allocate,0x4000,0,0x0\n1,0.7,free,0x4000,0,0x0\n");
+        // Two empty tensors made and dropped at the end: the allocator is
+        // not called for them, so they are no hits.
+        let trace = peak_in_the_middle_then(
+            "1,0.6,allocate,0x4000,0,0x0\n1,0.7,allocate,0x5000,0,0x0\n\
+             1,0.8,free,0x4000,0,0x0\n1,0.9,free,0x5000,0,0x0\n",
+        );
         for settings in ["policy:pytorch", "policy:hbm"] {
             let mut replay = options(settings, None).replay_options();
             let untimed = PreparedTrace::new(&trace).unwrap().run(&replay).unwrap();
