@@ -2,10 +2,11 @@
 //!
 //! Driver calls take no simulated time here (zero latency model), so the
 //! figure is the engine's own work per malloc or free in the replay loop,
-//! plus the simulated driver's bookkeeping of each call it makes (about 1,000
-//! instructions for a map, 700 for an unmap, on select_n_ec5be11): a policy
+//! plus the simulated driver's bookkeeping of each call it makes: a policy
 //! that makes more calls pays more of it. Each configuration is replayed
-//! `repeat` times, interleaved, and the median is reported.
+//! `repeat` times, interleaved, and the median is reported. `--hits` adds a
+//! replay each time that times every malloc and free on its own and keeps
+//! the cache hits apart: what a hit costs, whatever the misses cost.
 
 use std::sync::Mutex;
 
@@ -68,15 +69,12 @@ pub fn run(
                     }
                 }
             }
-            let medians: Vec<(f64, f64)> = samples
-                .iter_mut()
-                .map(|s| (median(&mut s.ns), median(&mut s.hit_ns)))
-                .collect();
             if json {
-                for ((policy, (ns, hit_ns)), sample) in runs.iter().zip(&medians).zip(&samples) {
+                for (policy, sample) in runs.iter().zip(&mut samples) {
                     let hit = if hits {
                         format!(
-                            ",\"hit_ns_per_op\":{hit_ns:.1},\"hit_share\":{:.4}",
+                            ",\"hit_ns_per_op\":{:.1},\"hit_share\":{:.4}",
+                            median(&mut sample.hit_ns),
                             sample.hit_share
                         )
                     } else {
@@ -87,7 +85,7 @@ pub fn run(
                         trace.source,
                         device.device,
                         policy.to_settings(),
-                        ns,
+                        median(&mut sample.ns),
                         repeat
                     );
                 }
@@ -97,9 +95,9 @@ pub fn run(
                     fit(&trace_name(&trace.source), 30),
                     device_label(device.device)
                 );
-                let shown: Vec<f64> = medians
-                    .iter()
-                    .map(|&(ns, hit_ns)| if hits { hit_ns } else { ns })
+                let shown: Vec<f64> = samples
+                    .iter_mut()
+                    .map(|s| median(if hits { &mut s.hit_ns } else { &mut s.ns }))
                     .collect();
                 for (ns, width) in shown.iter().zip(&widths) {
                     out!(" {ns:>width$.1}");
