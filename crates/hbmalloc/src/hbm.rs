@@ -121,6 +121,12 @@ const WHOLE_HANDLE_HEAP_DIVISOR: u64 = 2048;
 /// moves, so handles about the size of expandable segments' (20 MiB) cost
 /// little memory. A run shorter than this gets a handle of its own length.
 const WHOLE_HANDLE_MIN_GRANULES: u64 = 16;
+/// ... and unless `whole_handle_granules` fixes the size, a run shorter
+/// than this many handles of that size takes one handle of its own length:
+/// cut into a full handle and a shorter one it would cost a create and a
+/// map more for the same memory, and it is one block's memory, freed and
+/// moved whole as that block is.
+const WHOLE_HANDLE_SPLIT_FACTOR: u64 = 2;
 /// The `whole_handle_granules` a configuration may set.
 const WHOLE_HANDLE_GRANULES_RANGE: std::ops::RangeInclusive<u64> = 1..=512;
 /// On a miss, free ranges a request looks at in best-fit order for a place
@@ -144,7 +150,7 @@ const MAX_CANDIDATES: usize = 32;
 /// | `max_waste_percent` | 1 | physical memory held may exceed the peak demand (live plus pending-free bytes) by this percentage before idle memory is stitched (mapped a second time) instead of new memory created; a heap growing to a new peak may map up to 4 times this (at most 12 MiB) ahead, holding at most 5 times this over peak demand in all. Lower: tighter memory, more map calls when the workload shifts or grows (0: nothing mapped ahead); higher: fewer driver calls. |
 /// | `per_process_memory_fraction` | 1 | hard limit on memory held, as a fraction of device memory (as in PyTorch). |
 /// | `max_views` | 64 | most addresses one physical granule is mapped at (2 to 64): past it, idle memory is moved (unmapped, mapped elsewhere) instead of mapped once more. Each view is a page-table entry; lower: more map and unmap calls where memory moves around. |
-/// | `whole_handle_granules` | auto | on a driver that maps whole handles only ([`Device::maps_handle_parts`] false), the most granules one physical handle holds (1 to 512), or `auto`: 1/2048 of the most memory held so far, rounded down to whole granules, at least 16 (32 MiB; up to 64 GiB held). A run shorter than this gets a handle of its own length. Only whole handles move there; higher: fewer create and map calls, more memory held (the one setting that trades memory for driver calls, `docs/real-driver.md`). Ignored where the driver maps parts of handles. |
+/// | `whole_handle_granules` | auto | on a driver that maps whole handles only ([`Device::maps_handle_parts`] false), the most granules one physical handle holds (1 to 512), or `auto`: 1/2048 of the most memory held so far, rounded down to whole granules, at least 16 (32 MiB; up to 64 GiB held). A run shorter than the size (under `auto`, than twice the size) gets one handle of its own length. Only whole handles move there; higher: fewer create and map calls, more memory held (the one setting that trades memory for driver calls, `docs/real-driver.md`). Ignored where the driver maps parts of handles. |
 /// | `mapped_fit` | 64 | on a miss (best fit lands on unmapped memory), how many free ranges, in best-fit order, are searched for a place whose granules are all mapped and not in use at another view, taken before best fit maps memory (0: best fit alone). |
 #[derive(Clone, Debug, PartialEq)]
 pub struct HbmConfig {

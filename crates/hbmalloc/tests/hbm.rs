@@ -467,6 +467,42 @@ fn on_a_whole_handle_driver_handles_grow_with_the_heap() {
     assert_eq!(a.device().used_bytes(), 0);
 }
 
+/// Under `auto`, a run shorter than two handles of the size takes one
+/// handle of its own length (a create and a map), not a full handle and a
+/// short one; a longer run is cut into handles of the size. A fixed
+/// `whole_handle_granules` is the size of every handle but a run's last.
+#[test]
+fn a_run_shorter_than_two_handles_takes_one() {
+    let calls = |conf: &str, size: u64| {
+        let device = SimDevice::with_config(SimConfig {
+            capacity_bytes: 4 * GIB,
+            maps_handle_parts: false,
+            ..SimConfig::default()
+        });
+        let mut a = allocator(device, "hbm", conf);
+        let p = a.malloc(size, StreamId(0)).unwrap();
+        check(&a);
+        let counts = a.device().call_counts();
+        let calls = (
+            counts.get(CallKind::PhysicalCreate),
+            counts.get(CallKind::Map),
+        );
+        a.free(p).unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(a.device().used_bytes(), 0);
+        calls
+    };
+    // Nothing mapped ahead: each run is one block's granules, and a heap
+    // this small takes handles of 16.
+    let exact = "max_waste_percent:0";
+    assert_eq!(calls(exact, 40 * MIB), (1, 1), "20 granules");
+    assert_eq!(calls(exact, 62 * MIB), (1, 1), "31 granules");
+    assert_eq!(calls(exact, 64 * MIB), (2, 2), "32 granules: 16 + 16");
+    assert_eq!(calls(exact, 80 * MIB), (3, 3), "40 granules: 16 + 16 + 8");
+    let fixed = "max_waste_percent:0,whole_handle_granules:16";
+    assert_eq!(calls(fixed, 40 * MIB), (2, 2), "20 granules: 16 + 4");
+}
+
 /// Memory mapped ahead of a growing heap is worth a new handle only: when
 /// the device cannot create one, the block's own granules are backed by
 /// idle memory at once. (Before, idle memory was aliased for the granules

@@ -13,7 +13,7 @@ use crate::history::Action;
 use super::{
     granules_under, Backing, Chunk, GranuleSpan, HbmPolicy, GROWTH_CHUNK_BYTES,
     GROWTH_CHUNK_WASTE_FACTOR, MAX_MAP_AHEAD_PERCENT, STITCH_BEFORE_PEAK_FACTOR,
-    WHOLE_HANDLE_GRANULES_RANGE,
+    WHOLE_HANDLE_GRANULES_RANGE, WHOLE_HANDLE_SPLIT_FACTOR,
 };
 
 impl HbmPolicy {
@@ -359,7 +359,8 @@ impl HbmPolicy {
     ///
     /// On a device that maps whole handles only
     /// ([`Device::maps_handle_parts`]), handles of at most
-    /// [`HbmPolicy::whole_handle_granules`] granules instead: there a
+    /// [`HbmPolicy::whole_handle_granules`] granules instead (one for a
+    /// run shorter than [`WHOLE_HANDLE_SPLIT_FACTOR`] of them): there a
     /// stitch, a steal or a spare moves whole handles only, and smaller
     /// handles fit where they are needed more often, for a create and a map
     /// each.
@@ -380,7 +381,13 @@ impl HbmPolicy {
         let per_handle = if self.physical.maps_handle_parts() {
             count
         } else {
-            self.whole_handle_granules(granule)
+            let most = self.whole_handle_granules(granule);
+            let auto = self.config.whole_handle_granules.is_none();
+            if auto && count < WHOLE_HANDLE_SPLIT_FACTOR * most {
+                count
+            } else {
+                most
+            }
         };
         let mut at = cursor;
         while at < end {
