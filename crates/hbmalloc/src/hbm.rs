@@ -1252,8 +1252,37 @@ impl HbmPolicy {
 
     // ----- restoring a recorded state -----
 
+    /// Maps memory under `size` bytes of `stream`'s address space where
+    /// best fit would place a block of that size, and leaves them free (as
+    /// a block allocated and freed there would, without the block): the
+    /// blocks placed next find them mapped. Counts as demand, so the memory
+    /// is created within the allowance rather than stolen from the cache.
+    /// Out of memory leaves the blocks to back themselves.
+    fn back_free_extent(
+        &mut self,
+        dev: &dyn Device,
+        stream: StreamId,
+        size: u64,
+    ) -> Result<(), AllocError> {
+        let demand = self.state.stats.active_bytes[0].current as u64 + size;
+        self.placement.demand(demand);
+        let (range, ptr) = match self.find_free(stream, size) {
+            Some(found) => found,
+            None => match self.new_region(dev, stream, size)? {
+                Some(range) => (range, self.spans.get(range).start),
+                None => return Ok(()),
+            },
+        };
+        let region = self.spans.get(range).region;
+        let span = self.take_span(range, ptr, size);
+        let backing = self.back_range(dev, ptr, size, region, false);
+        self.release_span(span);
+        backing.map(|_| ())
+    }
+
     /// Recreates a recorded segment's blocks: `hbm` places memory its own way,
-    /// so it simply allocates each block and frees the ones that were free.
+    /// so it backs the segment's extent, then allocates each block and
+    /// frees the ones that were free.
     pub(crate) fn restore_segment(
         &mut self,
         dev: &dyn Device,
@@ -1265,6 +1294,14 @@ impl HbmPolicy {
             .find(|b| b.size == 0 || b.size % MIN_BLOCK_SIZE != 0)
         {
             return Err(AllocError::InvalidSize { size: bad.size });
+        }
+        // The segment is memory the program held before the recording
+        // began: backed as one run (cut into handles as any run is), as
+        // PyTorch's policies restore a segment with one call, not grown a
+        // block at a time as a heap starting from nothing would be.
+        let total: u64 = image.blocks.iter().map(|b| b.size).sum();
+        if self.granule.is_some() && total > 0 {
+            self.back_free_extent(dev, image.stream, total)?;
         }
         let mut ptrs = Vec::with_capacity(image.blocks.len());
         for block in &image.blocks {

@@ -800,6 +800,61 @@ fn without_virtual_memory_falls_back_to_segments() {
     assert_eq!(a.device().call_counts().get(CallKind::Map), 0);
 }
 
+/// A recorded segment is memory the program held before the recording:
+/// restored as one run, a create and a map for its ten blocks (as PyTorch
+/// restores it with one call), not a heap grown block by block; its blocks
+/// lie in it in order, and its free block stays mapped there.
+#[test]
+fn a_restored_segment_is_backed_as_one_run() {
+    let mut blocks: Vec<BlockImage> = (0..9)
+        .map(|_| BlockImage {
+            size: 2 * MIB,
+            requested_size: 2 * MIB,
+            allocated: true,
+        })
+        .collect();
+    blocks.insert(
+        4,
+        BlockImage {
+            size: 2 * MIB,
+            requested_size: 0,
+            allocated: false,
+        },
+    );
+    let image = SegmentImage {
+        stream: StreamId(0),
+        small_pool: false,
+        expandable: false,
+        blocks,
+    };
+    let device = SimDevice::with_config(SimConfig {
+        capacity_bytes: GIB,
+        maps_handle_parts: false,
+        ..SimConfig::default()
+    });
+    let mut a = allocator(device, "hbm", "");
+    let ptrs = a.restore_segment(&image).unwrap();
+    check(&a);
+    let counts = a.device().call_counts();
+    assert_eq!(
+        (
+            counts.get(CallKind::PhysicalCreate),
+            counts.get(CallKind::Map)
+        ),
+        (1, 1)
+    );
+    assert!(ptrs.windows(2).all(|w| w[1] == w[0] + 2 * MIB));
+    assert_eq!(a.stats().reserved_bytes[0].current as u64, 20 * MIB);
+    for (i, p) in ptrs.into_iter().enumerate() {
+        if i != 4 {
+            a.free(p).unwrap();
+        }
+    }
+    a.empty_cache().unwrap();
+    check(&a);
+    assert_eq!(a.device().used_bytes(), 0);
+}
+
 /// A snapshot's live block is restored at the size the program asked for
 /// (hbm's rounding), not at PyTorch's block size, which includes the
 /// remainder PyTorch left unsplit; cached free blocks keep their sizes.
