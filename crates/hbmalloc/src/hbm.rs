@@ -1255,9 +1255,9 @@ impl HbmPolicy {
     /// Maps memory under `size` bytes of `stream`'s address space where
     /// best fit would place a block of that size, and leaves them free (as
     /// a block allocated and freed there would, without the block): the
-    /// blocks placed next find them mapped. Counts as demand, so the memory
-    /// is created within the allowance rather than stolen from the cache.
-    /// Out of memory leaves the blocks to back themselves.
+    /// blocks placed next find them mapped. Counts as demand, as that block
+    /// would: the allowance and the growth rules see the extent as held for
+    /// the program. Out of memory leaves the blocks to back themselves.
     fn back_free_extent(
         &mut self,
         dev: &dyn Device,
@@ -1296,11 +1296,12 @@ impl HbmPolicy {
             return Err(AllocError::InvalidSize { size: bad.size });
         }
         // The segment is memory the program held before the recording
-        // began: backed as one run (cut into handles as any run is), as
-        // PyTorch's policies restore a segment with one call, not grown a
-        // block at a time as a heap starting from nothing would be.
+        // began: backed as one run (cut into handles as any run is; one
+        // segment without a virtual-memory API), as PyTorch's policies
+        // restore it with one call, not grown a block at a time as a heap
+        // starting from nothing would be.
         let total: u64 = image.blocks.iter().map(|b| b.size).sum();
-        if self.granule.is_some() && total > 0 {
+        if total > 0 {
             self.back_free_extent(dev, image.stream, total)?;
         }
         let mut ptrs = Vec::with_capacity(image.blocks.len());

@@ -800,59 +800,62 @@ fn without_virtual_memory_falls_back_to_segments() {
     assert_eq!(a.device().call_counts().get(CallKind::Map), 0);
 }
 
-/// A recorded segment is memory the program held before the recording:
-/// restored as one run, a create and a map for its ten blocks (as PyTorch
-/// restores it with one call), not a heap grown block by block; its blocks
-/// lie in it in order, and its free block stays mapped there.
-#[test]
-fn a_restored_segment_is_backed_as_one_run() {
-    let mut blocks: Vec<BlockImage> = (0..9)
-        .map(|_| BlockImage {
-            size: 2 * MIB,
-            requested_size: 2 * MIB,
-            allocated: true,
-        })
-        .collect();
-    blocks.insert(
-        4,
-        BlockImage {
-            size: 2 * MIB,
-            requested_size: 0,
-            allocated: false,
-        },
-    );
-    let image = SegmentImage {
+/// A recorded segment of `(size, allocated)` blocks on stream 0, each
+/// allocated block requested at its size.
+fn segment_image(blocks: &[(u64, bool)]) -> SegmentImage {
+    SegmentImage {
         stream: StreamId(0),
         small_pool: false,
         expandable: false,
-        blocks,
-    };
-    let device = SimDevice::with_config(SimConfig {
+        blocks: blocks
+            .iter()
+            .map(|&(size, allocated)| BlockImage {
+                size,
+                requested_size: if allocated { size } else { 0 },
+                allocated,
+            })
+            .collect(),
+    }
+}
+
+/// A recorded segment is memory the program held before the recording:
+/// restored as one run, a create and a map for its ten blocks (one segment
+/// without a virtual-memory API), as PyTorch restores it with one call,
+/// not a heap grown block by block. Its blocks lie in it in order, and its
+/// free block stays there.
+#[test]
+fn a_restored_segment_is_backed_as_one_run() {
+    let mut blocks = vec![(2 * MIB, true); 9];
+    blocks.insert(4, (2 * MIB, false));
+    let image = segment_image(&blocks);
+    let whole_handles = SimDevice::with_config(SimConfig {
         capacity_bytes: GIB,
         maps_handle_parts: false,
         ..SimConfig::default()
     });
-    let mut a = allocator(device, "hbm", "");
-    let ptrs = a.restore_segment(&image).unwrap();
-    check(&a);
-    let counts = a.device().call_counts();
-    assert_eq!(
-        (
-            counts.get(CallKind::PhysicalCreate),
-            counts.get(CallKind::Map)
-        ),
-        (1, 1)
-    );
-    assert!(ptrs.windows(2).all(|w| w[1] == w[0] + 2 * MIB));
-    assert_eq!(a.stats().reserved_bytes[0].current as u64, 20 * MIB);
-    for (i, p) in ptrs.into_iter().enumerate() {
-        if i != 4 {
-            a.free(p).unwrap();
+    let one_run = [CallKind::PhysicalCreate, CallKind::Map];
+    for (device, calls) in [
+        (whole_handles, &one_run[..]),
+        (without_virtual_memory(GIB), &[CallKind::SegmentAlloc][..]),
+    ] {
+        let mut a = allocator(device, "hbm", "");
+        let ptrs = a.restore_segment(&image).unwrap();
+        check(&a);
+        let counts = a.device().call_counts();
+        for &kind in calls {
+            assert_eq!(counts.get(kind), 1, "{kind:?}");
         }
+        assert!(ptrs.windows(2).all(|w| w[1] == w[0] + 2 * MIB));
+        assert_eq!(a.stats().reserved_bytes[0].current as u64, 20 * MIB);
+        for (i, p) in ptrs.into_iter().enumerate() {
+            if i != 4 {
+                a.free(p).unwrap();
+            }
+        }
+        a.empty_cache().unwrap();
+        check(&a);
+        assert_eq!(a.device().used_bytes(), 0);
     }
-    a.empty_cache().unwrap();
-    check(&a);
-    assert_eq!(a.device().used_bytes(), 0);
 }
 
 /// A snapshot's live block is restored at the size the program asked for
@@ -1158,4 +1161,29 @@ fn likely_temporaries_go_at_the_end_of_holes_near_the_peak() {
     }
     a.empty_cache().unwrap();
     assert_eq!(a.device().used_bytes(), 0);
+}
+
+/// Restoring a segment counts its extent as demand once, as allocating it
+/// would: the next segment's blocks fill the memory cached in the one
+/// before and grow the heap by what is left, without mapping ahead past
+/// what the two hold.
+#[test]
+fn restored_segments_count_as_demand_once() {
+    let device = SimDevice::with_config(SimConfig {
+        capacity_bytes: GIB,
+        maps_handle_parts: false,
+        ..SimConfig::default()
+    });
+    let mut a = allocator(device, "hbm", "");
+    a.restore_segment(&segment_image(&[(2 * MIB, true), (6 * MIB, false)]))
+        .unwrap();
+    a.restore_segment(&segment_image(&[(8 * MIB, true)]))
+        .unwrap();
+    check(&a);
+    assert_eq!(a.stats().reserved_bytes[0].current as u64, 10 * MIB);
+    let counts = a.device().call_counts();
+    assert_eq!(
+        [CallKind::PhysicalCreate, CallKind::Map].map(|kind| counts.get(kind)),
+        [2, 2]
+    );
 }
