@@ -822,7 +822,7 @@ fn segment_image(blocks: &[(u64, bool)]) -> SegmentImage {
 /// restored as one run, a create and a map for its ten blocks (one segment
 /// without a virtual-memory API), as PyTorch restores it with one call,
 /// not a heap grown block by block. Its blocks lie in it in order, and its
-/// free block stays there.
+/// free block stays there. An empty segment calls nothing.
 #[test]
 fn a_restored_segment_is_backed_as_one_run() {
     let mut blocks = vec![(2 * MIB, true); 9];
@@ -839,6 +839,8 @@ fn a_restored_segment_is_backed_as_one_run() {
         (without_virtual_memory(GIB), &[CallKind::SegmentAlloc][..]),
     ] {
         let mut a = allocator(device, "hbm", "");
+        assert_eq!(a.restore_segment(&segment_image(&[])).unwrap(), vec![]);
+        assert_eq!(a.device().call_counts().get(CallKind::AddressReserve), 0);
         let ptrs = a.restore_segment(&image).unwrap();
         check(&a);
         let counts = a.device().call_counts();
