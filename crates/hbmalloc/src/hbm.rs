@@ -619,6 +619,14 @@ impl HbmPolicy {
         self.allocate(dev, rounded(requested), requested, stream)
     }
 
+    /// Counts a request of `size` bytes as demand (live and pending-free
+    /// bytes with it); returns whether demand is near its peak.
+    #[inline]
+    fn count_demand(&mut self, size: u64) -> bool {
+        let demand = self.state.stats.active_bytes[0].current as u64 + size;
+        self.placement.demand(demand)
+    }
+
     fn allocate(
         &mut self,
         dev: &dyn Device,
@@ -635,8 +643,7 @@ impl HbmPolicy {
         if self.state.device_total > 0 && size > self.state.device_total {
             return Err(self.out_of_memory(dev, requested, size, stream));
         }
-        let demand = self.state.stats.active_bytes[0].current as u64 + size;
-        let near_peak = self.placement.demand(demand);
+        let near_peak = self.count_demand(size);
         let mut retried = false;
         let (ptr, span, on_aliased) = loop {
             // A hit is mapped already. A miss goes where a block of this size
@@ -653,7 +660,7 @@ impl HbmPolicy {
                     },
                     (None, None) => self
                         .new_region(dev, stream, size)?
-                        .map(|range| (range, self.spans.get(range).start, Place::Unmapped)),
+                        .map(|(range, ptr)| (range, ptr, Place::Unmapped)),
                 },
             };
             if let Some((range, ptr, place)) = chosen {
@@ -924,13 +931,14 @@ impl HbmPolicy {
     }
 
     /// Reserves a new region for `stream` big enough for `size`; returns it as
-    /// one free span, or `None` when the device has no memory for a segment.
+    /// one free span and its start (where a block goes), or `None` when the
+    /// device has no memory for a segment.
     fn new_region(
         &mut self,
         dev: &dyn Device,
         stream: StreamId,
         size: u64,
-    ) -> Result<Option<u32>, AllocError> {
+    ) -> Result<Option<(u32, DevicePtr)>, AllocError> {
         let index = self.regions.len() as u32;
         let size_index = self.spans.slot_for(stream);
         let region = match self.granule {
@@ -981,7 +989,7 @@ impl HbmPolicy {
             },
             size_index,
         );
-        Ok(Some(span))
+        Ok(Some((span, base)))
     }
 
     // ----- free -----
@@ -1264,14 +1272,13 @@ impl HbmPolicy {
         stream: StreamId,
         size: u64,
     ) -> Result<(), AllocError> {
-        let demand = self.state.stats.active_bytes[0].current as u64 + size;
-        self.placement.demand(demand);
-        let (range, ptr) = match self.find_free(stream, size) {
-            Some(found) => found,
-            None => match self.new_region(dev, stream, size)? {
-                Some(range) => (range, self.spans.get(range).start),
-                None => return Ok(()),
-            },
+        self.count_demand(size);
+        let found = match self.find_free(stream, size) {
+            Some(found) => Some(found),
+            None => self.new_region(dev, stream, size)?,
+        };
+        let Some((range, ptr)) = found else {
+            return Ok(());
         };
         let region = self.spans.get(range).region;
         let span = self.take_span(range, ptr, size);

@@ -36,6 +36,8 @@ fn allocator(device: SimDevice, policy: &str, conf: &str) -> Allocator<SimDevice
     Allocator::new(device, config).expect("allocator")
 }
 
+/// `hbm` on the simulator's default device: a driver that maps whole
+/// handles only, as the H100's does.
 fn hbm(capacity: u64, conf: &str) -> Allocator<SimDevice> {
     allocator(SimDevice::with_capacity(capacity), "hbm", conf)
 }
@@ -474,12 +476,7 @@ fn on_a_whole_handle_driver_handles_grow_with_the_heap() {
 #[test]
 fn a_run_shorter_than_two_handles_takes_one() {
     let calls = |conf: &str, size: u64| {
-        let device = SimDevice::with_config(SimConfig {
-            capacity_bytes: 4 * GIB,
-            maps_handle_parts: false,
-            ..SimConfig::default()
-        });
-        let mut a = allocator(device, "hbm", conf);
+        let mut a = hbm(4 * GIB, conf);
         let p = a.malloc(size, StreamId(0)).unwrap();
         check(&a);
         let counts = a.device().call_counts();
@@ -828,14 +825,9 @@ fn a_restored_segment_is_backed_as_one_run() {
     let mut blocks = vec![(2 * MIB, true); 9];
     blocks.insert(4, (2 * MIB, false));
     let image = segment_image(&blocks);
-    let whole_handles = SimDevice::with_config(SimConfig {
-        capacity_bytes: GIB,
-        maps_handle_parts: false,
-        ..SimConfig::default()
-    });
     let one_run = [CallKind::PhysicalCreate, CallKind::Map];
     for (device, calls) in [
-        (whole_handles, &one_run[..]),
+        (SimDevice::with_capacity(GIB), &one_run[..]),
         (without_virtual_memory(GIB), &[CallKind::SegmentAlloc][..]),
     ] {
         let mut a = allocator(device, "hbm", "");
@@ -1171,12 +1163,7 @@ fn likely_temporaries_go_at_the_end_of_holes_near_the_peak() {
 /// what the two hold.
 #[test]
 fn restored_segments_count_as_demand_once() {
-    let device = SimDevice::with_config(SimConfig {
-        capacity_bytes: GIB,
-        maps_handle_parts: false,
-        ..SimConfig::default()
-    });
-    let mut a = allocator(device, "hbm", "");
+    let mut a = hbm(GIB, "");
     a.restore_segment(&segment_image(&[(2 * MIB, true), (6 * MIB, false)]))
         .unwrap();
     a.restore_segment(&segment_image(&[(8 * MIB, true)]))
