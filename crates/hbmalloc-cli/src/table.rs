@@ -523,7 +523,7 @@ pub fn metrics_text(m: &Metrics) -> String {
     };
     let _ = writeln!(
         out,
-        "  steady_state_growth_floor  {} (fewest growths there for any allocator that meets the efficiency target wherever the trace might end)",
+        "  steady_state_growth_floor  {} (fewest growths there for any allocator of whole granules that meets the efficiency target wherever the trace might end)",
         m.steady_state_growth_floor
     );
     let _ = writeln!(
@@ -533,7 +533,7 @@ pub fn metrics_text(m: &Metrics) -> String {
     );
     let _ = writeln!(
         out,
-        "  driver_time_floor_seconds  {:.6} (least for any allocator that meets the efficiency target wherever the trace might end)",
+        "  driver_time_floor_seconds  {:.6} (least for any allocator of whole granules that meets the efficiency target wherever the trace might end)",
         m.driver_time_floor_seconds
     );
     if let Some(seconds) = m.recorded_seconds {

@@ -17,6 +17,15 @@
 //! virtual-memory API (`cuMemCreate` and `cuMemMap`; `cuMemSetAccess` is not
 //! counted by `steady_state_device_calls`).
 //!
+//! The allocators bounded hold whole granules, as every allocator on a GPU
+//! does (the driver creates and maps physical memory in 2 MiB granules, and
+//! PyTorch's segments are multiples of them): what one may hold is the
+//! target's ceiling rounded down to granules. A prefix whose live peak is a
+//! few granules may have no granule count within the target (3 MiB live
+//! needs 4 MiB, 0.75 of it); there the allocator is held to the best whole
+//! granules can do, the peak rounded up. A bound that ignored granules would
+//! bound allocators that hold 3.16 MiB for 3 MiB live, which no GPU has.
+//!
 //! The bound ignores everything that only raises the true figure: requests
 //! rounded up, fragmentation, memory still pending on other streams, and
 //! `empty_cache` (which gives memory back that later must be got again).
@@ -51,9 +60,10 @@ fn ceiling_bytes(peak_live_bytes: u64) -> u64 {
     (peak_live_bytes as f64 / floor) as u64
 }
 
-/// The fewest times an allocator that meets the efficiency target on every
-/// prefix of the trace must get new memory while it replays the second half
-/// (the ops from `ops / 2` on, where `steady_state_device_calls` counts).
+/// The fewest times an allocator that holds whole `granule`s and meets the
+/// efficiency target on every prefix of the trace (where whole granules can)
+/// must get new memory while it replays the second half (the ops from
+/// `ops / 2` on, where `steady_state_device_calls` counts).
 /// `live_after_ops[i]`: live bytes after `i` ops ([`crate::live_bytes_after_ops`]).
 ///
 /// Greedy, and optimal: hold as much as allowed when the second half
@@ -61,26 +71,33 @@ fn ceiling_bytes(peak_live_bytes: u64) -> u64 {
 /// as allowed then. Any allowed schedule holds at most as much at every
 /// moment, so it must grow between any two of these growths (and before the
 /// first): it grows at least as often.
-pub fn steady_state_growth_floor(live_after_ops: &[u64]) -> u64 {
-    growths_after(live_after_ops, live_after_ops.len().saturating_sub(1) / 2)
+pub fn steady_state_growth_floor(live_after_ops: &[u64], granule: u64) -> u64 {
+    growths_after(
+        live_after_ops,
+        granule,
+        live_after_ops.len().saturating_sub(1) / 2,
+    )
 }
 
-/// The fewest times an allocator that meets the efficiency target on every
-/// prefix of the trace must get new memory over the whole replay, holding
-/// as much as allowed for free at the start (a snapshot's restored state).
-/// Each growth is at least one `cudaMalloc`, or a create, a map and an
-/// access grant: [`hbmalloc::LatencyModel::cheapest_growth_ns`] turns this
-/// into the least driver time any such allocator spends.
-pub fn growth_floor(live_after_ops: &[u64]) -> u64 {
-    growths_after(live_after_ops, 0)
+/// The fewest times an allocator that holds whole `granule`s and meets the
+/// efficiency target on every prefix of the trace (where whole granules can)
+/// must get new memory over the whole replay. A snapshot's restored state
+/// (live memory before the first op) is one growth, holding as much as
+/// allowed: a replay gets it from the driver under every policy. Each
+/// growth is at least one `cudaMalloc`, or a create, a map and an access
+/// grant: [`hbmalloc::LatencyModel::cheapest_growth_ns`] turns this into the
+/// least driver time any such allocator spends.
+pub fn growth_floor(live_after_ops: &[u64], granule: u64) -> u64 {
+    let restored = live_after_ops.first().is_some_and(|&live| live > 0);
+    u64::from(restored) + growths_after(live_after_ops, granule, 0)
 }
 
 /// Greedy growths after op `from`, holding all that is allowed there.
-fn growths_after(live_after_ops: &[u64], from: usize) -> u64 {
+fn growths_after(live_after_ops: &[u64], granule: u64, from: usize) -> u64 {
     let Some(ops) = live_after_ops.len().checked_sub(1) else {
         return 0;
     };
-    let allowed = allowed_after_ops(live_after_ops);
+    let allowed = allowed_after_ops(live_after_ops, granule);
     let mut held = allowed[from];
     let mut growths = 0;
     for t in from + 1..=ops {
@@ -92,18 +109,24 @@ fn growths_after(live_after_ops: &[u64], from: usize) -> u64 {
     growths
 }
 
-/// The most an allocator may hold after each op and still meet the
-/// efficiency target on every prefix that contains the op: the least of the
-/// ceilings of the prefixes that end there or later. A prefix's own ceiling
-/// can fall as it gets longer (crossing [`LARGE_HEAP_BYTES`] tightens the
-/// target), which is why later prefixes bound earlier ops.
-fn allowed_after_ops(live_after_ops: &[u64]) -> Vec<u64> {
+/// The most an allocator that holds whole `granule`s may hold after each op
+/// and still meet the efficiency target on every prefix that contains the
+/// op: the least of the ceilings of the prefixes that end there or later,
+/// each rounded down to whole granules. A prefix's own ceiling can fall as
+/// it gets longer (crossing [`LARGE_HEAP_BYTES`] tightens the target), which
+/// is why later prefixes bound earlier ops. Where the rounded ceiling is
+/// less than the prefix's peak live memory rounded up (a heap of a few
+/// granules, where no whole-granule allocator meets the target), the bound
+/// is that peak: the floor then speaks of allocators that come closest.
+fn allowed_after_ops(live_after_ops: &[u64], granule: u64) -> Vec<u64> {
+    let granule = granule.max(1);
     let mut peak = 0;
     let mut allowed: Vec<u64> = live_after_ops
         .iter()
         .map(|&live| {
             peak = peak.max(live);
-            ceiling_bytes(peak)
+            let ceiling = ceiling_bytes(peak) / granule * granule;
+            ceiling.max(peak.div_ceil(granule) * granule)
         })
         .collect();
     for t in (0..allowed.len().saturating_sub(1)).rev() {
@@ -156,34 +179,55 @@ mod tests {
     use proptest::prelude::*;
 
     const MIB: u64 = 1 << 20;
+    /// The device's granule.
+    const G: u64 = 2 * MIB;
+    /// A byte granule: the ceiling unrounded, for arithmetic in round figures.
+    const BYTE: u64 = 1;
 
     #[test]
     fn a_trace_that_holds_still_needs_no_growth() {
-        assert_eq!(steady_state_growth_floor(&[]), 0);
-        assert_eq!(steady_state_growth_floor(&[0]), 0);
+        assert_eq!(steady_state_growth_floor(&[], G), 0);
+        assert_eq!(steady_state_growth_floor(&[0], G), 0);
         let flat = [0, 100 * MIB, 50 * MIB, 100 * MIB, 50 * MIB, 100 * MIB, 0];
-        assert_eq!(steady_state_growth_floor(&flat), 0);
+        assert_eq!(steady_state_growth_floor(&flat, G), 0);
     }
 
     #[test]
     fn growth_within_what_the_first_half_may_hold_needs_none() {
-        // 100 MiB live by the half: up to 105.26 MiB may be held, and the
-        // second half peaks at 105 MiB.
+        // 100 MiB live by the half: up to 105.26 MiB may be held, 104 MiB in
+        // whole granules, and the second half peaks at 104 MiB.
+        let live = [0, 100 * MIB, 100 * MIB, 104 * MIB, 104 * MIB];
+        assert_eq!(steady_state_growth_floor(&live, G), 0);
+        // 105 MiB fits under the ceiling but not under any granule count
+        // within it.
         let live = [0, 100 * MIB, 100 * MIB, 105 * MIB, 105 * MIB];
-        assert_eq!(steady_state_growth_floor(&live), 0);
-        let live = [0, 100 * MIB, 100 * MIB, 106 * MIB, 106 * MIB];
-        assert_eq!(steady_state_growth_floor(&live), 1);
+        assert_eq!(steady_state_growth_floor(&live, BYTE), 0);
+        assert_eq!(steady_state_growth_floor(&live, G), 1);
     }
 
     #[test]
     fn the_whole_run_counts_the_first_half_too() {
-        // Doubling live memory: every op past the first grows, in either half.
-        let live = [MIB, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB, 32 * MIB, 64 * MIB];
-        assert_eq!(growth_floor(&live), 6);
-        assert_eq!(steady_state_growth_floor(&live), 3);
-        // A restored state is held for free: no growth while live stays in it.
-        assert_eq!(growth_floor(&[100 * MIB, 50 * MIB, 100 * MIB]), 0);
-        assert_eq!(growth_floor(&[]), 0);
+        // Doubling live memory: every op grows, in either half.
+        let live = [0, MIB, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB, 32 * MIB];
+        assert_eq!(growth_floor(&live, BYTE), 6);
+        assert_eq!(steady_state_growth_floor(&live, BYTE), 3);
+        // A restored state is one growth, and no more while live stays in it.
+        assert_eq!(growth_floor(&[100 * MIB, 50 * MIB, 100 * MIB], G), 1);
+        assert_eq!(
+            steady_state_growth_floor(&[100 * MIB, 50 * MIB, 100 * MIB], G),
+            0
+        );
+        assert_eq!(growth_floor(&[], G), 0);
+    }
+
+    #[test]
+    fn a_heap_of_a_few_granules_is_held_to_what_granules_can_do() {
+        // 3 MiB live allows 3.16 MiB: no granule count. The best whole
+        // granules do is 4 MiB, which holds the next 4 MiB too; an allocator
+        // that could hold 3.16 MiB would have to grow for it.
+        let live = [0, 3 * MIB, 4 * MIB];
+        assert_eq!(growth_floor(&live, G), 1);
+        assert_eq!(growth_floor(&live, BYTE), 2);
     }
 
     #[test]
@@ -201,7 +245,7 @@ mod tests {
             64 * MIB,
         ];
         // ops = 7, half = 3: ops 4..=7 each grow.
-        assert_eq!(steady_state_growth_floor(&live), 4);
+        assert_eq!(steady_state_growth_floor(&live, G), 4);
     }
 
     #[test]
@@ -213,7 +257,7 @@ mod tests {
         // growth (a ceiling taken from the half's prefix alone says none).
         let live = [0, 1000 * MIB, 1000 * MIB, 1024 * MIB, 1050 * MIB];
         assert_eq!(ceiling_bytes(1000 * MIB), 1_103_764_210);
-        assert_eq!(steady_state_growth_floor(&live), 1);
+        assert_eq!(steady_state_growth_floor(&live, G), 1);
     }
 
     #[test]
@@ -238,9 +282,10 @@ mod tests {
     /// allocating up to 128 MiB, so that live memory tends to grow, into
     /// new peaks in the second half and across 1 GiB.
     fn live_curves() -> impl Strategy<Value = Vec<u64>> {
-        prop::collection::vec(-64i64..128, 1..40).prop_map(|deltas| {
-            let mut live = 0i64;
-            std::iter::once(0)
+        let restored = prop_oneof![Just(0i64), 1i64..256];
+        (restored, prop::collection::vec(-64i64..128, 1..40)).prop_map(|(restored, deltas)| {
+            let mut live = restored * MIB as i64;
+            std::iter::once(live as u64)
                 .chain(deltas.into_iter().map(|d| {
                     live = (live + d * MIB as i64).max(0);
                     live as u64
@@ -280,43 +325,56 @@ mod tests {
         }
 
         /// No allowed schedule grows less often than the floors say, and one
-        /// grows exactly that often. A schedule that holds at least live
-        /// memory and never more than some prefix's target allows is drawn
-        /// at random (how much it holds where counting starts, and how much
-        /// of the allowed room each growth takes), and its growths counted
-        /// from the half ([`steady_state_growth_floor`]) and from the start
-        /// ([`growth_floor`]).
+        /// grows exactly that often. A schedule that holds whole granules, at
+        /// least live memory, and never more than some prefix's target allows
+        /// (or, where no granule count meets it, that prefix's peak rounded up
+        /// to granules) is drawn at random: how much it holds where counting
+        /// starts, and how much of the allowed room each growth takes. Its
+        /// growths are counted from the half ([`steady_state_growth_floor`])
+        /// and from the start ([`growth_floor`]).
         #[test]
         fn no_allowed_schedule_grows_less_often(
             live in live_curves(),
             shares in prop::collection::vec(0.0f64..=1.0, 41),
+            whole_granules: bool,
         ) {
+            let granule = if whole_granules { G } else { BYTE };
             let ops = live.len() - 1;
-            let allowed = allowed_after_ops(&live);
-            let room = |t: usize, share: f64, held: u64| {
-                let low = live[t].max(held);
-                low + ((allowed[t].saturating_sub(low)) as f64 * share) as u64
+            // What a schedule may hold after op t, from the definition: the
+            // least over the prefixes that contain t.
+            let peaks: Vec<u64> = live.iter().scan(0, |p, &l| { *p = l.max(*p); Some(*p) }).collect();
+            let bound = |t: usize| {
+                peaks[t..].iter().map(|&peak| {
+                    let within = ceiling_bytes(peak) / granule * granule;
+                    within.max(peak.div_ceil(granule) * granule)
+                }).min().unwrap()
             };
-            let growths = |from: usize, share: &dyn Fn(usize) -> f64| {
+            let room = |t: usize, share: f64, held: u64| {
+                let low = live[t].max(held).div_ceil(granule) * granule;
+                let spare = (bound(t).saturating_sub(low)) / granule;
+                low + (spare as f64 * share) as u64 * granule
+            };
+            // From the start, a restored state is got from the driver too.
+            let growths = |from: usize, restores: bool, share: &dyn Fn(usize) -> f64| {
                 let mut held = room(from, share(0), live[from]);
-                let mut growths = 0;
-                for t in from + 1..=ops {
-                    if live[t] > held {
+                let mut growths = u64::from(restores && live[from] > 0);
+                for (t, &now) in live.iter().enumerate().skip(from + 1) {
+                    if now > held {
                         held = room(t, share(t), held);
                         growths += 1;
                     }
-                    assert!(held >= live[t] && held <= allowed[t]);
+                    assert!(held >= now && held <= bound(t) && held % granule == 0);
                 }
                 growths
             };
-            for (from, floor) in [
-                (ops / 2, steady_state_growth_floor(&live)),
-                (0, growth_floor(&live)),
+            for (from, restores, floor) in [
+                (ops / 2, false, steady_state_growth_floor(&live, granule)),
+                (0, true, growth_floor(&live, granule)),
             ] {
-                prop_assert!(growths(from, &|t| shares[t]) >= floor);
+                prop_assert!(growths(from, restores, &|t| shares[t]) >= floor);
                 // And the floor is reached: by the schedule that always
                 // takes all the room there is.
-                prop_assert_eq!(growths(from, &|_| 1.0), floor);
+                prop_assert_eq!(growths(from, restores, &|_| 1.0), floor);
             }
         }
     }

@@ -146,9 +146,9 @@ pub struct Metrics {
     /// sizes cost different amounts (a map a tenth of an access grant);
     /// `None` as for `steady_state_device_calls`.
     pub steady_state_driver_seconds: Option<f64>,
-    /// The fewest times any allocator must get new memory in the second half
-    /// of the trace if it meets the efficiency target wherever the trace
-    /// might have ended ([`steady_state_growth_floor`]): each is one driver
+    /// The fewest times any allocator of whole granules (the device's) must
+    /// get new memory in the second half of the trace if it meets the
+    /// efficiency target wherever the trace might have ended ([`steady_state_growth_floor`]): each is one driver
     /// call at least (`cudaMalloc`), two through the virtual-memory API
     /// (create and map). The same for every policy.
     pub steady_state_growth_floor: u64,
@@ -157,8 +157,8 @@ pub struct Metrics {
     /// `simulated_driver_seconds` by kind of call (only kinds that were
     /// called): where the driver time goes.
     pub simulated_driver_seconds_by_kind: BTreeMap<String, f64>,
-    /// The least driver time any allocator that meets the efficiency target
-    /// wherever the trace might have ended spends under the same latency
+    /// The least driver time any allocator of whole granules that meets the
+    /// efficiency target wherever the trace might have ended spends under the same latency
     /// model: [`growth_floor`] growths at the cheapest a growth can cost
     /// ([`LatencyModel::cheapest_growth_ns`]). The same for every policy.
     pub driver_time_floor_seconds: f64,
@@ -382,13 +382,13 @@ pub fn evaluate(
             .steady_state_calls
             .as_ref()
             .map(|c| seconds(c.simulated_ns())),
-        steady_state_growth_floor: steady_state_growth_floor(&live),
+        steady_state_growth_floor: steady_state_growth_floor(&live, device_granule()),
         simulated_driver_seconds: seconds(run.calls.simulated_ns()),
         simulated_driver_seconds_by_kind: per_kind(&run.calls, |k| {
             seconds(run.calls.simulated_ns_by_kind[k as usize])
         }),
         driver_time_floor_seconds: seconds(
-            growth_floor(&live) * options.latency.cheapest_growth_ns(),
+            growth_floor(&live, device_granule()) * options.latency.cheapest_growth_ns(),
         ),
         recorded_seconds,
         driver_time_fraction: recorded_seconds
