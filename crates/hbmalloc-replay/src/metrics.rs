@@ -148,9 +148,10 @@ pub struct Metrics {
     pub steady_state_driver_seconds: Option<f64>,
     /// The fewest times any allocator of whole granules (the device's) must
     /// get new memory in the second half of the trace if it meets the
-    /// efficiency target wherever the trace might have ended ([`steady_state_growth_floor`]): each is one driver
-    /// call at least (`cudaMalloc`), two through the virtual-memory API
-    /// (create and map). The same for every policy.
+    /// efficiency target wherever the trace might have ended
+    /// ([`steady_state_growth_floor`]): each is one driver call at least
+    /// (`cudaMalloc`), two through the virtual-memory API (create and map).
+    /// The same for every policy.
     pub steady_state_growth_floor: u64,
     /// Driver time under the latency model.
     pub simulated_driver_seconds: f64,
@@ -158,8 +159,9 @@ pub struct Metrics {
     /// called): where the driver time goes.
     pub simulated_driver_seconds_by_kind: BTreeMap<String, f64>,
     /// The least driver time any allocator of whole granules that meets the
-    /// efficiency target wherever the trace might have ended spends under the same latency
-    /// model: [`growth_floor`] growths at the cheapest a growth can cost
+    /// efficiency target wherever the trace might have ended spends under the
+    /// same latency model: [`growth_floor`] growths (a snapshot's restored
+    /// state one of them) at the cheapest a growth can cost
     /// ([`LatencyModel::cheapest_growth_ns`]). The same for every policy.
     pub driver_time_floor_seconds: f64,
     /// Wall-clock time the recording spans ([`DeviceTrace::recorded_span_us`]),
