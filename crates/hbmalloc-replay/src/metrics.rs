@@ -327,6 +327,8 @@ pub fn evaluate(
     let run = prepared.run(&replay)?;
 
     let live = live_bytes_after_ops(trace);
+    // The floors speak of allocators that hold the replay device's granules.
+    let granule = device_granule();
     let peak_live = live.iter().copied().max().unwrap_or(0);
     // `live[i]` is after `i` ops: the first half is `live[..=half]`.
     let half = prepared.len() / 2;
@@ -371,7 +373,7 @@ pub fn evaluate(
         efficiency_at_half: run
             .peak_reserved_at_half
             .map(|reserved| ratio(peak_live_at_half, reserved)),
-        drift_within_reach: drift_within_reach(peak_live_at_half, peak_live, device_granule()),
+        drift_within_reach: drift_within_reach(peak_live_at_half, peak_live, granule),
         waste_bytes: completed.then(|| run.peak_reserved_bytes.saturating_sub(peak_live)),
         min_capacity_bytes: min_capacity,
         min_capacity_resolution_bytes: MIN_CAPACITY_RESOLUTION_BYTES,
@@ -384,13 +386,13 @@ pub fn evaluate(
             .steady_state_calls
             .as_ref()
             .map(|c| seconds(c.simulated_ns())),
-        steady_state_growth_floor: steady_state_growth_floor(&live, device_granule()),
+        steady_state_growth_floor: steady_state_growth_floor(&live, granule),
         simulated_driver_seconds: seconds(run.calls.simulated_ns()),
         simulated_driver_seconds_by_kind: per_kind(&run.calls, |k| {
             seconds(run.calls.simulated_ns_by_kind[k as usize])
         }),
         driver_time_floor_seconds: seconds(
-            growth_floor(&live, device_granule()) * options.latency.cheapest_growth_ns(),
+            growth_floor(&live, granule) * options.latency.cheapest_growth_ns(),
         ),
         recorded_seconds,
         driver_time_fraction: recorded_seconds
