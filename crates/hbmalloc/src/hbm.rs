@@ -49,6 +49,7 @@ mod bitmap;
 mod groups;
 mod inspect;
 mod physical;
+mod pinned;
 mod placement;
 mod size_index;
 mod spans;
@@ -314,10 +315,10 @@ struct LiveBlock {
     stream_uses: Vec<StreamId>,
     /// Its span, which says where it lies (address, size, region).
     span: u32,
-    /// It was placed on aliased memory. Memory under a live block never
-    /// becomes aliased (aliases are made of whole free granules, mapped at
-    /// unmapped ones), so a block placed on plain memory frees without
-    /// looking at the alias groups.
+    /// It lies on aliased memory: placed there, or its handle was mapped
+    /// again since (`pinned_place`, which claims its groups for it). Other
+    /// aliases are made of whole free granules, mapped at unmapped ones,
+    /// so a block on plain memory frees without looking at the groups.
     on_aliased: bool,
     /// The number of allocations made before this one (its birth, for
     /// the lifetimes placement keeps).
@@ -467,6 +468,9 @@ enum Place {
     /// A wholly mapped place in a free range best fit passed over (see
     /// [`DEFAULT_MAPPED_FIT`]): the block goes exactly there.
     MappedFit,
+    /// Idle memory of handles live blocks pin, just mapped there again
+    /// (`pinned_place`): the block goes exactly there.
+    Pinned,
     /// Best fit, with granules to back (`back_range`).
     Unmapped,
 }
@@ -663,17 +667,29 @@ impl HbmPolicy {
                         .map(|(range, ptr)| (range, ptr, Place::Unmapped)),
                 },
             };
+            // Before new memory: idle memory pinned in handles, mapped again.
+            let chosen = match chosen {
+                Some((_, _, Place::Unmapped)) | None if !retried => {
+                    match self.pinned_place(dev, stream, size)? {
+                        Some((range, ptr)) => Some((range, ptr, Place::Pinned)),
+                        None => chosen,
+                    }
+                }
+                chosen => chosen,
+            };
             if let Some((range, ptr, place)) = chosen {
                 let region = self.spans.get(range).region;
                 let ptr = match place {
-                    Place::RecentlyFreed | Place::MappedFit => ptr,
+                    Place::RecentlyFreed | Place::MappedFit | Place::Pinned => ptr,
                     Place::Mapped | Place::Unmapped => {
                         self.place_short_lived(range, ptr, size, near_peak)
                     }
                 };
                 let block = self.take_span(range, ptr, size);
                 let backing = match place {
-                    Place::Mapped | Place::RecentlyFreed | Place::MappedFit => Ok(Backing::Done),
+                    Place::Mapped | Place::RecentlyFreed | Place::MappedFit | Place::Pinned => {
+                        Ok(Backing::Done)
+                    }
                     Place::Unmapped => self.back_range(dev, ptr, size, region, retried),
                 };
                 match backing {

@@ -500,6 +500,64 @@ fn a_run_shorter_than_two_handles_takes_one() {
     assert_eq!(calls(fixed, 40 * MIB), (2, 2), "20 granules: 16 + 4");
 }
 
+/// Where handles map whole only, a freed block's granules cannot move while
+/// another block of their handle lives. Below the peak of demand, a request
+/// that finds no place is served by the idle tail of one such handle and the
+/// idle head of another, both mapped again side by side, instead of new
+/// memory; where the two are too short together, new memory is created.
+#[test]
+fn idle_memory_pinned_in_handles_serves_a_request() {
+    let run = |request: u64| {
+        let s = StreamId(0);
+        // Handles of 4 granules (8 MiB), nothing mapped ahead.
+        let mut a = hbm(4 * GIB, "max_waste_percent:0,whole_handle_granules:4");
+        let handles: Vec<DevicePtr> = (0..3).map(|_| a.malloc(8 * MIB, s).unwrap()).collect();
+        // The first and last handle each get two blocks of 4 MiB.
+        a.free(handles[0]).unwrap();
+        let (head1, tail1) = (a.malloc(4 * MIB, s).unwrap(), a.malloc(4 * MIB, s).unwrap());
+        a.free(handles[2]).unwrap();
+        let (head3, tail3) = (a.malloc(4 * MIB, s).unwrap(), a.malloc(4 * MIB, s).unwrap());
+        assert_eq!((tail1 - head1, tail3 - head3), (4 * MIB, 4 * MIB));
+        // Idle: the first handle's tail and the last one's head, apart.
+        a.free(tail1).unwrap();
+        a.free(head3).unwrap();
+        check(&a);
+        let held = a.device().used_bytes();
+        assert_eq!(held, 24 * MIB);
+        let counts = a.device().call_counts();
+        let (creates, maps) = (
+            counts.get(CallKind::PhysicalCreate),
+            counts.get(CallKind::Map),
+        );
+        let r = a.malloc(request, s).unwrap();
+        check(&a);
+        let mut live = vec![
+            (head1, 4 * MIB, s),
+            (handles[1], 8 * MIB, s),
+            (tail3, 4 * MIB, s),
+        ];
+        live.push((r, request, s));
+        check_physical(&a, &live);
+        let counts = a.device().call_counts();
+        let calls = (
+            counts.get(CallKind::PhysicalCreate) - creates,
+            counts.get(CallKind::Map) - maps,
+        );
+        let grown = a.device().used_bytes() - held;
+        for (ptr, _, _) in live {
+            a.free(ptr).unwrap();
+            check(&a);
+        }
+        a.empty_cache().unwrap();
+        assert_eq!(a.device().used_bytes(), 0);
+        (grown, calls)
+    };
+    // Two idle granules in each: 8 MiB fits across them, two maps, no create.
+    assert_eq!(run(8 * MIB), (0, (0, 2)));
+    // 10 MiB does not: 5 granules are created (handles of 4 and 1).
+    assert_eq!(run(10 * MIB), (10 * MIB, (2, 2)));
+}
+
 /// Memory mapped ahead of a growing heap is worth a new handle only: when
 /// the device cannot create one, the block's own granules are backed by
 /// idle memory at once. (Before, idle memory was aliased for the granules

@@ -214,7 +214,7 @@ impl HbmPolicy {
     /// stretch, however many chunks were stitched into it (as PyTorch's
     /// expandable segments do). If access fails the stretch's chunks are
     /// unmapped again: memory is never left mapped without access.
-    fn grant_access(
+    pub(super) fn grant_access(
         &mut self,
         dev: &dyn Device,
         granule: u64,
