@@ -85,9 +85,12 @@ impl HbmPolicy {
         {
             return Ok(None);
         }
-        self.map_pinned(dev, granule, tail, (top.region, first))?;
-        self.map_pinned(dev, granule, head, (top.region, first + tail.count))?;
+        let mapped = self
+            .map_pinned(dev, granule, tail, (top.region, first))
+            .and_then(|()| self.map_pinned(dev, granule, head, (top.region, first + tail.count)));
+        // What got mapped gets access even when the second map failed.
         self.grant_access(dev, granule, top.region, first, end)?;
+        mapped?;
         Ok(Some((top_id, ptr)))
     }
 
