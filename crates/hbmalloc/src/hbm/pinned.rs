@@ -104,11 +104,11 @@ impl HbmPolicy {
         granules: u64,
     ) -> Option<(PinnedRun, PinnedRun)> {
         let runs = self.pinned_runs(granule, region_index);
-        let fits = |r: &&PinnedRun| r.len < granules;
-        let tails = runs.iter().filter(|r| r.ends_the_handle()).filter(fits);
+        let short = |r: &&PinnedRun| r.len < granules;
+        let tails = runs.iter().filter(|r| r.ends_the_handle()).filter(short);
         let mut best: Option<(PinnedRun, PinnedRun)> = None;
         for tail in tails {
-            for head in runs.iter().filter(|r| r.starts_the_handle()).filter(fits) {
+            for head in runs.iter().filter(|r| r.starts_the_handle()).filter(short) {
                 let len = tail.len + head.len;
                 if head.handle != tail.handle
                     && len >= granules
