@@ -205,7 +205,7 @@ impl HbmPolicy {
     fn idle_donors(&self, granule: u64, bytes: u64, span: GranuleSpan) -> Vec<Donor> {
         let mut donors = Vec::new();
         let mut found = 0u64;
-        for (region_index, first, end) in self.free_granules(granule) {
+        for (_, region_index, first, end) in self.free_granules(granule) {
             if found >= bytes {
                 break;
             }

@@ -447,12 +447,15 @@ impl HbmPolicy {
     }
 
     /// The granules `[first, end)` lying wholly inside each free range, as
-    /// (region, first, end), highest address first; ranges smaller than a
-    /// granule (not in `large_free`) hold none.
-    pub(super) fn free_granules(&self, granule: u64) -> impl Iterator<Item = (u32, u64, u64)> + '_ {
+    /// (its span, region, first, end), highest address first; ranges
+    /// smaller than a granule (not in `large_free`) hold none.
+    pub(super) fn free_granules(
+        &self,
+        granule: u64,
+    ) -> impl Iterator<Item = (u32, u32, u64, u64)> + '_ {
         self.spans.large_free_by_end().filter_map(move |id| {
             let (first, end) = self.whole_granules(granule, id);
-            (first < end).then_some((self.spans.get(id).region, first, end))
+            (first < end).then_some((id, self.spans.get(id).region, first, end))
         })
     }
 
@@ -471,7 +474,7 @@ impl HbmPolicy {
     ) -> Vec<(u32, u64, u64, u64)> {
         let mut victims = Vec::new();
         let mut found = 0u64;
-        for (region_index, first, end) in self.free_granules(granule) {
+        for (_, region_index, first, end) in self.free_granules(granule) {
             if found >= bytes {
                 break;
             }

@@ -11,7 +11,6 @@ use crate::device::{Device, DevicePtr, PhysicalHandle, StreamId};
 use crate::error::AllocError;
 
 use super::groups::AliasGroup;
-use super::spans::NO_SPAN;
 use super::{HbmPolicy, View};
 
 /// A run of whole granules lying idle under free span `free`, inside a
@@ -126,11 +125,8 @@ impl HbmPolicy {
     /// stitched elsewhere as it is).
     fn pinned_runs(&self, granule: u64, region_index: u32) -> Vec<PinnedRun> {
         let mut runs = Vec::new();
-        for free in self.spans.large_free_by_end() {
-            if self.spans.get(free).region != region_index {
-                continue;
-            }
-            let (first, end) = self.whole_granules(granule, free);
+        let free_ranges = self.free_granules(granule);
+        for (free, _, first, end) in free_ranges.filter(|&(_, r, ..)| r == region_index) {
             let region = self.region(region_index);
             for (&start, chunk) in region.chunks.range(..end).rev() {
                 let chunk_end = start + chunk.count;
@@ -183,7 +179,11 @@ impl HbmPolicy {
         };
         self.groups.create(group, &mut self.regions);
         let region_index = run.view.0;
-        for ptr in self.live_blocks_over(granule, run) {
+        let lo = self.region(region_index).base + run.view.1 * granule;
+        for ptr in self
+            .spans
+            .live_overlapping(run.free, lo, lo + count * granule)
+        {
             let size = self.spans.get(self.live[&ptr].span).size;
             let (first, end) = self
                 .aliased_span(region_index, ptr, size)
@@ -202,33 +202,5 @@ impl HbmPolicy {
             self.live.get_mut(&ptr).expect("a live block").on_aliased = true;
         }
         Ok(())
-    }
-
-    /// The live blocks (pending frees included) on any granule of `run`'s
-    /// handle at its view, lowest first: the spans beside its free span.
-    fn live_blocks_over(&self, granule: u64, run: PinnedRun) -> Vec<DevicePtr> {
-        let base = self.region(run.view.0).base;
-        let lo = base + run.view.1 * granule;
-        let hi = lo + run.count * granule;
-        let mut blocks = Vec::new();
-        let free = self.spans.get(run.free);
-        let mut id = free.prev;
-        while id != NO_SPAN && self.spans.get(id).end() > lo {
-            let span = self.spans.get(id);
-            if !span.free {
-                blocks.push(span.start);
-            }
-            id = span.prev;
-        }
-        blocks.reverse();
-        let mut id = free.next;
-        while id != NO_SPAN && self.spans.get(id).start < hi {
-            let span = self.spans.get(id);
-            if !span.free {
-                blocks.push(span.start);
-            }
-            id = span.next;
-        }
-        blocks
     }
 }

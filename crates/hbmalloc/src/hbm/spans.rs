@@ -112,6 +112,26 @@ impl Spans {
         self.by_size[slot].get(size, start)
     }
 
+    /// The live blocks (pending frees included) of span `id`'s region that
+    /// overlap `[lo, hi)`, lowest first, found by walking from `id` (which
+    /// must overlap it) to its neighbours.
+    pub(super) fn live_overlapping(&self, id: u32, lo: DevicePtr, hi: DevicePtr) -> Vec<DevicePtr> {
+        let walk = |blocks: &mut Vec<DevicePtr>, mut at: u32, step: fn(&Span) -> u32| {
+            while at != NO_SPAN && self.get(at).start < hi && self.get(at).end() > lo {
+                let span = self.get(at);
+                if !span.free {
+                    blocks.push(span.start);
+                }
+                at = step(span);
+            }
+        };
+        let mut blocks = Vec::new();
+        walk(&mut blocks, self.get(id).prev, |span| span.prev);
+        blocks.reverse();
+        walk(&mut blocks, self.get(id).next, |span| span.next);
+        blocks
+    }
+
     /// The free spans of at least a granule, highest end address first.
     pub(super) fn large_free_by_end(&self) -> impl Iterator<Item = u32> {
         let mut by_end: Vec<(DevicePtr, u32)> = self
