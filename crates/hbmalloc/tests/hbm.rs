@@ -594,6 +594,33 @@ fn mapping_ahead_never_takes_idle_memory() {
     assert_eq!(a.device().used_bytes(), 0);
 }
 
+/// Where handles map whole, a growing heap maps ahead one handle at most:
+/// each handle costs its own create, map and access grant whenever it is
+/// made, so mapping more ahead saves no call and holds memory. On a 20 GiB
+/// heap the chunk (half a percent of peak demand, 102 MiB) would be four
+/// 16-granule handles; it is one of at most 31 granules instead.
+#[test]
+fn growth_maps_ahead_one_handle_at_most() {
+    let mut a = hbm(64 * GIB, "");
+    let big = a.malloc(20 * GIB, StreamId(0)).unwrap();
+    let (held, creates) = (
+        a.device().used_bytes(),
+        a.device().call_counts().get(CallKind::PhysicalCreate),
+    );
+    let small = a.malloc(4 * MIB, StreamId(0)).unwrap();
+    check(&a);
+    let grown = a.device().used_bytes() - held;
+    let new_creates = a.device().call_counts().get(CallKind::PhysicalCreate) - creates;
+    println!("grown {} MiB in {new_creates} handles", grown / MIB);
+    assert_eq!(new_creates, 1);
+    assert!(grown > 4 * MIB && grown <= 62 * MIB, "grown {grown}");
+    for p in [big, small] {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(a.device().used_bytes(), 0);
+}
+
 #[test]
 fn runs_at_a_capacity_just_above_peak_live() {
     let mut probe = hbm(16 * GIB, "");

@@ -138,13 +138,17 @@ impl HbmPolicy {
         // takes demand to a new peak maps at least `GROWTH_CHUNK_BYTES` ahead,
         // even past the allowance: growth (a first step, a longer sequence)
         // is where the calls are, and what the heap does not grow into is
-        // one chunk at most (see `growing_limit` for a small heap).
+        // one chunk at most (see `growing_limit` for a small heap). A chunk
+        // is one handle at most: past that, each handle costs its own create,
+        // map and access grant whether made now or when needed, and what is
+        // mapped ahead is held.
         let needed: u64 = runs.iter().map(|r| r.1).sum::<u64>() * granule;
         let peak = self.placement.peak_demand_bytes() as f64;
         let ahead_percent = self.config.max_waste_percent.min(MAX_MAP_AHEAD_PERCENT) / 2.0;
         let growth_floor = GROWTH_CHUNK_BYTES
             .min((peak * self.config.max_waste_percent * GROWTH_CHUNK_WASTE_FACTOR / 100.0) as u64);
-        let chunk_granules = ((peak * ahead_percent / 100.0) as u64).max(growth_floor) / granule;
+        let chunk_granules = (((peak * ahead_percent / 100.0) as u64).max(growth_floor) / granule)
+            .min(self.one_handle_granules(granule));
         let ahead_limit = if self.placement.growing() && !pressed {
             let waste = self.config.max_waste_percent;
             growing_limit(peak, waste, soft_limit, chunk_granules * granule, granule)
@@ -378,16 +382,10 @@ impl HbmPolicy {
         if self.physical.held_bytes() + count * granule > limit {
             return Ok(cursor);
         }
-        let per_handle = if self.physical.maps_handle_parts() {
+        let per_handle = if count <= self.one_handle_granules(granule) {
             count
         } else {
-            let most = self.whole_handle_granules(granule);
-            let auto = self.config.whole_handle_granules.is_none();
-            if auto && count < WHOLE_HANDLE_SPLIT_FACTOR * most {
-                count
-            } else {
-                most
-            }
+            self.whole_handle_granules(granule)
         };
         let mut at = cursor;
         while at < end {
@@ -409,6 +407,21 @@ impl HbmPolicy {
     pub(super) fn whole_handle_granules(&self, granule: u64) -> u64 {
         self.physical
             .whole_handle_granules(self.config.whole_handle_granules, granule)
+    }
+
+    /// The longest run [`HbmPolicy::map_new_handle`] backs with one handle:
+    /// any, where handles map in part; otherwise the handle size, or under
+    /// `auto` a run shorter than [`WHOLE_HANDLE_SPLIT_FACTOR`] of them.
+    fn one_handle_granules(&self, granule: u64) -> u64 {
+        if self.physical.maps_handle_parts() {
+            return u64::MAX;
+        }
+        let most = self.whole_handle_granules(granule);
+        if self.config.whole_handle_granules.is_none() {
+            WHOLE_HANDLE_SPLIT_FACTOR * most - 1
+        } else {
+            most
+        }
     }
 
     /// Maps spare pieces into `[cursor, end)` (see `Physical::take_spare`),
