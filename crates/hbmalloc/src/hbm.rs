@@ -438,6 +438,16 @@ impl Region {
     fn all_mapped(&self, first: u64, end: u64) -> bool {
         self.segment || self.mapped.all(first, end)
     }
+
+    /// The chunks overlapping granules `[first, end)`, highest first, as
+    /// (first granule, chunk).
+    fn chunks_in(&self, first: u64, end: u64) -> impl Iterator<Item = (u64, Chunk)> + '_ {
+        self.chunks
+            .range(..end)
+            .rev()
+            .take_while(move |(&start, chunk)| start + chunk.count > first)
+            .map(|(&start, &chunk)| (start, chunk))
+    }
 }
 
 /// One mapping: `count` granules of `handle`, from byte `offset` of it.

@@ -492,9 +492,9 @@ impl HbmPolicy {
                 break;
             }
             let region = self.region(region_index);
-            for (&start, chunk) in region.chunks.range(..end).rev() {
+            for (start, chunk) in region.chunks_in(first, end) {
                 let chunk_end = start + chunk.count;
-                if chunk_end <= first || found >= bytes {
+                if found >= bytes {
                     break;
                 }
                 // Only chunks wholly inside the free range move: a chunk

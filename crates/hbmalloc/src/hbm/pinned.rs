@@ -125,14 +125,11 @@ impl HbmPolicy {
     /// stitched elsewhere as it is).
     fn pinned_runs(&self, granule: u64, region_index: u32) -> Vec<PinnedRun> {
         let mut runs = Vec::new();
+        let region = self.region(region_index);
         let free_ranges = self.free_granules(granule);
         for (free, _, first, end) in free_ranges.filter(|&(_, r, ..)| r == region_index) {
-            let region = self.region(region_index);
-            for (&start, chunk) in region.chunks.range(..end).rev() {
+            for (start, chunk) in region.chunks_in(first, end) {
                 let chunk_end = start + chunk.count;
-                if chunk_end <= first {
-                    break;
-                }
                 let (run_start, run_end) = (first.max(start), end.min(chunk_end));
                 let whole = run_start == start && run_end == chunk_end;
                 if whole
