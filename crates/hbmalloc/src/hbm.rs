@@ -96,6 +96,13 @@ const GROWTH_CHUNK_BYTES: u64 = 12 * MIB;
 /// so that a small heap's overshoot stays small (and `max_waste_percent:0`
 /// maps nothing ahead).
 const GROWTH_CHUNK_WASTE_FACTOR: f64 = 4.0;
+/// Near the peak, a likely temporary at the top of a heap that maps whole
+/// growth chunks ahead goes at the end of the memory mapped ahead when that
+/// holds at least this many blocks of its size: the front stays whole for
+/// the longer-lived block that follows. In a smaller room, or in the few
+/// granules a small heap maps ahead, it would split the place the next
+/// block needs.
+const TOP_TEMPORARY_ROOM_FACTOR: u64 = 4;
 /// Below the peak of demand, a run is backed by idle memory before a new
 /// handle that would take the memory held past its peak, when at least this
 /// many times the run's granules lie idle: stitching then leaves at least as
@@ -839,14 +846,22 @@ impl HbmPolicy {
     /// Where in free span `id` a block of `size` bytes goes, `ptr` being the
     /// front (or past memory in use elsewhere): its end instead when the
     /// block is likely a temporary and demand is `near_peak` (see
-    /// [`placement::SHORT_LIVED_NEAR_PEAK_PERCENT`]).
+    /// [`placement::SHORT_LIVED_NEAR_PEAK_PERCENT`]); at the top of a heap
+    /// that maps whole growth chunks ahead, the end of what is mapped
+    /// ([`TOP_TEMPORARY_ROOM_FACTOR`]).
     #[inline]
     fn place_short_lived(&self, id: u32, ptr: DevicePtr, size: u64, near_peak: bool) -> DevicePtr {
         if !near_peak || !self.placement.mostly_short(size) {
             return ptr;
         }
         let range = *self.spans.get(id);
-        let end = range.end() - size;
+        let mut end = range.end() - size;
+        if !self.is_mapped(range.region, end, size) && self.maps_whole_chunks_ahead() {
+            let mapped_end = self.mapped_end(range.region, ptr, range.end());
+            if mapped_end >= ptr + TOP_TEMPORARY_ROOM_FACTOR * size {
+                end = mapped_end - size;
+            }
+        }
         if end > ptr
             && self.is_mapped(range.region, end, size)
             && !self.blocked(range.region, end, size)
@@ -854,6 +869,20 @@ impl HbmPolicy {
             end
         } else {
             ptr
+        }
+    }
+
+    /// Where the memory mapped from `ptr` on ends (at most `limit`): the
+    /// start of the first unmapped granule (`ptr` or below when its own is
+    /// unmapped).
+    fn mapped_end(&self, region: u32, ptr: DevicePtr, limit: DevicePtr) -> DevicePtr {
+        let region = self.region(region);
+        match self.granule {
+            Some(granule) if !region.segment => {
+                let (first, end) = granules_under(granule, region.base, ptr, limit - ptr);
+                (region.base + region.next_with(first, end, false) * granule).min(limit)
+            }
+            _ => limit,
         }
     }
 

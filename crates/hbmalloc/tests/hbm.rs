@@ -1242,6 +1242,43 @@ fn likely_temporaries_go_at_the_end_of_holes_near_the_peak() {
     assert_eq!(a.device().used_bytes(), 0);
 }
 
+/// At the top of a heap large enough to map whole growth chunks ahead, a
+/// likely temporary goes at the end of the memory mapped ahead, so that the
+/// longer-lived block after it takes the front; on a smaller heap (less
+/// mapped ahead) it stays at the front.
+#[test]
+fn likely_temporaries_go_at_the_end_of_the_memory_mapped_ahead() {
+    let temporary = 3 * MIB / 4;
+    for (heap, at_the_end) in [(400 * MIB, true), (100 * MIB, false)] {
+        let mut a = hbm(16 * GIB, "");
+        let big = a.malloc(heap, StreamId(0)).unwrap();
+        // Six blocks of this size, each freed at once: temporaries.
+        for _ in 0..6 {
+            let t = a.malloc(temporary, StreamId(0)).unwrap();
+            a.free(t).unwrap();
+        }
+        let top = big + heap;
+        let mapped_end = big + a.stats().reserved_bytes[0].current as u64;
+        assert!(mapped_end >= top + 4 * temporary, "{heap}: {mapped_end:#x}");
+        let t = a.malloc(temporary, StreamId(0)).unwrap();
+        check(&a);
+        let long_lived = a.malloc(5 * MIB / 4, StreamId(0)).unwrap();
+        check(&a);
+        if at_the_end {
+            assert_eq!(t, mapped_end - temporary, "{heap}: top at {top:#x}");
+            assert_eq!(long_lived, top, "{heap}");
+        } else {
+            assert_eq!(t, top, "{heap}");
+            assert_eq!(long_lived, top + temporary, "{heap}");
+        }
+        for p in [big, t, long_lived] {
+            a.free(p).unwrap();
+        }
+        a.empty_cache().unwrap();
+        assert_eq!(a.device().used_bytes(), 0);
+    }
+}
+
 /// Restoring a segment counts its extent as demand once, as allocating it
 /// would: the next segment's blocks fill the memory cached in the one
 /// before and grow the heap by what is left, without mapping ahead past

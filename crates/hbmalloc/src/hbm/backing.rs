@@ -145,8 +145,7 @@ impl HbmPolicy {
         let needed: u64 = runs.iter().map(|r| r.1).sum::<u64>() * granule;
         let peak = self.placement.peak_demand_bytes() as f64;
         let ahead_percent = self.config.max_waste_percent.min(MAX_MAP_AHEAD_PERCENT) / 2.0;
-        let growth_floor = GROWTH_CHUNK_BYTES
-            .min((peak * self.config.max_waste_percent * GROWTH_CHUNK_WASTE_FACTOR / 100.0) as u64);
+        let growth_floor = self.growth_chunk_bytes();
         let chunk_granules = (((peak * ahead_percent / 100.0) as u64).max(growth_floor) / granule)
             .min(self.one_handle_granules(granule));
         let ahead_limit = if self.placement.growing() && !pressed {
@@ -211,6 +210,20 @@ impl HbmPolicy {
             }
         }
         Ok(Backing::Done)
+    }
+
+    /// What a request that takes demand to a new peak maps ahead at least:
+    /// [`GROWTH_CHUNK_BYTES`], less on a heap whose share of waste that
+    /// would exceed ([`GROWTH_CHUNK_WASTE_FACTOR`]).
+    fn growth_chunk_bytes(&self) -> u64 {
+        let peak = self.placement.peak_demand_bytes() as f64;
+        GROWTH_CHUNK_BYTES
+            .min((peak * self.config.max_waste_percent * GROWTH_CHUNK_WASTE_FACTOR / 100.0) as u64)
+    }
+
+    /// The heap is large enough to map whole [`GROWTH_CHUNK_BYTES`] ahead.
+    pub(super) fn maps_whole_chunks_ahead(&self) -> bool {
+        self.growth_chunk_bytes() >= GROWTH_CHUNK_BYTES
     }
 
     /// Grants access to the granules mapped in `[start, end)` of a run that
