@@ -855,17 +855,19 @@ impl HbmPolicy {
             return ptr;
         }
         let range = *self.spans.get(id);
-        let mut end = range.end() - size;
-        if !self.is_mapped(range.region, end, size) && self.maps_whole_chunks_ahead() {
+        let end = if self.is_mapped(range.region, range.end() - size, size) {
+            range.end() - size
+        } else if self.maps_whole_chunks_ahead() {
+            // The heap's top: everything from `ptr` to `mapped_end` is mapped.
             let mapped_end = self.mapped_end(range.region, ptr, range.end());
-            if mapped_end >= ptr + TOP_TEMPORARY_ROOM_FACTOR * size {
-                end = mapped_end - size;
+            if mapped_end < ptr + TOP_TEMPORARY_ROOM_FACTOR * size {
+                return ptr;
             }
-        }
-        if end > ptr
-            && self.is_mapped(range.region, end, size)
-            && !self.blocked(range.region, end, size)
-        {
+            mapped_end - size
+        } else {
+            return ptr;
+        };
+        if end > ptr && !self.blocked(range.region, end, size) {
             end
         } else {
             ptr
@@ -875,15 +877,15 @@ impl HbmPolicy {
     /// Where the memory mapped from `ptr` on ends (at most `limit`): the
     /// start of the first unmapped granule (`ptr` or below when its own is
     /// unmapped).
-    fn mapped_end(&self, region: u32, ptr: DevicePtr, limit: DevicePtr) -> DevicePtr {
-        let region = self.region(region);
-        match self.granule {
-            Some(granule) if !region.segment => {
-                let (first, end) = granules_under(granule, region.base, ptr, limit - ptr);
-                (region.base + region.next_with(first, end, false) * granule).min(limit)
-            }
-            _ => limit,
-        }
+    fn mapped_end(&self, region_index: u32, ptr: DevicePtr, limit: DevicePtr) -> DevicePtr {
+        let (Some(granule), Some((first, end))) = (
+            self.granule,
+            self.granule_span(region_index, ptr, limit - ptr),
+        ) else {
+            return limit;
+        };
+        let region = self.region(region_index);
+        (region.base + region.next_with(first, end, false) * granule).min(limit)
     }
 
     /// Every granule under `[ptr, ptr + size)` of region `region` is mapped

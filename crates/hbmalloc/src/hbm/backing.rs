@@ -145,8 +145,8 @@ impl HbmPolicy {
         let needed: u64 = runs.iter().map(|r| r.1).sum::<u64>() * granule;
         let peak = self.placement.peak_demand_bytes() as f64;
         let ahead_percent = self.config.max_waste_percent.min(MAX_MAP_AHEAD_PERCENT) / 2.0;
-        let growth_floor = self.growth_chunk_bytes();
-        let chunk_granules = (((peak * ahead_percent / 100.0) as u64).max(growth_floor) / granule)
+        let growth_chunk = self.growth_chunk_bytes();
+        let chunk_granules = (((peak * ahead_percent / 100.0) as u64).max(growth_chunk) / granule)
             .min(self.one_handle_granules(granule));
         let ahead_limit = if self.placement.growing() && !pressed {
             let waste = self.config.max_waste_percent;
