@@ -107,7 +107,8 @@ struct WhatIf {
     /// What if a variable-length run went on for N steps: keep each trace up
     /// to its first steady step, then draw N of its recorded steps at random
     /// (seed: --draw-seed), as a data loader draws batches of other lengths.
-    /// Needs step marks (torch.profiler's ProfilerStep#N).
+    /// Needs step marks: torch.profiler's ProfilerStep#N, or in a memory
+    /// snapshot the optimizer's steps.
     #[arg(long, value_name = "N", conflicts_with = "repeat_step")]
     draw_steps: Option<usize>,
     /// The seed of --draw-steps.
@@ -128,13 +129,21 @@ impl WhatIf {
         if let Some(steps) = self.draw_steps {
             for trace in &mut traces {
                 for device in &mut trace.devices {
-                    *device =
-                        hbmalloc_trace::draw_steps(device, steps, self.draw_seed).map_err(|e| {
-                            format!(
-                                "{} device {}: --draw-steps: {e}",
-                                trace.source, device.device
-                            )
-                        })?;
+                    let (drawn, from) = hbmalloc_trace::draw_steps(device, steps, self.draw_seed)
+                        .map_err(|e| {
+                        format!(
+                            "{} device {}: --draw-steps: {e}",
+                            trace.source, device.device
+                        )
+                    })?;
+                    eprintln!(
+                        "hbmalloc: {} device {}: {steps} steps drawn from {from} of its {} \
+                         recorded steps",
+                        trace.source,
+                        device.device,
+                        device.step_starts.len()
+                    );
+                    *device = drawn;
                 }
                 trace.source = format!(
                     "{} ~{steps} steps drawn (seed {})",

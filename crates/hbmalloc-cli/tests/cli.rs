@@ -888,3 +888,37 @@ fn compare_reproduces_what_the_gpu_measured() {
         }
     }
 }
+
+/// The H200 run's snapshot marks its steps (the optimizer's, from its
+/// annotations), so a longer run can be drawn from them: `hbm` holds its
+/// efficiency over 300 drawn steps, where it drifted on the GPU before the
+/// rewrite for the real driver.
+#[test]
+fn a_gpu_snapshot_draws_a_longer_run_from_its_optimizer_steps() {
+    let trace = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../traces/gpt2_h200_native_200steps.pickle.gz"
+    );
+    let out = hbmalloc(&[
+        "compare",
+        trace,
+        "--draw-steps",
+        "300",
+        "--no-min-capacity",
+        "--json",
+        "--run",
+        "policy:hbm",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let row: serde_json::Value = serde_json::from_str(stdout_of_success(out).trim()).unwrap();
+    assert!(
+        stderr.contains("300 steps drawn from 198 of its 200 recorded steps"),
+        "{stderr}"
+    );
+    assert_eq!(row["steps"], 301, "the prefix's step, then the drawn ones");
+    let (at_half, whole) = (
+        row["efficiency_at_half"].as_f64().unwrap(),
+        row["efficiency"].as_f64().unwrap(),
+    );
+    assert!(whole >= 0.98 && at_half - whole <= 0.005, "{row}");
+}

@@ -4,38 +4,43 @@
 //! run cannot be made by repeating one (`repeat.rs`). It can be made by
 //! drawing the recorded steps again in a random order, as a data loader
 //! would draw batches of other lengths: each step keeps its own ops, and the
-//! blocks that live across steps (weights, optimizer state) are handed from
-//! one drawn step to the next by size. That needs the trace's step marks
-//! ([`DeviceTrace::step_starts`]) and steps that begin and end with the same
-//! sizes alive (a training loop past its first step).
+//! blocks that live across steps are handed from one drawn step to the next:
+//! weights and optimizer state by size, and what one step makes for the next
+//! to free (a batch's inputs, kept until the next batch replaces them, whose
+//! length varies) by age. That needs the trace's step marks
+//! ([`DeviceTrace::step_starts`]) and steps that end with as many blocks
+//! alive as they began with (a training loop past its first step).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::model::{AllocId, DeviceTrace, InitialBlockState, Op};
 use crate::repeat::scale_by_ops;
 
 /// The trace's ops up to its first steady step, then `steps` steps drawn
 /// uniformly (with replacement, from `seed`) from its steady steps: those
-/// that begin and end with the same multiset of live sizes as the first
-/// steady step begins with. Each drawn step's ops are its recorded ones with
-/// fresh ids for what it allocates; what it uses from before it is matched,
-/// by size and then by age, to what is alive when it begins.
-pub fn draw_steps(trace: &DeviceTrace, steps: usize, seed: u64) -> Result<DeviceTrace, String> {
+/// that begin and end with as many blocks alive as the first steady step
+/// begins with. Each drawn step's ops are its recorded ones with fresh ids
+/// for what it allocates; what it uses from before it is matched to what is
+/// alive when it begins ([`hand_on`]). Returns the run and how many of the
+/// recorded steps it drew from: a trace with one steady step repeats it.
+pub fn draw_steps(
+    trace: &DeviceTrace,
+    steps: usize,
+    seed: u64,
+) -> Result<(DeviceTrace, usize), String> {
     let bounds = step_bounds(trace)?;
     let alive = alive_at(trace, &bounds);
-    let live_at: Vec<Vec<u64>> = alive
-        .iter()
-        .map(|blocks| blocks.iter().map(|b| b.0).collect())
-        .collect();
     let steady: Vec<usize> = (0..bounds.len() - 1)
-        .filter(|&i| live_at[i] == live_at[i + 1])
+        .filter(|&i| alive[i].len() == alive[i + 1].len())
         .collect();
     let Some(&first) = steady.first() else {
-        return Err("no step begins and ends with the same sizes alive (no steady step)".into());
+        return Err(
+            "no step ends with as many blocks alive as it began with (no steady step)".into(),
+        );
     };
     let steady: Vec<usize> = steady
         .into_iter()
-        .filter(|&i| live_at[i] == live_at[first])
+        .filter(|&i| alive[i].len() == alive[first].len())
         .collect();
 
     let prefix_end = bounds[first];
@@ -49,13 +54,14 @@ pub fn draw_steps(trace: &DeviceTrace, steps: usize, seed: u64) -> Result<Device
     let recorded_span_us = trace
         .recorded_span_us
         .map(|us| scale_by_ops(us, trace.ops.len(), ops.len()));
-    Ok(DeviceTrace {
+    let drawn = DeviceTrace {
         ops,
         recorded: None,
         recorded_span_us,
         step_starts: out.step_starts,
         ..trace.clone()
-    })
+    };
+    Ok((drawn, steady.len()))
 }
 
 /// The ops where each step begins, and the end of the last one: the trace's
@@ -186,13 +192,14 @@ impl Builder {
         end: usize,
     ) -> Result<(), String> {
         let ours = sorted(&self.live);
-        if theirs.len() != ours.len() || theirs.iter().zip(&ours).any(|(t, o)| t.0 != o.0) {
+        if theirs.len() != ours.len() {
             return Err(format!(
-                "the step at op {start} begins with other sizes alive than the run it joins"
+                "the step at op {start} begins with {} blocks alive, the run it joins with {}",
+                theirs.len(),
+                ours.len()
             ));
         }
-        let mut rename: std::collections::HashMap<AllocId, AllocId> =
-            theirs.iter().zip(&ours).map(|(t, o)| (t.2, o.2)).collect();
+        let mut rename = hand_on(theirs, &ours);
         self.step_starts.push(self.ops.len());
         for op in &trace.ops[start..end] {
             let renamed = |id: AllocId| -> Result<AllocId, String> {
@@ -228,6 +235,35 @@ impl Builder {
         }
         Ok(())
     }
+}
+
+/// What a drawn step found alive when it was recorded (`theirs`), matched to
+/// what is alive where it is drawn (`ours`, as many), as (their id, our id).
+/// Blocks of the same size are matched first, oldest to oldest: the weights
+/// and optimizer state every step finds. What is left on each side was made
+/// by the step before for this one to free, and differs in size from step to
+/// step (a batch's inputs): matched by age. Both sorted ([`sorted`]).
+fn hand_on(theirs: &[Alive], ours: &[Alive]) -> HashMap<AllocId, AllocId> {
+    let mut pairs = HashMap::with_capacity(theirs.len());
+    let (mut their_rest, mut our_rest) = (Vec::new(), Vec::new());
+    let (mut t, mut o) = (theirs.iter().peekable(), ours.iter().peekable());
+    loop {
+        match (t.peek(), o.peek()) {
+            (Some(a), Some(b)) if a.0 == b.0 => {
+                pairs.insert(a.2, b.2);
+                t.next();
+                o.next();
+            }
+            (Some(a), Some(b)) if a.0 < b.0 => their_rest.extend(t.next()),
+            (Some(_), Some(_)) | (None, Some(_)) => our_rest.extend(o.next()),
+            (Some(_), None) => their_rest.extend(t.next()),
+            (None, None) => break,
+        }
+    }
+    their_rest.sort_unstable_by_key(|&&(_, at, id)| (at, id));
+    our_rest.sort_unstable_by_key(|&&(_, at, id)| (at, id));
+    pairs.extend(their_rest.iter().zip(&our_rest).map(|(a, b)| (a.2, b.2)));
+    pairs
 }
 
 /// A small seeded generator (splitmix64): the same seed draws the same steps.
@@ -302,7 +338,8 @@ mod tests {
     fn a_long_run_draws_steady_steps_and_keeps_every_lifetime_whole() {
         // The first step allocates the gradient the others replace: not steady.
         let trace = training(&[10, 20, 30, 40]);
-        let long = draw_steps(&trace, 1_000, 7).unwrap();
+        let (long, from) = draw_steps(&trace, 1_000, 7).unwrap();
+        assert_eq!(from, 3);
         check_lifetimes(&long);
         assert_eq!(
             long.step_starts.len(),
@@ -323,8 +360,79 @@ mod tests {
             Some(1_000 * long.ops.len() as u64 / trace.ops.len() as u64)
         );
         // Deterministic in the seed; another seed draws another order.
-        assert_eq!(draw_steps(&trace, 1_000, 7).unwrap(), long);
-        assert_ne!(draw_steps(&trace, 1_000, 8).unwrap().ops, long.ops);
+        assert_eq!(draw_steps(&trace, 1_000, 7).unwrap().0, long);
+        assert_ne!(draw_steps(&trace, 1_000, 8).unwrap().0.ops, long.ops);
+    }
+
+    /// A step that hands the next one a block of another size each time (a
+    /// batch's inputs, kept until the next batch replaces them) is steady:
+    /// the drawn step frees whatever batch the step before it made.
+    #[test]
+    fn what_a_step_makes_for_the_next_is_handed_on_whatever_its_size() {
+        let mut ops = vec![Op::Alloc {
+            id: 0,
+            size: 1000,
+            stream: 0,
+        }];
+        let mut step_starts = Vec::new();
+        for (step, batch) in [7u64, 11, 13, 17].into_iter().enumerate() {
+            let id = 1 + 2 * step as AllocId;
+            step_starts.push(ops.len());
+            ops.push(Op::Alloc {
+                id,
+                size: batch,
+                stream: 0,
+            });
+            if step > 0 {
+                ops.push(Op::Free { id: id - 2 });
+            }
+            ops.push(Op::Alloc {
+                id: id + 1,
+                size: 10 * batch,
+                stream: 0,
+            });
+            ops.push(Op::Free { id: id + 1 });
+        }
+        let trace = DeviceTrace {
+            ops,
+            step_starts,
+            ..DeviceTrace::default()
+        };
+        let (long, from) = draw_steps(&trace, 500, 3).unwrap();
+        assert_eq!(from, 3, "the batches of 11, 13 and 17");
+        check_lifetimes(&long);
+        // Each drawn step frees the batch the step before it made, and no
+        // block that lives across the run (the weight, id 0) goes.
+        let mut last_batch = None;
+        for (k, window) in long.step_starts.windows(2).enumerate() {
+            let step = &long.ops[window[0]..window[1]];
+            let Op::Alloc { id: batch, .. } = step[0] else {
+                panic!("step {k} begins with {:?}", step[0]);
+            };
+            let freed: Vec<AllocId> = step
+                .iter()
+                .filter_map(|op| match *op {
+                    Op::Free { id } if id != batch + 1 => Some(id),
+                    _ => None,
+                })
+                .collect();
+            if let Some(last) = last_batch {
+                assert_eq!(freed, vec![last], "step {k}");
+            }
+            last_batch = Some(batch);
+        }
+        let drawn_sizes: std::collections::BTreeSet<u64> = long.ops[long.step_starts[1]..]
+            .iter()
+            .filter_map(|op| match *op {
+                Op::Alloc { size, .. } if size < 100 => Some(size),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            drawn_sizes,
+            [11, 13, 17].into(),
+            "the steady steps, each drawn"
+        );
     }
 
     #[test]

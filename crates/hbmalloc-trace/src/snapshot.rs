@@ -11,8 +11,10 @@
 //! `compile_context` or `user_metadata`; blocks without `address` (they tile
 //! their segment) or without `requested_size` (taken from `history[0]`);
 //! `snapshot`, `annotate` and `user_defined` entries (markers, skipped); and
-//! `free`, MemoryViz.js's name for a free that completed at once. Keys this
-//! importer does not use (`segment_pool_id`, `external_annotations`,
+//! `free`, MemoryViz.js's name for a free that completed at once. Where the
+//! snapshot has `external_annotations` (the `record_function` ranges PyTorch
+//! records beside the history), they mark where the program's steps began
+//! ([`step_times`]). Keys this importer does not use (`segment_pool_id`,
 //! `host_segments`, ...) are ignored.
 
 use std::cell::Cell;
@@ -92,6 +94,10 @@ pub fn snapshot_to_trace(doc: &Document) -> Result<Trace, TraceError> {
         None => None,
     };
     let foreign_allocator = is_torch_npu(doc, &segments, &traces);
+    let steps = match doc.dict_get(root, "external_annotations") {
+        Some(id) => step_times(&reader, id)?,
+        None => Vec::new(),
+    };
 
     let devices: BTreeSet<i64> = segments
         .iter()
@@ -104,7 +110,12 @@ pub fn snapshot_to_trace(doc: &Document) -> Result<Trace, TraceError> {
             let device_segments: Vec<&Segment> =
                 segments.iter().filter(|s| s.device == device).collect();
             let entries = traces.remove(&device).unwrap_or_default();
-            let mut trace = rebuild_device(device, &device_segments, &entries);
+            let times: Vec<u64> = steps
+                .iter()
+                .filter(|&&(on, _)| on.is_none_or(|on| on == device))
+                .map(|&(_, time)| time)
+                .collect();
+            let mut trace = rebuild_device(device, &device_segments, &entries, &times);
             trace.recorded_config = recorded_config.clone();
             trace.foreign_allocator = foreign_allocator;
             trace.recorded_span_us = time_span_us(&entries);
@@ -116,6 +127,54 @@ pub fn snapshot_to_trace(doc: &Document) -> Result<Trace, TraceError> {
         devices,
         notes: Vec::new(),
     })
+}
+
+/// When the program's steps began, as (device, `time_us`), sorted by time,
+/// from the snapshot's `external_annotations`: torch.profiler's
+/// `ProfilerStep#N` ranges where the program has them, otherwise the
+/// optimizer's steps (`Optimizer.step#AdamW.step`: one per training
+/// iteration, so the first optimizer named stands for all where a program
+/// has several). Annotations without a name, stage or time (or not dicts)
+/// mark nothing: they are not the allocator's, and a replay needs none.
+fn step_times(reader: &Reader, id: ValueId) -> Result<Vec<(Option<i64>, u64)>, TraceError> {
+    let path = "external_annotations";
+    let mut profiler = Vec::new();
+    let mut optimizer = Vec::new();
+    let mut optimizer_name: Option<&str> = None;
+    for (i, &annotation) in reader.list(id, path)?.iter().enumerate() {
+        let path = format!("{path}[{i}]");
+        reader.spend(&path)?;
+        let text = |key| match reader.field(annotation, key).map(|v| reader.doc.get(v)) {
+            Some(Value::Str(s)) => Some(s.as_str()),
+            _ => None,
+        };
+        let (Some(name), Some("START")) = (text("name"), text("stage")) else {
+            continue;
+        };
+        let Ok(Some(time)) = reader.word_field(annotation, "time_us", &path) else {
+            continue;
+        };
+        let device = match reader
+            .field(annotation, "device")
+            .map(|v| reader.int(v, &path))
+        {
+            Some(Ok(device)) => i64::try_from(device).ok(),
+            _ => None,
+        };
+        if name.starts_with("ProfilerStep#") {
+            profiler.push((device, time));
+        } else if name.starts_with("Optimizer.step#") && *optimizer_name.get_or_insert(name) == name
+        {
+            optimizer.push((device, time));
+        }
+    }
+    let mut times = if profiler.is_empty() {
+        optimizer
+    } else {
+        profiler
+    };
+    times.sort_by_key(|&(_, time)| time);
+    Ok(times)
 }
 
 /// Microseconds from the first to the last entry's `time_us`, where
@@ -588,14 +647,21 @@ fn add_range(ranges: &mut BTreeMap<u64, Range>, mut start: u64, range: Range) {
     ranges.insert(start, range);
 }
 
-/// Rebuilds the window-start state of one device and turns its history into ops.
-fn rebuild_device(device: i64, segments: &[&Segment], entries: &[Entry]) -> DeviceTrace {
+/// Rebuilds the window-start state of one device and turns its history into
+/// ops; `step_times` are when its steps began (`time_us`, sorted).
+fn rebuild_device(
+    device: i64,
+    segments: &[&Segment],
+    entries: &[Entry],
+    step_times: &[u64],
+) -> DeviceTrace {
     let (mut ranges, mut live) = dumped_state(segments);
     let mut rebuild = Rebuild::default();
     undo_history(entries, &mut ranges, &mut live, &mut rebuild.skipped);
     let initial_segments = rebuild.lay_out(&ranges, &live);
     let initial_reserved_bytes: u64 = initial_segments.iter().map(|s| s.total_size()).sum();
-    let (segment_events, peak_reserved) = rebuild.replay(entries, initial_reserved_bytes);
+    let (segment_events, peak_reserved) =
+        rebuild.replay(entries, initial_reserved_bytes, step_times);
     DeviceTrace {
         device,
         initial_segments,
@@ -609,7 +675,7 @@ fn rebuild_device(device: i64, segments: &[&Segment], entries: &[Entry]) -> Devi
         foreign_allocator: false,
         skipped: rebuild.skipped.0,
         recorded_span_us: None,
-        step_starts: Vec::new(),
+        step_starts: rebuild.step_starts,
     }
 }
 
@@ -726,6 +792,8 @@ struct Rebuild {
     addr_to_id: HashMap<u64, AllocId>,
     pending_streams: HashMap<u64, u64>,
     ops: Vec<Op>,
+    /// Where each step began, as in [`DeviceTrace::step_starts`].
+    step_starts: Vec<usize>,
 }
 
 impl Rebuild {
@@ -811,10 +879,13 @@ impl Rebuild {
 
     /// Turns the history into ops, forwards: returns the segment events it
     /// recorded (each at the op it belongs to) and the peak reserved bytes.
+    /// A step begins at the first entry at or after its time in
+    /// `step_times`; steps begun before the history starts mark nothing.
     fn replay(
         &mut self,
         entries: &[Entry],
         initial_reserved_bytes: u64,
+        step_times: &[u64],
     ) -> (Vec<RecordedSegmentEvent>, u64) {
         let mut explained_by_oom = vec![false; entries.len()];
         let mut oom_ahead = false;
@@ -831,9 +902,24 @@ impl Rebuild {
         let mut peak_reserved = reserved;
         let mut segment_events = Vec::new();
         let mut in_empty_cache = false;
+        let mut steps_begun = entries
+            .iter()
+            .find_map(|e| e.time_us)
+            .map_or(step_times.len(), |first| {
+                step_times.partition_point(|&t| t < first)
+            });
         let mut i = 0;
         while i < entries.len() {
             let entry = &entries[i];
+            if let Some(now) = entry.time_us {
+                let begun = step_times.partition_point(|&t| t <= now);
+                if begun > steps_begun {
+                    steps_begun = begun;
+                    if self.step_starts.last() != Some(&self.ops.len()) {
+                        self.step_starts.push(self.ops.len());
+                    }
+                }
+            }
             match entry.action {
                 Action::Alloc => {
                     in_empty_cache = false;
@@ -909,6 +995,10 @@ impl Rebuild {
                 Action::Unknown => self.skip(&format!("unknown action '{}'", entry.name)),
             }
             i += 1;
+        }
+        // A step that begins after the last op is not in the history.
+        if self.step_starts.last() == Some(&self.ops.len()) {
+            self.step_starts.pop();
         }
 
         (segment_events, peak_reserved)

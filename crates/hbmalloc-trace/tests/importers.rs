@@ -600,6 +600,84 @@ fn snapshot_user_defined_is_skipped_and_free_frees() {
     );
 }
 
+fn timed(action: &'static str, addr: u64, time_us: u64) -> Py {
+    Py::Dict(vec![
+        ("action", Py::Str(action)),
+        ("addr", Py::int(addr)),
+        ("size", Py::int(512)),
+        ("stream", Py::int(0)),
+        ("time_us", Py::int(time_us)),
+    ])
+}
+
+fn annotation(name: &'static str, stage: &'static str, time_us: u64) -> Py {
+    Py::Dict(vec![
+        ("stage", Py::Str(stage)),
+        ("name", Py::Str(name)),
+        ("device", Py::int(0)),
+        ("time_us", Py::int(time_us)),
+    ])
+}
+
+/// Steps come from `external_annotations`: each optimizer step (of the
+/// first optimizer named) begins one at the first entry at or after it;
+/// torch.profiler's step ranges take precedence; what is not a step's start
+/// (ends, other ranges, malformed entries, steps before the history or after
+/// it) marks nothing.
+#[test]
+fn snapshot_annotations_mark_steps() {
+    let history = vec![
+        timed("alloc", 0x100, 10),
+        timed("free", 0x100, 20),
+        timed("alloc", 0x200, 30),
+        timed("free", 0x200, 40),
+        timed("alloc", 0x300, 50),
+        timed("free", 0x300, 60),
+    ];
+    let with = |annotations: Vec<Py>| {
+        let Py::Dict(mut root) = snapshot(vec![], history.clone()) else {
+            unreachable!()
+        };
+        root.push(("external_annotations", Py::List(annotations)));
+        let trace = import("steps.pickle", &Py::Dict(root).dump());
+        trace.devices[0].step_starts.clone()
+    };
+    let optimizer = "Optimizer.step#AdamW.step";
+    assert_eq!(
+        with(vec![
+            annotation(optimizer, "START", 5),
+            annotation(optimizer, "START", 25),
+            annotation(optimizer, "END", 26),
+            annotation("Optimizer.zero_grad#AdamW.zero_grad", "START", 45),
+            annotation("Optimizer.step#SGD.step", "START", 45),
+            annotation(optimizer, "START", 50),
+            Py::Dict(vec![("stage", Py::Str("START"))]),
+            Py::Int(3),
+            annotation(optimizer, "START", 70),
+        ]),
+        vec![2, 4],
+        "ops 2 (time 30) and 4 (time 50); none before the history or after it"
+    );
+    assert_eq!(
+        with(vec![
+            annotation(optimizer, "START", 25),
+            annotation("ProfilerStep#7", "START", 10),
+            annotation("ProfilerStep#8", "START", 35),
+        ]),
+        vec![0, 3],
+        "the profiler's steps, where the program has them"
+    );
+    assert_eq!(with(vec![]), Vec::<usize>::new());
+    assert!(import_error(
+        &Py::Dict(vec![
+            ("segments", Py::List(vec![])),
+            ("external_annotations", Py::Int(1)),
+        ])
+        .dump()
+    )
+    .contains("external_annotations"));
+}
+
 /// Writes `value` the way torch's C++ `Pickler` does for
 /// `torch::cuda::_memory_snapshot_pickled` (protocol 2, `tag_aggregates`
 /// off): `BINPUT` after every container and new string, `BINGET` for a
