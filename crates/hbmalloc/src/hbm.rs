@@ -1562,6 +1562,51 @@ mod tests {
         );
     }
 
+    /// Where handles map whole only, an idle handle whose groups blocks cut
+    /// apart is mapped whole (each group gaining a view) before memory past
+    /// the allowance is made: here a 4-granule handle mapped at three
+    /// streams' regions, idle, cut in two groups, serves a fourth stream.
+    #[test]
+    fn an_idle_handle_cut_into_groups_is_mapped_whole_before_new_memory() {
+        use crate::device::CallKind;
+        let dev = crate::sim::SimDevice::with_capacity(1 << 30);
+        let config = HbmConfig::parse("whole_handle_granules:4,max_waste_percent:0").unwrap();
+        let granule = dev.granularity().unwrap();
+        let mut policy = HbmPolicy::new(
+            config,
+            1 << 30,
+            Some(granule),
+            dev.maps_handle_parts(),
+            History::with_capacity(0),
+        );
+        let size = 4 * granule;
+        // Made on stream 0, idle there, then mapped under blocks of streams
+        // 1 and 2 in turn: one group, three views.
+        for stream in 0..3 {
+            let block = policy.malloc(&dev, size, StreamId(stream)).unwrap();
+            policy.free(&dev, block).unwrap();
+        }
+        assert_eq!(dev.call_counts().get(CallKind::PhysicalCreate), 1);
+        let id = policy.region(0).group_at.get(0).expect("stitched");
+        assert_eq!(policy.groups.get(id).views.len(), 3);
+        // Cut apart, as a block on part of it leaves it: neither half may be
+        // mapped alone.
+        policy.groups.split(id, 1, granule, &mut policy.regions);
+        let block = policy.malloc(&dev, size, StreamId(3)).unwrap();
+        policy.check_invariants().unwrap();
+        assert_eq!(
+            dev.call_counts().get(CallKind::PhysicalCreate),
+            1,
+            "no new memory"
+        );
+        let region = policy.region(policy.spans.get(policy.live[&block].span).region);
+        let under = (block - region.base) / granule;
+        assert_eq!(
+            region.group_at.get(under),
+            Some(policy.region(0).group_at.get(0).unwrap())
+        );
+    }
+
     #[test]
     fn next_unlent_skips_unmapped_and_lent_granules() {
         let mut region = Region::new(0, 200 * 2 * MIB, StreamId(0), 0, 200);

@@ -3,7 +3,7 @@
 //! mapping it a second time. The groups themselves are kept by
 //! [`AliasGroups`](super::groups::AliasGroups).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::device::{Device, DevicePtr, PhysicalHandle, StreamId};
 use crate::error::AllocError;
@@ -23,6 +23,14 @@ enum Donor {
     },
     /// A whole alias group, idle at every view.
     Group(u32),
+    /// A whole handle, all of it in alias groups idle at every view
+    /// (`groups`, by offset) that blocks cut apart and that have not merged
+    /// back. Where handles map whole only, none of them may be mapped alone,
+    /// but the handle may: each group gains a view.
+    Handle {
+        handle: PhysicalHandle,
+        groups: Vec<u32>,
+    },
 }
 
 impl HbmPolicy {
@@ -186,11 +194,17 @@ impl HbmPolicy {
     /// not be mapped there twice), below the most views a group may have,
     /// and (on a device that maps whole handles only) a whole handle.
     fn group_idle(&self, group: &AliasGroup, granule: u64, span: GranuleSpan) -> bool {
-        group.blocks == 0
-            && group.views.len() < self.config.max_views
+        self.group_idle_in_part(group, span)
             && self
                 .physical
                 .movable(group.handle, group.offset, group.count * granule)
+    }
+
+    /// [`HbmPolicy::group_idle`], but for whether the group may be mapped
+    /// alone: it may be with the rest of its handle.
+    fn group_idle_in_part(&self, group: &AliasGroup, span: GranuleSpan) -> bool {
+        group.blocks == 0
+            && group.views.len() < self.config.max_views
             && !group
                 .views
                 .iter()
@@ -201,10 +215,19 @@ impl HbmPolicy {
     /// adds up to `bytes`: runs of unaliased granules (each inside one
     /// chunk, so physically contiguous) and whole idle groups. On a device
     /// that maps whole handles only, whole handles only: a run that is a
-    /// whole chunk of a whole handle, a group that is a whole handle.
-    fn idle_donors(&self, granule: u64, bytes: u64, span: GranuleSpan) -> Vec<Donor> {
+    /// whole chunk of a whole handle, a group that is a whole handle, and
+    /// with `split_handles`, after those, a handle its idle groups tile.
+    fn idle_donors(
+        &self,
+        granule: u64,
+        bytes: u64,
+        span: GranuleSpan,
+        split_handles: bool,
+    ) -> Vec<Donor> {
         let mut donors = Vec::new();
         let mut found = 0u64;
+        // Idle groups that are part of a handle, by handle and offset.
+        let mut parts: BTreeMap<PhysicalHandle, BTreeSet<(u64, u32)>> = BTreeMap::new();
         for (_, region_index, first, end) in self.free_granules(granule) {
             if found >= bytes {
                 break;
@@ -216,12 +239,16 @@ impl HbmPolicy {
                 if region.aliased.get(i) {
                     let (start, id) = self.groups.view_at(&self.regions, region_index, i);
                     let group = self.groups.get(id);
-                    if start >= first
-                        && start + group.count <= end
-                        && self.group_idle(group, granule, span)
-                    {
-                        donors.push(Donor::Group(id));
-                        found += group.count * granule;
+                    if start >= first && start + group.count <= end {
+                        if self.group_idle(group, granule, span) {
+                            donors.push(Donor::Group(id));
+                            found += group.count * granule;
+                        } else if split_handles && self.group_idle_in_part(group, span) {
+                            parts
+                                .entry(group.handle)
+                                .or_default()
+                                .insert((group.offset, id));
+                        }
                     }
                     i = region.next_unlent(start + group.count, end);
                     continue;
@@ -253,6 +280,26 @@ impl HbmPolicy {
                 i = region.next_unlent(stop, end);
             }
         }
+        for (handle, groups) in parts {
+            if found >= bytes {
+                break;
+            }
+            // Tiled: each group begins where the one before it ends.
+            let mut tiled = 0;
+            for &(offset, id) in &groups {
+                if offset != tiled {
+                    break;
+                }
+                tiled += self.groups.get(id).count * granule;
+            }
+            if tiled == self.physical.handle_bytes(handle) {
+                donors.push(Donor::Handle {
+                    handle,
+                    groups: groups.into_iter().map(|(_, id)| id).collect(),
+                });
+                found += tiled;
+            }
+        }
         donors
     }
 
@@ -262,12 +309,11 @@ impl HbmPolicy {
     #[cold]
     fn keep_same_stream_donors(&self, donors: &mut Vec<Donor>, span: GranuleSpan) {
         let stream = self.region(span.0).stream;
-        donors.retain(|donor| {
-            let region = match *donor {
-                Donor::Granules { view, .. } => view.0,
-                Donor::Group(id) => self.groups.get(id).user.0,
-            };
-            self.region(region).stream == stream
+        let last_used_here = |id: u32| self.region(self.groups.get(id).user.0).stream == stream;
+        donors.retain(|donor| match *donor {
+            Donor::Granules { view, .. } => self.region(view.0).stream == stream,
+            Donor::Group(id) => last_used_here(id),
+            Donor::Handle { ref groups, .. } => groups.iter().all(|&id| last_used_here(id)),
         });
     }
 
@@ -277,7 +323,9 @@ impl HbmPolicy {
     /// done). Where handles map whole only, a whole handle larger than what
     /// is left may be mapped on past `end`, up to `room_end` (granules
     /// unmapped until then). With `plenty` above 1, maps nothing unless
-    /// `plenty` times the granules needed lie idle.
+    /// `plenty` times the granules needed lie idle. With `split_handles`,
+    /// handles cut into idle groups are donors too ([`Donor::Handle`]).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn alias_idle(
         &mut self,
         dev: &dyn Device,
@@ -286,6 +334,7 @@ impl HbmPolicy {
         (mut cursor, end): (u64, u64),
         room_end: u64,
         plenty: u64,
+        split_handles: bool,
     ) -> Result<u64, AllocError> {
         // A handle mapped whole past `end` must fit before `room_end`.
         let fits = |this: &Self, cursor: u64, handle, offset, count: u64| {
@@ -297,7 +346,7 @@ impl HbmPolicy {
         };
         let region_index = span.0;
         let wanted = (end - cursor) * plenty;
-        let mut donors = self.idle_donors(granule, wanted * granule, span);
+        let mut donors = self.idle_donors(granule, wanted * granule, span, split_handles);
         if self.state.capture_underway {
             self.keep_same_stream_donors(&mut donors, span);
         }
@@ -307,6 +356,7 @@ impl HbmPolicy {
                 .map(|donor| match *donor {
                     Donor::Granules { count, .. } => count,
                     Donor::Group(id) => self.groups.get(id).count,
+                    Donor::Handle { handle, .. } => self.physical.handle_bytes(handle) / granule,
                 })
                 .sum();
             if idle < wanted {
@@ -389,6 +439,21 @@ impl HbmPolicy {
                         true,
                     )?;
                     self.groups.add_view(id, target, &mut self.regions);
+                    cursor += count;
+                }
+                Donor::Handle { handle, groups } => {
+                    let count = self.physical.handle_bytes(handle) / granule;
+                    let idle = |this: &Self, id| this.group_idle_in_part(this.groups.get(id), span);
+                    if !groups.iter().all(|&id| idle(self, id))
+                        || !fits(self, cursor, handle, 0, count)
+                    {
+                        continue;
+                    }
+                    self.map_chunk(dev, granule, region_index, cursor, count, handle, 0, true)?;
+                    for id in groups {
+                        let view = (region_index, cursor + self.groups.get(id).offset / granule);
+                        self.groups.add_view(id, view, &mut self.regions);
+                    }
                     cursor += count;
                 }
             }

@@ -331,7 +331,15 @@ impl HbmPolicy {
                 > self.physical.peak_held_bytes()
         {
             let run = (cursor, needed_stop);
-            cursor = self.alias_idle(dev, granule, span, run, room, STITCH_BEFORE_PEAK_FACTOR)?;
+            cursor = self.alias_idle(
+                dev,
+                granule,
+                span,
+                run,
+                room,
+                STITCH_BEFORE_PEAK_FACTOR,
+                false,
+            )?;
             if cursor >= needed_stop {
                 return Ok(true);
             }
@@ -344,7 +352,7 @@ impl HbmPolicy {
         if cursor >= end {
             return Ok(true);
         }
-        cursor = self.alias_idle(dev, granule, span, (cursor, end), room, 1)?;
+        cursor = self.alias_idle(dev, granule, span, (cursor, end), room, 1, false)?;
         if cursor >= end {
             return Ok(true);
         }
@@ -361,8 +369,18 @@ impl HbmPolicy {
             cursor = self.stitch_spares(dev, granule, region_index, (cursor, end), room)?;
             // Unmapping a view of a group frees a place for another view.
             if cursor < end {
-                cursor = self.alias_idle(dev, granule, span, (cursor, end), room, 1)?;
+                cursor = self.alias_idle(dev, granule, span, (cursor, end), room, 1, false)?;
             }
+            if cursor >= end {
+                return Ok(true);
+            }
+        }
+        // The last resort before memory past the allowance: idle handles
+        // that blocks cut into groups, mapped whole. Not earlier: each such
+        // map adds a view to every group of the handle, one more place it
+        // may be lent from when a later step wants it back where it was.
+        if !self.physical.maps_handle_parts() {
+            cursor = self.alias_idle(dev, granule, span, (cursor, end), room, 1, true)?;
             if cursor >= end {
                 return Ok(true);
             }

@@ -189,6 +189,11 @@ impl Physical {
             || (offset == 0 && self.handles.get(&handle).is_some_and(|h| h.bytes == bytes))
     }
 
+    /// The size of `handle`, which is held.
+    pub(super) fn handle_bytes(&self, handle: PhysicalHandle) -> u64 {
+        self.handles[&handle].bytes
+    }
+
     /// The most granules a new handle holds on a device that maps whole
     /// handles only: `configured` (`whole_handle_granules`,
     /// [`super::HbmConfig`]), or by default a share of the most memory held
