@@ -27,7 +27,7 @@ use std::collections::{BTreeMap, HashMap};
 use serde_json::Value as Json;
 
 use crate::error::{Location, TraceError};
-use crate::model::{AllocId, DeviceTrace, Op, Trace};
+use crate::model::{AllocId, DeviceTrace, Op, StepMarks, Trace};
 
 /// PyTorch's `DeviceType::CPU`.
 const DEVICE_TYPE_CPU: i64 = 0;
@@ -88,8 +88,8 @@ pub fn parse_chrome_trace(bytes: &[u8]) -> Result<Trace, TraceError> {
         };
         devices
             .entry((device, event.device_type))
-            .or_insert_with(|| DeviceBuilder::new(device))
-            .apply(event, &step_times);
+            .or_insert_with(|| DeviceBuilder::new(device, &step_times))
+            .apply(event);
     }
     let mut notes = Vec::new();
     let has_accelerator = devices.keys().any(|&(_, kind)| kind != DEVICE_TYPE_CPU);
@@ -172,18 +172,19 @@ impl MemoryEvent {
 }
 
 /// Accumulates one device's ops.
-struct DeviceBuilder {
+struct DeviceBuilder<'t> {
     trace: DeviceTrace,
     live: HashMap<u64, AllocId>,
     next_id: AllocId,
     /// The first and last `ts` seen, in microseconds.
     span: Option<(f64, f64)>,
-    /// Steps (of the file's sorted step start times) already begun.
-    steps_begun: usize,
+    /// The file's steps, marked at this device's ops.
+    steps: StepMarks<'t, f64>,
 }
 
-impl DeviceBuilder {
-    fn new(device: i64) -> Self {
+impl<'t> DeviceBuilder<'t> {
+    /// `step_times`: when the file's steps began, sorted.
+    fn new(device: i64, step_times: &'t [f64]) -> Self {
         DeviceBuilder {
             trace: DeviceTrace {
                 device,
@@ -192,11 +193,13 @@ impl DeviceBuilder {
             live: HashMap::new(),
             next_id: 0,
             span: None,
-            steps_begun: 0,
+            steps: StepMarks::new(step_times, None),
         }
     }
 
     fn finish(mut self) -> DeviceTrace {
+        self.steps
+            .close(self.trace.ops.len(), &mut self.trace.step_starts);
         self.trace.recorded_span_us = self
             .span
             .map(|(first, last)| (last - first).max(0.0).round() as u64);
@@ -207,18 +210,10 @@ impl DeviceBuilder {
         *self.trace.skipped.entry(reason.to_string()).or_default() += 1;
     }
 
-    /// Applies `event`; `step_times` are when the file's steps began, sorted.
-    fn apply(&mut self, event: &MemoryEvent, step_times: &[f64]) {
-        // A step begins at the first op at or after its start time; steps
-        // with no op of this device in them mark nothing.
-        let begun = step_times.partition_point(|&t| t <= event.ts);
-        if begun > self.steps_begun {
-            self.steps_begun = begun;
-            let at = self.trace.ops.len();
-            if self.trace.step_starts.last() != Some(&at) {
-                self.trace.step_starts.push(at);
-            }
-        }
+    /// Applies `event`.
+    fn apply(&mut self, event: &MemoryEvent) {
+        self.steps
+            .at(event.ts, self.trace.ops.len(), &mut self.trace.step_starts);
         let (first, _) = self.span.unwrap_or((event.ts, event.ts));
         // Events arrive sorted by `ts`.
         self.span = Some((first, event.ts));

@@ -193,6 +193,44 @@ pub struct DeviceTrace {
     pub skipped: BTreeMap<String, u64>,
 }
 
+/// How an importer that appends a device's ops in time order turns the times
+/// its steps began (sorted) into [`DeviceTrace::step_starts`]: a step begins
+/// at the first op at or after its start time, and steps with no op in them
+/// mark nothing.
+pub(crate) struct StepMarks<'t, T> {
+    times: &'t [T],
+    /// Steps already begun.
+    begun: usize,
+}
+
+impl<'t, T: PartialOrd + Copy> StepMarks<'t, T> {
+    /// Steps of `times` that began before `since` (where given: the first
+    /// event of a recording that starts mid-run) mark nothing.
+    pub(crate) fn new(times: &'t [T], since: Option<T>) -> Self {
+        let begun = since.map_or(0, |first| times.partition_point(|&t| t < first));
+        StepMarks { times, begun }
+    }
+
+    /// An event at `now` is about to append op `next_op`.
+    pub(crate) fn at(&mut self, now: T, next_op: usize, step_starts: &mut Vec<usize>) {
+        let begun = self.times.partition_point(|&t| t <= now);
+        if begun > self.begun {
+            self.begun = begun;
+            if step_starts.last() != Some(&next_op) {
+                step_starts.push(next_op);
+            }
+        }
+    }
+
+    /// The recording ended after `ops` ops: a step marked at the op that
+    /// never came is not in it.
+    pub(crate) fn close(self, ops: usize, step_starts: &mut Vec<usize>) {
+        if step_starts.last() == Some(&ops) {
+            step_starts.pop();
+        }
+    }
+}
+
 /// A whole trace: one per source file.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Trace {

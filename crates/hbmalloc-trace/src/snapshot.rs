@@ -23,7 +23,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use crate::error::{Location, TraceError};
 use crate::model::{
     AllocId, DeviceTrace, InitialBlock, InitialBlockState, InitialSegment, Op, Recorded,
-    RecordedSegmentEvent, SegmentEventKind, Trace,
+    RecordedSegmentEvent, SegmentEventKind, StepMarks, Trace,
 };
 use crate::pickle::{Document, Value, ValueId};
 
@@ -902,23 +902,13 @@ impl Rebuild {
         let mut peak_reserved = reserved;
         let mut segment_events = Vec::new();
         let mut in_empty_cache = false;
-        let mut steps_begun = entries
-            .iter()
-            .find_map(|e| e.time_us)
-            .map_or(step_times.len(), |first| {
-                step_times.partition_point(|&t| t < first)
-            });
+        let since = entries.iter().find_map(|e| e.time_us);
+        let mut steps = StepMarks::new(step_times, since);
         let mut i = 0;
         while i < entries.len() {
             let entry = &entries[i];
             if let Some(now) = entry.time_us {
-                let begun = step_times.partition_point(|&t| t <= now);
-                if begun > steps_begun {
-                    steps_begun = begun;
-                    if self.step_starts.last() != Some(&self.ops.len()) {
-                        self.step_starts.push(self.ops.len());
-                    }
-                }
+                steps.at(now, self.ops.len(), &mut self.step_starts);
             }
             match entry.action {
                 Action::Alloc => {
@@ -996,10 +986,7 @@ impl Rebuild {
             }
             i += 1;
         }
-        // A step that begins after the last op is not in the history.
-        if self.step_starts.last() == Some(&self.ops.len()) {
-            self.step_starts.pop();
-        }
+        steps.close(self.ops.len(), &mut self.step_starts);
 
         (segment_events, peak_reserved)
     }

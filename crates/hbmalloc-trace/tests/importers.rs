@@ -600,14 +600,13 @@ fn snapshot_user_defined_is_skipped_and_free_frees() {
     );
 }
 
+/// [`entry`] of 512 bytes at `time_us`.
 fn timed(action: &'static str, addr: u64, time_us: u64) -> Py {
-    Py::Dict(vec![
-        ("action", Py::Str(action)),
-        ("addr", Py::int(addr)),
-        ("size", Py::int(512)),
-        ("stream", Py::int(0)),
-        ("time_us", Py::int(time_us)),
-    ])
+    let Py::Dict(mut pairs) = entry(action, addr, 512) else {
+        unreachable!()
+    };
+    pairs.push(("time_us", Py::int(time_us)));
+    Py::Dict(pairs)
 }
 
 fn annotation(name: &'static str, stage: &'static str, time_us: u64) -> Py {
