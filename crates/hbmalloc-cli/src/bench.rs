@@ -6,9 +6,11 @@
 //! that makes more calls pays more of it. Each configuration is replayed
 //! `repeat` times, interleaved, and the median is reported. `--hits` adds a
 //! replay each time that times every malloc and free on its own and keeps
-//! the cache hits apart: what a hit costs, whatever the misses cost.
+//! the cache hits apart: what a hit costs, whatever the misses cost. After
+//! the first repeat only the hits it found are timed, through a function of
+//! their own that `scripts/bench-instructions --hits` counts.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use hbmalloc::{
     Allocator, AllocatorConfig, LatencyModel, PolicyConfig, SharedAllocator, SimConfig, SimDevice,
@@ -50,22 +52,27 @@ pub fn run(
             let mut samples: Vec<Samples> = vec![Samples::default(); runs.len()];
             for _ in 0..repeat {
                 for (i, policy) in runs.iter().enumerate() {
-                    let replay = |time_cache_hits: bool| {
+                    let replay = |time_cache_hits: bool, known: &Option<Arc<[bool]>>| {
                         let mut options = ReplayOptions::new(policy.clone());
                         options.latency = LatencyModel::zero();
                         options.time_cache_hits = time_cache_hits;
+                        options.known_cache_hits = known.clone();
                         prepared
                             .run(&options)
                             .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))
                     };
-                    let result = replay(false)?;
+                    let result = replay(false, &None)?;
                     let ops = result.mallocs + result.frees;
                     samples[i].ns.push(per_op(result.loop_ns, ops));
                     // Timing each op slows the loop: a replay of its own.
                     if hits {
-                        let timed = replay(true)?;
+                        let timed = replay(true, &samples[i].known_hits)?;
                         samples[i].hit_ns.push(per_op(timed.hit_ns, timed.hit_ops));
                         samples[i].hit_share = per_op(timed.hit_ops, ops);
+                        samples[i].hit_ops = timed.hit_ops;
+                        if samples[i].known_hits.is_none() {
+                            samples[i].known_hits = Some(timed.cache_hit_ops.into());
+                        }
                     }
                 }
             }
@@ -73,9 +80,10 @@ pub fn run(
                 for (policy, sample) in runs.iter().zip(&mut samples) {
                     let hit = if hits {
                         format!(
-                            ",\"hit_ns_per_op\":{:.1},\"hit_share\":{:.4}",
+                            ",\"hit_ns_per_op\":{:.1},\"hit_share\":{:.4},\"hit_ops\":{}",
                             median(&mut sample.hit_ns),
-                            sample.hit_share
+                            sample.hit_share,
+                            sample.hit_ops
                         )
                     } else {
                         String::new()
@@ -148,6 +156,11 @@ struct Samples {
     /// Share of the mallocs and frees that were cache hits (the same in
     /// every repeat: the engine is deterministic).
     hit_share: f64,
+    /// How many they were.
+    hit_ops: u64,
+    /// Which ops they were, from the first repeat: the later ones time
+    /// only these.
+    known_hits: Option<Arc<[bool]>>,
 }
 
 /// `total` over `ops` (0 with no ops).

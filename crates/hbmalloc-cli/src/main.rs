@@ -337,7 +337,7 @@ enum Command {
         json: bool,
         /// Also time each malloc and free on its own and report those that
         /// allocate, map or free no device memory (cache hits) apart: `hit
-        /// ns/op` in the table, `hit_ns_per_op` and `hit_share` in `--json`.
+        /// ns/op` in the table, `hit_ns_per_op`, `hit_share` and `hit_ops` in `--json`.
         #[arg(long)]
         hits: bool,
     },

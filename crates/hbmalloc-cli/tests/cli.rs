@@ -21,7 +21,8 @@ fn compare_with_no_argument_runs_the_bundled_trace() {
 
 #[test]
 fn bench_hits_reports_the_cache_hits_apart() {
-    let stdout = succeed(&["bench", "--hits", "--json", "--repeat", "1"]);
+    // The second repeat times only the hits the first found.
+    let stdout = succeed(&["bench", "--hits", "--json", "--repeat", "2"]);
     let rows: Vec<serde_json::Value> = stdout
         .lines()
         .map(|line| serde_json::from_str(line).unwrap())
@@ -33,6 +34,7 @@ fn bench_hits_reports_the_cache_hits_apart() {
         assert!(hit_ns.is_some_and(|ns| ns > 10.0), "{row}");
         // Some ops of the bundled trace call the driver, most do not.
         assert!(share.is_some_and(|s| s > 0.5 && s < 1.0), "{row}");
+        assert!(row["hit_ops"].as_u64().is_some_and(|n| n > 1000), "{row}");
     }
     // Two configurations: a figure each and their ratio; one: no ratio.
     let figures = |table: &str| -> Vec<f64> {

@@ -11,6 +11,7 @@ mod metrics;
 mod plan;
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Instant;
 
 use hbmalloc::{
@@ -78,7 +79,15 @@ pub struct ReplayOptions {
     /// cache hit; an event may be recorded or queried) and
     /// keep the sum in [`RunResult::hit_ns`]: two clock reads an op, so
     /// [`RunResult::loop_ns`] is not comparable with a run without it.
+    /// Which ops were hits is kept in [`RunResult::cache_hit_ops`].
     pub time_cache_hits: bool,
+    /// With [`ReplayOptions::time_cache_hits`]: the cache hits of an earlier
+    /// replay of the same trace and policy ([`RunResult::cache_hit_ops`]),
+    /// timed alone and each run through `PreparedTrace::hit_step`, which is
+    /// not inlined, so that a profiler counts the hits apart
+    /// (`scripts/bench-instructions --hits`). The engine is deterministic:
+    /// an op that is no hit this time is an error.
+    pub known_cache_hits: Option<Arc<[bool]>>,
 }
 
 impl ReplayOptions {
@@ -97,6 +106,7 @@ impl ReplayOptions {
             record_reserved_after_ops: false,
             record_calls_by_op: false,
             time_cache_hits: false,
+            known_cache_hits: None,
         }
     }
 }
@@ -164,6 +174,9 @@ pub struct RunResult {
     pub hit_ops: u64,
     /// Wall-clock nanoseconds those ops took, each timed on its own.
     pub hit_ns: u64,
+    /// With [`ReplayOptions::time_cache_hits`] and no known hits: per op,
+    /// whether it was a cache hit, for [`ReplayOptions::known_cache_hits`].
+    pub cache_hit_ops: Vec<bool>,
     /// Segment events of the engine's history with the index of the op that
     /// caused them (only with `record_history`).
     pub segment_events: Vec<(usize, TraceEntry)>,
@@ -384,6 +397,7 @@ impl PreparedTrace {
             loop_ns: 0,
             hit_ops: 0,
             hit_ns: 0,
+            cache_hit_ops: Vec::new(),
             segment_events: Vec::new(),
             unreproduced_ooms: 0,
             final_stats: DeviceStats::default(),
@@ -429,6 +443,10 @@ impl PreparedTrace {
                 .reserved_after_ops
                 .push(peak_reserved_between_ops as u64);
         }
+        let known_hits = options
+            .known_cache_hits
+            .as_deref()
+            .filter(|_| options.time_cache_hits);
         let started = Instant::now();
         for (i, op) in self.ops.iter().enumerate() {
             if options.snapshot_after_ops == Some(i) {
@@ -442,14 +460,32 @@ impl PreparedTrace {
             let calls_before = options
                 .record_calls_by_op
                 .then(|| allocator.device().call_counts());
-            let hit_timer = (options.time_cache_hits && calls_allocator(*op, &ptrs))
-                .then(|| (driver_traffic(&allocator), Instant::now()));
-            let step = self.step(&mut allocator, &mut ptrs, (i, *op), options, &mut result);
+            let known_hit = known_hits.is_some_and(|hits| hits.get(i) == Some(&true));
+            let hit_timer = (options.time_cache_hits
+                && (known_hit || known_hits.is_none() && calls_allocator(*op, &ptrs)))
+            .then(|| (driver_traffic(&allocator), Instant::now()));
+            let step = if known_hit {
+                self.hit_step(&mut allocator, &mut ptrs, (i, *op), options, &mut result)
+            } else {
+                self.step(&mut allocator, &mut ptrs, (i, *op), options, &mut result)
+            };
             if let Some((traffic, started)) = hit_timer {
                 let ns = started.elapsed().as_nanos() as u64;
-                if step.is_ok() && driver_traffic(&allocator) == traffic {
+                let hit = step.is_ok() && driver_traffic(&allocator) == traffic;
+                if hit {
                     result.hit_ops += 1;
                     result.hit_ns += ns;
+                } else if known_hit {
+                    return Err(ReplayError {
+                        op_index: Some(i),
+                        message: "a cache hit of the earlier replay called the driver: \
+                                  the replays differ"
+                            .into(),
+                    });
+                }
+                if known_hits.is_none() {
+                    result.cache_hit_ops.resize(i, false);
+                    result.cache_hit_ops.push(hit);
                 }
             }
             if let Some(before) = calls_before {
@@ -555,6 +591,22 @@ impl PreparedTrace {
             })?;
         }
         Ok(ops)
+    }
+
+    /// A cache hit found by an earlier replay
+    /// ([`ReplayOptions::known_cache_hits`]): [`PreparedTrace::step`] under
+    /// a name of its own, not inlined, so that a profiler counts the hits
+    /// apart (`scripts/bench-instructions --hits`).
+    #[inline(never)]
+    fn hit_step(
+        &self,
+        allocator: &mut Allocator<SimDevice>,
+        ptrs: &mut [DevicePtr],
+        op: (usize, DenseOp),
+        options: &ReplayOptions,
+        result: &mut RunResult,
+    ) -> Result<(), AllocError> {
+        self.step(allocator, ptrs, op, options, result)
     }
 
     /// One operation of the timed loop. Not inlined, so that profilers (and

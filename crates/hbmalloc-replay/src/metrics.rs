@@ -792,6 +792,23 @@ mod tests {
             assert_eq!((run.mallocs, run.frees), (3, 2), "{settings}");
             assert_eq!(run.hit_ops, 3, "{settings}");
             assert!(run.hit_ns > 0 && run.hit_ns <= run.loop_ns, "{settings}");
+            // Which ops they were, for a later replay to time those alone.
+            let hits = run.cache_hit_ops.iter().filter(|&&hit| hit).count();
+            assert_eq!(hits, 3, "{settings}");
+            replay.known_cache_hits = Some(run.cache_hit_ops.clone().into());
+            let again = PreparedTrace::new(&trace).unwrap().run(&replay).unwrap();
+            assert_eq!(again.hit_ops, 3, "{settings}");
+            assert!(again.cache_hit_ops.is_empty(), "{settings}");
+            // An op that calls the driver, named a hit: the replays differ.
+            let first_miss = run.cache_hit_ops.iter().position(|&hit| !hit).unwrap();
+            let mut wrong = run.cache_hit_ops.clone();
+            wrong[first_miss] = true;
+            replay.known_cache_hits = Some(wrong.into());
+            let failed = PreparedTrace::new(&trace)
+                .unwrap()
+                .run(&replay)
+                .unwrap_err();
+            assert_eq!(failed.op_index, Some(first_miss), "{settings}");
         }
     }
 
