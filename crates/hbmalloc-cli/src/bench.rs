@@ -68,8 +68,8 @@ pub fn run(
                     if hits {
                         let timed = replay(true, &samples[i].known_hits)?;
                         samples[i].hit_ns.push(per_op(timed.hit_ns, timed.hit_ops));
-                        samples[i].hit_share = per_op(timed.hit_ops, ops);
                         samples[i].hit_ops = timed.hit_ops;
+                        samples[i].ops = ops;
                         if samples[i].known_hits.is_none() {
                             samples[i].known_hits = Some(timed.cache_hit_ops.into());
                         }
@@ -82,7 +82,7 @@ pub fn run(
                         format!(
                             ",\"hit_ns_per_op\":{:.1},\"hit_share\":{:.4},\"hit_ops\":{}",
                             median(&mut sample.hit_ns),
-                            sample.hit_share,
+                            per_op(sample.hit_ops, sample.ops),
                             sample.hit_ops
                         )
                     } else {
@@ -153,10 +153,9 @@ struct Samples {
     ns: Vec<f64>,
     /// Nanoseconds per cache hit, each timed on its own (with `--hits`).
     hit_ns: Vec<f64>,
-    /// Share of the mallocs and frees that were cache hits (the same in
-    /// every repeat: the engine is deterministic).
-    hit_share: f64,
-    /// How many they were.
+    /// Mallocs and frees replayed, and how many were cache hits (the same
+    /// in every repeat: the engine is deterministic).
+    ops: u64,
     hit_ops: u64,
     /// Which ops they were, from the first repeat: the later ones time
     /// only these.

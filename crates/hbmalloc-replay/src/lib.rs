@@ -460,10 +460,13 @@ impl PreparedTrace {
             let calls_before = options
                 .record_calls_by_op
                 .then(|| allocator.device().call_counts());
+            // Timed: each known hit, or with none known, every malloc and free.
             let known_hit = known_hits.is_some_and(|hits| hits.get(i) == Some(&true));
-            let hit_timer = (options.time_cache_hits
-                && (known_hit || known_hits.is_none() && calls_allocator(*op, &ptrs)))
-            .then(|| (driver_traffic(&allocator), Instant::now()));
+            let timed = match known_hits {
+                Some(_) => known_hit,
+                None => options.time_cache_hits && calls_allocator(*op, &ptrs),
+            };
+            let hit_timer = timed.then(|| (driver_traffic(&allocator), Instant::now()));
             let step = if known_hit {
                 self.hit_step(&mut allocator, &mut ptrs, (i, *op), options, &mut result)
             } else {
