@@ -667,34 +667,7 @@ impl HbmPolicy {
         let near_peak = self.count_demand(size);
         let mut retried = false;
         let (ptr, span, on_aliased) = loop {
-            // A hit is mapped already. A miss goes where a block of this size
-            // was just freed, if it can, before best fit maps memory.
-            let chosen = match self.find_free(stream, size) {
-                Some((range, ptr)) if self.is_mapped(self.spans.get(range).region, ptr, size) => {
-                    Some((range, ptr, Place::Mapped))
-                }
-                best => match (self.recently_freed_place(stream, size), best) {
-                    (Some((range, ptr)), _) => Some((range, ptr, Place::RecentlyFreed)),
-                    (None, Some((range, ptr))) => match self.mapped_fit(stream, size) {
-                        Some((range, ptr)) => Some((range, ptr, Place::MappedFit)),
-                        None => Some((range, ptr, Place::Unmapped)),
-                    },
-                    (None, None) => self
-                        .new_region(dev, stream, size)?
-                        .map(|(range, ptr)| (range, ptr, Place::Unmapped)),
-                },
-            };
-            // Before new memory: idle memory pinned in handles, mapped again.
-            let chosen = match chosen {
-                Some((_, _, Place::Unmapped)) | None if !retried => {
-                    match self.pinned_place(dev, stream, size)? {
-                        Some((range, ptr)) => Some((range, ptr, Place::Pinned)),
-                        None => chosen,
-                    }
-                }
-                chosen => chosen,
-            };
-            if let Some((range, ptr, place)) = chosen {
+            if let Some((range, ptr, place)) = self.choose_place(dev, stream, size, retried)? {
                 let region = self.spans.get(range).region;
                 let ptr = match place {
                     Place::RecentlyFreed | Place::MappedFit | Place::Pinned => ptr,
@@ -784,6 +757,45 @@ impl HbmPolicy {
         increase(&mut self.state.stats.active_bytes, size, size);
         increase(&mut self.state.stats.requested_bytes, size, requested);
         Ok(ptr)
+    }
+
+    /// The free range and address a block of `size` bytes of `stream` goes
+    /// at, and what lies under it; `None` when no range fits and no region
+    /// can be made. A hit is mapped already. A miss goes where a block of
+    /// this size was just freed, if it can, or at a wholly mapped place best
+    /// fit passed over, before best fit maps memory; and before new memory
+    /// (not on the out-of-memory retry), at idle memory pinned in handles,
+    /// mapped again.
+    #[inline]
+    fn choose_place(
+        &mut self,
+        dev: &dyn Device,
+        stream: StreamId,
+        size: u64,
+        retried: bool,
+    ) -> Result<Option<(u32, DevicePtr, Place)>, AllocError> {
+        let chosen = match self.find_free(stream, size) {
+            Some((range, ptr)) if self.is_mapped(self.spans.get(range).region, ptr, size) => {
+                return Ok(Some((range, ptr, Place::Mapped)));
+            }
+            best => match (self.recently_freed_place(stream, size), best) {
+                (Some((range, ptr)), _) => return Ok(Some((range, ptr, Place::RecentlyFreed))),
+                (None, Some((range, ptr))) => match self.mapped_fit(stream, size) {
+                    Some((range, ptr)) => return Ok(Some((range, ptr, Place::MappedFit))),
+                    None => Some((range, ptr, Place::Unmapped)),
+                },
+                (None, None) => self
+                    .new_region(dev, stream, size)?
+                    .map(|(range, ptr)| (range, ptr, Place::Unmapped)),
+            },
+        };
+        if retried {
+            return Ok(chosen);
+        }
+        Ok(match self.pinned_place(dev, stream, size)? {
+            Some((range, ptr)) => Some((range, ptr, Place::Pinned)),
+            None => chosen,
+        })
     }
 
     /// Where a block of `size` bytes goes: the best-fit free range of
