@@ -30,6 +30,7 @@
 //! places blocks on alias groups and makes groups of idle memory, and
 //! `inspect.rs` takes the snapshot and checks the invariants.
 
+use std::collections::hash_map::Entry;
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;
 
@@ -446,6 +447,13 @@ impl Region {
         self.segment || self.mapped.all(first, end)
     }
 
+    /// True when every granule in `[first, end)` is mapped and none is
+    /// aliased: a block there needs no backing and may lie there whatever
+    /// other views do.
+    fn plain(&self, first: u64, end: u64) -> bool {
+        self.segment || self.mapped.all_and_none_in(&self.aliased, first, end)
+    }
+
     /// The chunks overlapping granules `[first, end)`, highest first, as
     /// (first granule, chunk).
     fn chunks_in(&self, first: u64, end: u64) -> impl Iterator<Item = (u64, Chunk)> + '_ {
@@ -774,6 +782,12 @@ impl HbmPolicy {
         size: u64,
         retried: bool,
     ) -> Result<Option<(u32, DevicePtr, Place)>, AllocError> {
+        // The usual cache hit, settled by one test: best fit lies on mapped
+        // granules none of which is aliased.
+        if let Some(found) = self.plain_fit(stream, size) {
+            debug_assert_eq!(self.find_free(stream, size), Some(found));
+            return Ok(Some((found.0, found.1, Place::Mapped)));
+        }
         let chosen = match self.find_free(stream, size) {
             Some((range, ptr)) if self.is_mapped(self.spans.get(range).region, ptr, size) => {
                 return Ok(Some((range, ptr, Place::Mapped)));
@@ -796,6 +810,17 @@ impl HbmPolicy {
             Some((range, ptr)) => Some((range, ptr, Place::Pinned)),
             None => chosen,
         })
+    }
+
+    /// The best-fit free range of `stream` for `size` bytes, as (free span,
+    /// address), when the block would lie on mapped granules none of which
+    /// is aliased: what [`HbmPolicy::find_free`] then gives, mapped.
+    #[inline]
+    fn plain_fit(&self, stream: StreamId, size: u64) -> Option<(u32, DevicePtr)> {
+        let (_, ptr, id) = self.spans.index_of(stream)?.first_fit(size)?;
+        self.granules_in(self.spans.get(id).region, ptr, size)
+            .is_none_or(|(region, first, end)| region.plain(first, end))
+            .then_some((id, ptr))
     }
 
     /// Where a block of `size` bytes goes: the best-fit free range of
@@ -903,10 +928,8 @@ impl HbmPolicy {
     /// Every granule under `[ptr, ptr + size)` of region `region` is mapped
     /// (a segment, with no granules, is mapped whole).
     fn is_mapped(&self, region: u32, ptr: DevicePtr, size: u64) -> bool {
-        match self.granule_span(region, ptr, size) {
-            Some((first, end)) => self.region(region).all_mapped(first, end),
-            None => true,
-        }
+        self.granules_in(region, ptr, size)
+            .is_none_or(|(region, first, end)| region.mapped.all(first, end))
     }
 
     /// The place a block of `size` bytes of `stream` was freed at within
@@ -1069,32 +1092,43 @@ impl HbmPolicy {
     }
 
     pub(crate) fn free(&mut self, dev: &dyn Device, ptr: DevicePtr) -> Result<(), AllocError> {
-        let Some(block) = self.live.get_mut(&ptr).filter(|b| b.allocated) else {
+        // One lookup: a block no other stream used leaves the map at once.
+        let Entry::Occupied(mut entry) = self.live.entry(ptr) else {
             return Err(AllocError::UnknownPointer { ptr });
         };
+        let block = entry.get_mut();
+        if !block.allocated {
+            return Err(AllocError::UnknownPointer { ptr });
+        }
         block.allocated = false;
         let (requested, stream, span) = (block.requested, block.stream, block.span);
         let uses_pending = !block.stream_uses.is_empty();
+        let done = (!uses_pending).then(|| entry.remove());
         let size = self.spans.get(span).size;
         decrease(&mut self.state.stats.allocation, size, 1);
         decrease(&mut self.state.stats.allocated_bytes, size, size);
         self.state
             .history
             .record(Action::FreeRequested, ptr, requested, stream);
-        if uses_pending && self.state.capture_underway {
+        if let Some(block) = done {
+            self.release_block(ptr, block);
+            Ok(())
+        } else if self.state.capture_underway {
             self.events.defer(ptr);
             Ok(())
-        } else if uses_pending {
-            self.insert_events(dev, ptr)
         } else {
-            self.free_completed(ptr);
-            Ok(())
+            self.insert_events(dev, ptr)
         }
     }
 
     /// The block's last use is over: its range joins the free set.
     fn free_completed(&mut self, ptr: DevicePtr) {
         let block = self.live.remove(&ptr).expect("a live block");
+        self.release_block(ptr, block);
+    }
+
+    /// Block `block` at `ptr`, out of the live map, joins the free set.
+    fn release_block(&mut self, ptr: DevicePtr, block: LiveBlock) {
         let Span { size, region, .. } = *self.spans.get(block.span);
         decrease(&mut self.state.stats.active, size, 1);
         decrease(&mut self.state.stats.active_bytes, size, size);
@@ -1562,9 +1596,11 @@ mod tests {
         let (_, tail, tail_id) = policy.spans.index_of(s).unwrap().largest().unwrap();
         let region = policy.spans.get(tail_id).region;
         let base = policy.region(region).base;
-        // Each range's first granule is lent to a view in use: blocked.
+        // Each range's first granule is lent to a view in use (so aliased):
+        // blocked.
         for start in holes.iter().copied().chain([tail]) {
             let granule = (start - base) / (2 * MIB);
+            policy.region_mut(region).aliased.set(granule, 1, true);
             policy.region_mut(region).lent.set(granule, 1, true);
         }
         assert!(holes.iter().all(|&h| policy.blocked(region, h, 4 * MIB)));

@@ -9,7 +9,7 @@ use crate::device::{Device, DevicePtr, PhysicalHandle, StreamId};
 use crate::error::AllocError;
 
 use super::groups::AliasGroup;
-use super::{granules_under, GranuleSpan, HbmPolicy, View};
+use super::{granules_under, GranuleSpan, HbmPolicy, Region, View};
 
 /// Memory that may be mapped under a range as well (see [`AliasGroup`]).
 enum Donor {
@@ -43,12 +43,27 @@ impl HbmPolicy {
         ptr: DevicePtr,
         size: u64,
     ) -> Option<(u64, u64)> {
+        self.granules_in(region_index, ptr, size)
+            .map(|(_, first, end)| (first, end))
+    }
+
+    /// Region `region_index` with the granules `[first, end)` a block
+    /// `[ptr, ptr + size)` lies on, or `None` in a plain segment: the hot
+    /// path's tests take the region from here rather than look it up again.
+    #[inline]
+    pub(super) fn granules_in(
+        &self,
+        region_index: u32,
+        ptr: DevicePtr,
+        size: u64,
+    ) -> Option<(&Region, u64, u64)> {
         let granule = self.granule?;
         let region = self.region(region_index);
         if region.segment {
             return None;
         }
-        Some(granules_under(granule, region.base, ptr, size))
+        let (first, end) = granules_under(granule, region.base, ptr, size);
+        Some((region, first, end))
     }
 
     /// [`HbmPolicy::granule_span`], or `None` when none of those granules is
@@ -60,9 +75,8 @@ impl HbmPolicy {
         ptr: DevicePtr,
         size: u64,
     ) -> Option<(u64, u64)> {
-        let (first, end) = self.granule_span(region_index, ptr, size)?;
-        let aliased = &self.region(region_index).aliased;
-        aliased.any(first, end).then_some((first, end))
+        let (region, first, end) = self.granules_in(region_index, ptr, size)?;
+        region.aliased.any(first, end).then_some((first, end))
     }
 
     /// Whether a block may not lie at `[ptr, ptr + size)` of region
@@ -70,23 +84,22 @@ impl HbmPolicy {
     /// most cases without a walk of the groups.
     #[inline]
     pub(super) fn blocked(&self, region_index: u32, ptr: DevicePtr, size: u64) -> bool {
-        let Some((first, end)) = self.granule_span(region_index, ptr, size) else {
+        let Some((region, first, end)) = self.granules_in(region_index, ptr, size) else {
             return false;
         };
-        let region = self.region(region_index);
-        // Lent granules are aliased: the lent test comes first, as it
-        // settles most blocked candidates alone.
-        region.lent.any(first, end)
-            || (region.aliased.any(first, end)
-                && (self
+        // Lent granules are aliased: one test settles unaliased memory, the
+        // usual case, and the lent test most blocked candidates.
+        region.aliased.any(first, end)
+            && (region.lent.any(first, end)
+                || self
                     .groups
                     .twice_end(&self.regions, region_index, first, end)
                     .is_some()
-                    || (self.state.capture_underway
-                        && self
-                            .groups
-                            .other_stream_end(&self.regions, region_index, first, end)
-                            .is_some())))
+                || (self.state.capture_underway
+                    && self
+                        .groups
+                        .other_stream_end(&self.regions, region_index, first, end)
+                        .is_some()))
     }
 
     /// `None` when a block at `[ptr, ptr + size)` of region `region_index`
