@@ -776,5 +776,6 @@ def test_gpu_check_dry_run_plans_every_check(compiled_cache, tmp_path):
 
     checks = {c["name"]: c["status"] for c in json.loads(summary.read_text())["checks"]}
     assert checks["environment"] == checks["build compiled allocator"] == "passed", checks
-    for name in ["train/hbm-compiled/0", "mempool/hbm-compiled", "ipc/hbm-compiled", "gaps/hbm-compiled"]:
+    for name in ["train/hbm-compiled/0", "mempool/hbm-compiled", "ipc/hbm-compiled", "gaps/hbm-compiled",
+                 "bert/hbm-pluggable"]:
         assert checks[name] == "planned", checks
