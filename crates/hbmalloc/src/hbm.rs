@@ -788,6 +788,8 @@ impl HbmPolicy {
             debug_assert_eq!(self.find_free(stream, size), Some(found));
             return Ok(Some((found.0, found.1, Place::Mapped)));
         }
+        // Best fit is looked up again here: handing the first lookup on cost
+        // the plain hit more than the second costs the rest (as measured).
         let chosen = match self.find_free(stream, size) {
             Some((range, ptr)) if self.is_mapped(self.spans.get(range).region, ptr, size) => {
                 return Ok(Some((range, ptr, Place::Mapped)));
@@ -915,13 +917,12 @@ impl HbmPolicy {
     /// start of the first unmapped granule (`ptr` or below when its own is
     /// unmapped).
     fn mapped_end(&self, region_index: u32, ptr: DevicePtr, limit: DevicePtr) -> DevicePtr {
-        let (Some(granule), Some((first, end))) = (
+        let (Some(granule), Some((region, first, end))) = (
             self.granule,
-            self.granule_span(region_index, ptr, limit - ptr),
+            self.granules_in(region_index, ptr, limit - ptr),
         ) else {
             return limit;
         };
-        let region = self.region(region_index);
         (region.base + region.next_with(first, end, false) * granule).min(limit)
     }
 
@@ -929,7 +930,7 @@ impl HbmPolicy {
     /// (a segment, with no granules, is mapped whole).
     fn is_mapped(&self, region: u32, ptr: DevicePtr, size: u64) -> bool {
         self.granules_in(region, ptr, size)
-            .is_none_or(|(region, first, end)| region.mapped.all(first, end))
+            .is_none_or(|(region, first, end)| region.all_mapped(first, end))
     }
 
     /// The place a block of `size` bytes of `stream` was freed at within

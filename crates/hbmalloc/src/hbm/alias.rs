@@ -34,22 +34,10 @@ enum Donor {
 }
 
 impl HbmPolicy {
-    /// The granules `[first, end)` a block `[ptr, ptr + size)` of a region
-    /// lies on, or `None` in a plain segment (no granules).
-    #[inline]
-    pub(super) fn granule_span(
-        &self,
-        region_index: u32,
-        ptr: DevicePtr,
-        size: u64,
-    ) -> Option<(u64, u64)> {
-        self.granules_in(region_index, ptr, size)
-            .map(|(_, first, end)| (first, end))
-    }
-
     /// Region `region_index` with the granules `[first, end)` a block
-    /// `[ptr, ptr + size)` lies on, or `None` in a plain segment: the hot
-    /// path's tests take the region from here rather than look it up again.
+    /// `[ptr, ptr + size)` lies on, or `None` in a plain segment (no
+    /// granules): the hot path's tests take the region from here rather
+    /// than look it up again.
     #[inline]
     pub(super) fn granules_in(
         &self,
@@ -66,7 +54,7 @@ impl HbmPolicy {
         Some((region, first, end))
     }
 
-    /// [`HbmPolicy::granule_span`], or `None` when none of those granules is
+    /// The granules of [`HbmPolicy::granules_in`], or `None` when none is
     /// aliased (the hot path: one bitmap test).
     #[inline]
     pub(super) fn aliased_span(
