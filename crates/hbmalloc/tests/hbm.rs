@@ -1051,6 +1051,34 @@ fn idle_memory_is_stitched_before_the_peak_is_raised() {
     assert_eq!(a.device().used_bytes(), 0);
 }
 
+/// At a new peak of demand, memory lying idle and mapped once is moved to
+/// where the request needs it (unmapped there, mapped here), not mapped here
+/// as well: an alias would keep blocks out of the range it came from for as
+/// long as the peak's block lives. Here a freed 100 MiB block lies idle in
+/// handles of one granule, and a 104 MiB request that fits no free range
+/// takes demand past its peak with no allowance left.
+#[test]
+fn idle_memory_moves_to_a_new_peak() {
+    let mut a = hbm(16 * GIB, "max_waste_percent:0.5,whole_handle_granules:1");
+    let first = a.malloc(100 * MIB, StreamId(0)).unwrap();
+    let pin = a.malloc(MIB / 2, StreamId(0)).unwrap();
+    a.free(first).unwrap();
+    let held = a.device().used_bytes();
+    let unmaps = a.device().call_counts().get(CallKind::Unmap);
+    let peak = a.malloc(104 * MIB, StreamId(0)).unwrap();
+    check(&a);
+    let moved = a.device().call_counts().get(CallKind::Unmap) - unmaps;
+    let grown = a.device().used_bytes() - held;
+    println!("held {held}, moved {moved} granules, grown {grown}");
+    assert_eq!(moved, 50, "the idle granules were not moved");
+    assert!(grown <= 6 * MIB, "idle memory was not used");
+    for p in [pin, peak] {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(a.device().used_bytes(), 0);
+}
+
 /// A request that best fit would place on unmapped memory goes where a block
 /// of its size was just freed, if that place is free and mapped: no driver
 /// call. Once the free is more than a few allocations old, best fit decides

@@ -33,6 +33,18 @@ enum Donor {
     },
 }
 
+/// Which idle memory [`HbmPolicy::alias_idle`] may map a second time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Donors {
+    /// Runs of granules mapped once, and whole idle groups.
+    Idle,
+    /// Whole idle groups only: memory mapped at two places already.
+    Aliased,
+    /// Both, and after them handles that idle groups tile
+    /// ([`Donor::Handle`]).
+    WithCutHandles,
+}
+
 impl HbmPolicy {
     /// Region `region_index` with the granules `[first, end)` a block
     /// `[ptr, ptr + size)` lies on, or `None` in a plain segment (no
@@ -214,16 +226,17 @@ impl HbmPolicy {
 
     /// Memory lying idle under free ranges, highest address first, until it
     /// adds up to `bytes`: runs of unaliased granules (each inside one
-    /// chunk, so physically contiguous) and whole idle groups. On a device
-    /// that maps whole handles only, whole handles only: a run that is a
-    /// whole chunk of a whole handle, a group that is a whole handle, and
-    /// with `split_handles`, after those, a handle its idle groups tile.
+    /// chunk, so physically contiguous; not with [`Donors::Aliased`]) and
+    /// whole idle groups. On a device that maps whole handles only, whole
+    /// handles only: a run that is a whole chunk of a whole handle, a group
+    /// that is a whole handle, and with [`Donors::WithCutHandles`], after
+    /// those, a handle its idle groups tile.
     fn idle_donors(
         &self,
         granule: u64,
         bytes: u64,
         span: GranuleSpan,
-        split_handles: bool,
+        kinds: Donors,
     ) -> Vec<Donor> {
         let mut donors = Vec::new();
         let mut found = 0u64;
@@ -244,7 +257,9 @@ impl HbmPolicy {
                         if self.group_idle(group, granule, span) {
                             donors.push(Donor::Group(id));
                             found += group.count * granule;
-                        } else if split_handles && self.group_idle_in_part(group, span) {
+                        } else if kinds == Donors::WithCutHandles
+                            && self.group_idle_in_part(group, span)
+                        {
                             parts
                                 .entry(group.handle)
                                 .or_default()
@@ -269,7 +284,9 @@ impl HbmPolicy {
                     stop - i
                 };
                 let offset = chunk.offset + (i - start) * granule;
-                if self.physical.movable(chunk.handle, offset, count * granule) {
+                if kinds != Donors::Aliased
+                    && self.physical.movable(chunk.handle, offset, count * granule)
+                {
                     donors.push(Donor::Granules {
                         view: (region_index, i),
                         count,
@@ -324,8 +341,8 @@ impl HbmPolicy {
     /// done). Where handles map whole only, a whole handle larger than what
     /// is left may be mapped on past `end`, up to `room_end` (granules
     /// unmapped until then). With `plenty` above 1, maps nothing unless
-    /// `plenty` times the granules needed lie idle. With `split_handles`,
-    /// handles cut into idle groups are donors too ([`Donor::Handle`]).
+    /// `plenty` times the granules needed lie idle. `kinds`: which idle
+    /// memory may serve ([`Donors`]).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn alias_idle(
         &mut self,
@@ -335,7 +352,7 @@ impl HbmPolicy {
         (mut cursor, end): (u64, u64),
         room_end: u64,
         plenty: u64,
-        split_handles: bool,
+        kinds: Donors,
     ) -> Result<u64, AllocError> {
         // A handle mapped whole past `end` must fit before `room_end`.
         let fits = |this: &Self, cursor: u64, handle, offset, count: u64| {
@@ -347,7 +364,7 @@ impl HbmPolicy {
         };
         let region_index = span.0;
         let wanted = (end - cursor) * plenty;
-        let mut donors = self.idle_donors(granule, wanted * granule, span, split_handles);
+        let mut donors = self.idle_donors(granule, wanted * granule, span, kinds);
         if self.state.capture_underway {
             self.keep_same_stream_donors(&mut donors, span);
         }

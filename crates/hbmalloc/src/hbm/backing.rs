@@ -10,6 +10,7 @@ use crate::device::{Device, DevicePtr, PhysicalHandle, StreamId};
 use crate::error::AllocError;
 use crate::history::Action;
 
+use super::alias::Donors;
 use super::{
     granules_under, Backing, Chunk, GranuleSpan, HbmPolicy, GROWTH_CHUNK_BYTES,
     GROWTH_CHUNK_WASTE_FACTOR, MAX_MAP_AHEAD_PERCENT, STITCH_BEFORE_PEAK_FACTOR,
@@ -297,9 +298,11 @@ impl HbmPolicy {
     /// while demand is below its own and idle memory is plentiful: then
     /// that idle memory first, see [`STITCH_BEFORE_PEAK_FACTOR`]); idle
     /// memory under free ranges, mapped here too
-    /// ([`AliasGroup`](super::AliasGroup)); wholly free chunks stolen
-    /// (unmapped, stitched in here), then aliasing again; one new handle
-    /// within the hard limit. Granules from `needed_end` on are mapped
+    /// ([`AliasGroup`](super::AliasGroup); at a new peak of demand, where
+    /// handles map whole, only memory mapped twice already); wholly free
+    /// chunks stolen (unmapped, stitched in here), then aliasing again,
+    /// then handles cut into idle groups; one new handle within the hard
+    /// limit. Granules from `needed_end` on are mapped
     /// ahead: worth spares or a new handle, never aliasing or stealing.
     /// Granules `[start + count, room)` are unmapped: a spare or idle whole
     /// handle larger than what is left of the run may be mapped on over
@@ -338,7 +341,7 @@ impl HbmPolicy {
                 run,
                 room,
                 STITCH_BEFORE_PEAK_FACTOR,
-                false,
+                Donors::Idle,
             )?;
             if cursor >= needed_stop {
                 return Ok(true);
@@ -352,7 +355,17 @@ impl HbmPolicy {
         if cursor >= end {
             return Ok(true);
         }
-        cursor = self.alias_idle(dev, granule, span, (cursor, end), room, 1, false)?;
+        // At a new peak of demand, where handles map whole, memory mapped
+        // once is moved here (stolen, below) rather than mapped here as well:
+        // a new alias group would lend its ranges for as long as the peak's
+        // block lives, and a repeating step's later passes (no new peak)
+        // still alias what they need (`docs/hbm-design.md`).
+        let kinds = if self.placement.growing() && !self.physical.maps_handle_parts() {
+            Donors::Aliased
+        } else {
+            Donors::Idle
+        };
+        cursor = self.alias_idle(dev, granule, span, (cursor, end), room, 1, kinds)?;
         if cursor >= end {
             return Ok(true);
         }
@@ -369,7 +382,8 @@ impl HbmPolicy {
             cursor = self.stitch_spares(dev, granule, region_index, (cursor, end), room)?;
             // Unmapping a view of a group frees a place for another view.
             if cursor < end {
-                cursor = self.alias_idle(dev, granule, span, (cursor, end), room, 1, false)?;
+                cursor =
+                    self.alias_idle(dev, granule, span, (cursor, end), room, 1, Donors::Idle)?;
             }
             if cursor >= end {
                 return Ok(true);
@@ -380,7 +394,15 @@ impl HbmPolicy {
         // map adds a view to every group of the handle, one more place it
         // may be lent from when a later step wants it back where it was.
         if !self.physical.maps_handle_parts() {
-            cursor = self.alias_idle(dev, granule, span, (cursor, end), room, 1, true)?;
+            cursor = self.alias_idle(
+                dev,
+                granule,
+                span,
+                (cursor, end),
+                room,
+                1,
+                Donors::WithCutHandles,
+            )?;
             if cursor >= end {
                 return Ok(true);
             }
