@@ -302,8 +302,8 @@ impl HbmPolicy {
     /// handles map whole, only memory mapped twice already); wholly free
     /// chunks stolen (unmapped, stitched in here), then aliasing again,
     /// then handles cut into idle groups; one new handle within the hard
-    /// limit. Granules from `needed_end` on are mapped
-    /// ahead: worth spares or a new handle, never aliasing or stealing.
+    /// limit. Granules from `needed_end` on are mapped ahead: worth spares
+    /// or a new handle, never aliasing or stealing.
     /// Granules `[start + count, room)` are unmapped: a spare or idle whole
     /// handle larger than what is left of the run may be mapped on over
     /// them. False: out of memory.
@@ -359,7 +359,8 @@ impl HbmPolicy {
         // once is moved here (stolen, below) rather than mapped here as well:
         // a new alias group would lend its ranges for as long as the peak's
         // block lives, and a repeating step's later passes (no new peak)
-        // still alias what they need (`docs/hbm-design.md`).
+        // still alias what they need. Idle groups still gain a view: moving
+        // one unmaps a view and frees no memory (`docs/hbm-design.md`).
         let kinds = if self.placement.growing() && !self.physical.maps_handle_parts() {
             Donors::Aliased
         } else {
