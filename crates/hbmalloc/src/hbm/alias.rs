@@ -269,6 +269,11 @@ impl HbmPolicy {
                     i = region.next_unlent(start + group.count, end);
                     continue;
                 }
+                if kinds == Donors::Aliased {
+                    // Memory mapped once may not serve: on to the next group.
+                    i = region.next_unlent(region.aliased.next_with(i, end, true), end);
+                    continue;
+                }
                 let (&start, chunk) = region
                     .chunks
                     .range(..=i)
@@ -284,9 +289,7 @@ impl HbmPolicy {
                     stop - i
                 };
                 let offset = chunk.offset + (i - start) * granule;
-                if kinds != Donors::Aliased
-                    && self.physical.movable(chunk.handle, offset, count * granule)
-                {
+                if self.physical.movable(chunk.handle, offset, count * granule) {
                     donors.push(Donor::Granules {
                         view: (region_index, i),
                         count,
