@@ -2,7 +2,9 @@
 //! on the simulated device and says which one to use, with the evidence.
 //!
 //! Rank: the smallest device the trace fits (or, given `--capacity`, how
-//! many traces fit it), then peak reserved memory, then simulated driver time.
+//! many traces fit it), then peak reserved memory, then simulated driver time;
+//! a setting whose driver calls the program would notice ranks after those
+//! whose calls it would not ([`DRIVER_TIME_FACTOR`], [`DRIVER_TIME_SHARE`]).
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -19,12 +21,13 @@ use crate::{human, Capacity};
 
 /// The settings swept: PyTorch's defaults first (the baseline every saving
 /// is measured against), then each PyTorch knob on its own at values its
-/// documentation suggests, then policy hbm and its allowance of waste.
+/// documentation suggests, then policy hbm, its allowance of waste, and the
+/// size of its physical handles (memory against driver calls).
 /// `garbage_collection_threshold` acts only under a memory fraction, so it
 /// comes with one.
 pub const SWEEP: &[&str] = &[
     "policy:pytorch",
-    "policy:pytorch,expandable_segments:True",
+    EXPANDABLE,
     "policy:pytorch,max_split_size_mb:128",
     "policy:pytorch,max_split_size_mb:512",
     "policy:pytorch,roundup_power2_divisions:4",
@@ -35,7 +38,24 @@ pub const SWEEP: &[&str] = &[
     "policy:hbm,max_waste_percent:0",
     "policy:hbm,max_waste_percent:5",
     "policy:hbm,max_views:4",
+    "policy:hbm,whole_handle_granules:1",
+    "policy:hbm,whole_handle_granules:4",
+    "policy:hbm,whole_handle_granules:64",
 ];
+
+/// PyTorch's expandable segments: the driver time every setting's is held
+/// against, as policy `hbm`'s own target holds it.
+const EXPANDABLE: &str = "policy:pytorch,expandable_segments:True";
+
+/// A setting's driver calls are ones the program would notice where, on
+/// some trace device, they take more than this many times expandable
+/// segments' time there ...
+pub const DRIVER_TIME_FACTOR: f64 = 2.0;
+
+/// ... and, on a recording of a GPU, more than this share of the time it
+/// spans (a CPU's recording says nothing of a GPU's time, so there the
+/// factor alone decides).
+pub const DRIVER_TIME_SHARE: f64 = 0.01;
 
 /// The sweep shows a progress bar once it has run this long.
 const PROGRESS_AFTER: Duration = Duration::from_secs(1);
@@ -68,10 +88,14 @@ pub struct Row {
     pub driver_seconds: f64,
     /// Sum of memory-moving driver calls.
     pub calls: u64,
+    /// Its driver calls take time the program would notice on some device
+    /// ([`noticeable_driver_time`]).
+    pub slow_driver: bool,
 }
 
 impl Row {
-    fn of(settings: &str, metrics: &[&Metrics]) -> Row {
+    /// `metrics` and `expandable`: each trace device's, in the same order.
+    fn of(settings: &str, metrics: &[&Metrics], expandable: &[&Metrics]) -> Row {
         Row {
             settings: settings.to_string(),
             fits: metrics.iter().filter(|m| m.out_of_memory.is_none()).count(),
@@ -79,17 +103,35 @@ impl Row {
             peak_reserved_bytes: metrics.iter().map(|m| m.peak_reserved_bytes).sum(),
             driver_seconds: metrics.iter().map(|m| m.simulated_driver_seconds).sum(),
             calls: metrics.iter().map(|m| m.memory_device_calls).sum(),
+            slow_driver: metrics.iter().zip(expandable).any(|(m, e)| {
+                noticeable_driver_time(
+                    m.simulated_driver_seconds,
+                    e.simulated_driver_seconds,
+                    m.driver_time_fraction,
+                )
+            }),
         }
     }
 }
 
-/// Sorts `rows` best first: most devices fitting, then (without a capacity
-/// to fit) the smallest device, then peak reserved, then driver time; ties
-/// keep the sweep's order, so PyTorch's defaults win a tie.
+/// Whether a replay's simulated driver time (`seconds`) is one its program
+/// would notice: over [`DRIVER_TIME_FACTOR`] times expandable segments' on
+/// the same trace device (`expandable_seconds`) and, where the recording is
+/// a GPU's (`share`: of the time it spans), over [`DRIVER_TIME_SHARE`].
+pub fn noticeable_driver_time(seconds: f64, expandable_seconds: f64, share: Option<f64>) -> bool {
+    seconds > DRIVER_TIME_FACTOR * expandable_seconds
+        && share.is_none_or(|share| share > DRIVER_TIME_SHARE)
+}
+
+/// Sorts `rows` best first: most devices fitting, then driver time the
+/// program would not notice, then (without a capacity to fit) the smallest
+/// device, then peak reserved, then driver time; ties keep the sweep's
+/// order, so PyTorch's defaults win a tie.
 pub fn rank(rows: &mut [Row], capacity_given: bool) {
     rows.sort_by(|a, b| {
         b.fits
             .cmp(&a.fits)
+            .then(a.slow_driver.cmp(&b.slow_driver))
             .then_with(|| {
                 if capacity_given {
                     std::cmp::Ordering::Equal
@@ -164,18 +206,23 @@ pub fn run(args: AdviseArgs) -> Result<(), String> {
         .collect::<Result<_, _>>()?;
     bar.finish_and_clear();
 
+    let of_policy = |p: usize| -> Vec<&Metrics> {
+        jobs.iter()
+            .zip(&results)
+            .filter(|((q, _), _)| *q == p)
+            .map(|(_, m)| m)
+            .collect()
+    };
+    let expandable = of_policy(
+        SWEEP
+            .iter()
+            .position(|&s| s == EXPANDABLE)
+            .expect("expandable segments are swept"),
+    );
     let mut rows: Vec<Row> = SWEEP
         .iter()
         .enumerate()
-        .map(|(p, settings)| {
-            let of_policy: Vec<&Metrics> = jobs
-                .iter()
-                .zip(&results)
-                .filter(|((q, _), _)| *q == p)
-                .map(|(_, m)| m)
-                .collect();
-            Row::of(settings, &of_policy)
-        })
+        .map(|(p, settings)| Row::of(settings, &of_policy(p), &expandable))
         .collect();
     let baseline = rows[0].clone();
     rank(&mut rows, args.capacity.is_some());
@@ -207,6 +254,14 @@ pub fn advice_text(rows: &[Row], baseline: &Row, devices: usize, capacity_given:
         );
     } else {
         text += &format!("use: {}\n", environment_line(&best.settings));
+        if best.slow_driver {
+            // Only settings whose calls a program would notice fit this much.
+            text += &format!(
+                "its driver calls take {:.0} ms, over twice expandable segments': a program \
+                 would notice them\n",
+                best.driver_seconds * 1e3
+            );
+        }
         let saving = |new: Option<u64>, old: Option<u64>| match (new, old) {
             (Some(new), Some(old)) if old > 0 => format!(
                 "{} ({:.1}%)",
@@ -238,7 +293,7 @@ pub fn advice_text(rows: &[Row], baseline: &Row, devices: usize, capacity_given:
     }
     text += "\n";
     text += &format!(
-        "{:>2} {:>5} {:>11} {:>11} {:>9} {:>6}  {}\n",
+        "{:>2} {:>5} {:>11} {:>11} {:>9}  {:>6}  {}\n",
         "#", "fits", "min device", "reserved", "driver", "calls", "settings"
     );
     for (i, row) in rows.iter().enumerate() {
@@ -247,12 +302,13 @@ pub fn advice_text(rows: &[Row], baseline: &Row, devices: usize, capacity_given:
             .strip_prefix("policy:")
             .unwrap_or(&row.settings);
         let numbers = format!(
-            "{:>2} {:>5} {:>11} {:>11} {:>7.0}ms {:>6}  ",
+            "{:>2} {:>5} {:>11} {:>11} {:>7.0}ms{} {:>6}  ",
             i + 1,
             format!("{}/{}", row.fits, devices),
             row.min_capacity_bytes.map_or("-".into(), human),
             human(row.peak_reserved_bytes),
             row.driver_seconds * 1e3,
+            if row.slow_driver { "!" } else { " " },
             row.calls,
         );
         let indent = " ".repeat(numbers.len());
@@ -264,8 +320,10 @@ pub fn advice_text(rows: &[Row], baseline: &Row, devices: usize, capacity_given:
         "\nfits: trace devices that completed {}; min device: the smallest device on which\n\
          each completes (2 MiB resolution; summed over devices, as are the other columns);\n\
          reserved: peak device memory held; driver: simulated driver time; calls: driver calls\n\
-         that allocate, free, map or unmap memory. Ranked by fits, then {}peak reserved,\n\
-         then driver time; ties keep the sweep's order (PyTorch's defaults first).\n",
+         that allocate, free, map or unmap memory; !: driver time a program would notice, over\n\
+         twice expandable segments' on some device (and over 1% of the run, on a GPU's\n\
+         recording). Ranked by fits, then driver time not noticed, then {}peak\n\
+         reserved, then driver time; ties keep the sweep's order (PyTorch's defaults first).\n",
         if capacity_given {
             "in --capacity"
         } else {
@@ -310,7 +368,7 @@ fn signed(bytes: i128) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{environment_line, rank, wrap, Row, SWEEP};
+    use super::{environment_line, noticeable_driver_time, rank, wrap, Row, SWEEP};
 
     fn row(settings: &str, fits: usize, min: Option<u64>, reserved: u64, driver: f64) -> Row {
         Row {
@@ -320,6 +378,7 @@ mod tests {
             peak_reserved_bytes: reserved,
             driver_seconds: driver,
             calls: 0,
+            slow_driver: false,
         }
     }
 
@@ -340,6 +399,32 @@ mod tests {
         rank(&mut rows, true);
         let order: Vec<&str> = rows.iter().map(|r| r.settings.as_str()).collect();
         assert_eq!(order, ["f", "e", "d", "c", "b", "a"]);
+    }
+
+    #[test]
+    fn noticeable_driver_calls_rank_after_the_rest_that_fit_as_many() {
+        let mut rows = vec![
+            row("small but slow", 2, Some(100), 100, 9.0),
+            row("large", 2, Some(300), 300, 1.0),
+            row("fits fewer", 1, Some(50), 50, 1.0),
+        ];
+        rows[0].slow_driver = true;
+        rank(&mut rows, false);
+        let order: Vec<&str> = rows.iter().map(|r| r.settings.as_str()).collect();
+        assert_eq!(order, ["large", "small but slow", "fits fewer"]);
+    }
+
+    #[test]
+    fn driver_time_is_noticed_over_twice_expandables_and_one_percent_of_a_gpu_run() {
+        // A CPU's recording: the factor alone decides.
+        assert!(!noticeable_driver_time(2.0, 1.0, None));
+        assert!(noticeable_driver_time(2.01, 1.0, None));
+        // A GPU's: both must hold.
+        assert!(!noticeable_driver_time(5.0, 1.0, Some(0.01)));
+        assert!(noticeable_driver_time(5.0, 1.0, Some(0.0101)));
+        assert!(!noticeable_driver_time(1.5, 1.0, Some(0.5)));
+        // Expandable segments made no call: any driver time is over twice it.
+        assert!(noticeable_driver_time(1e-6, 0.0, None));
     }
 
     #[test]

@@ -68,8 +68,9 @@ fn summary_refuses_what_is_not_a_trace() {
     assert_clear_error(&hbmalloc(&["summary"]), "required");
 }
 
-/// The table rows of `advise`'s output: (fits, min device, settings).
-fn advise_rows(text: &str) -> Vec<(String, String, String)> {
+/// The table rows of `advise`'s output: (fits, min device, settings,
+/// driver time marked as one a program would notice).
+fn advise_rows(text: &str) -> Vec<(String, String, String, bool)> {
     text.lines()
         .skip_while(|l| !l.trim_start().starts_with("#  fits"))
         .skip(1)
@@ -82,6 +83,7 @@ fn advise_rows(text: &str) -> Vec<(String, String, String)> {
                 cells[1].to_string(),
                 format!("{} {}", cells[2], cells[3]),
                 cells[8].to_string(),
+                cells[6].ends_with('!'),
             )
         })
         .collect()
@@ -101,12 +103,29 @@ fn bytes_of(text: &str) -> f64 {
 fn advise_recommends_the_smallest_device_and_says_what_it_saves() {
     let text = succeed(&["advise"]);
     let rows = advise_rows(&text);
-    assert_eq!(rows.len(), 12, "{text}");
-    let devices: Vec<f64> = rows.iter().map(|r| bytes_of(&r.1)).collect();
+    assert_eq!(rows.len(), 15, "{text}");
+    // Ranked by the smallest device, those whose driver calls a program
+    // would notice (marked `!`) after the rest.
+    let (quiet, noticed): (Vec<_>, Vec<_>) = rows.iter().partition(|r| !r.3);
     assert!(
-        devices.windows(2).all(|w| w[0] <= w[1]),
-        "not ranked by the smallest device:\n{text}"
+        rows.iter().skip(quiet.len()).all(|r| r.3),
+        "a row marked ! before one that is not:\n{text}"
     );
+    for group in [&quiet, &noticed] {
+        let devices: Vec<f64> = group.iter().map(|r| bytes_of(&r.1)).collect();
+        assert!(
+            devices.windows(2).all(|w| w[0] <= w[1]),
+            "not ranked by the smallest device:\n{text}"
+        );
+    }
+    // One-granule handles fit the smallest device here, at many times the
+    // driver calls: not the advice.
+    let single = rows
+        .iter()
+        .find(|r| r.2 == "hbm,whole_handle_granules:1")
+        .expect("one-granule handles are swept");
+    assert!(single.3, "one-granule handles not marked:\n{text}");
+    assert!(bytes_of(&single.1) < bytes_of(&rows[0].1), "{text}");
     let best = &rows[0].2;
     let line = text.lines().next().unwrap();
     let expected = if best.starts_with("hbm") {
@@ -143,6 +162,26 @@ fn advise_in_a_capacity_says_when_pytorchs_defaults_do_not_fit() {
         "{text}"
     );
     assert!(!text.contains("of peak reserved memory"), "{text}");
+}
+
+#[test]
+fn advise_says_when_the_only_settings_that_fit_cost_noticeable_driver_time() {
+    // 2.55 GiB: the bundled trace fits it only with small handles, whose
+    // driver calls cost several times expandable segments'.
+    let text = succeed(&["advise", "--capacity", "2.55GiB"]);
+    let rows = advise_rows(&text);
+    assert!(rows[0].3, "the best fit is not marked here:\n{text}");
+    assert!(
+        text.lines()
+            .nth(1)
+            .unwrap()
+            .contains("a program would notice them"),
+        "{text}"
+    );
+    // Without a capacity the advice costs nothing a program would notice.
+    let text = succeed(&["advise"]);
+    assert!(!advise_rows(&text)[0].3, "{text}");
+    assert!(!text.contains("would notice them"), "{text}");
 }
 
 #[test]
