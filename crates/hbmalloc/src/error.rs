@@ -72,8 +72,31 @@ pub struct OomReport {
     pub limit_bytes: Option<u64>,
     /// The policy that ran out: `"pytorch"` or `"hbm"` (advice differs).
     pub policy: &'static str,
+    /// Where the cached free memory lies, for a policy that maps granules
+    /// (`hbm` on a virtual-memory driver); `None` otherwise.
+    pub free_granules: Option<FreeGranules>,
     /// The verdict.
     pub verdict: OomVerdict,
+}
+
+/// Cached free memory in whole free granules, by whether it can move: the
+/// rest of it lies in granules that live blocks share with free space,
+/// which no remapping can give to another request.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct FreeGranules {
+    /// In whole free granules the allocator may map elsewhere.
+    pub movable_bytes: u64,
+    /// In whole free granules of physical handles that live blocks lie on
+    /// too, on a driver that maps whole handles only: they move with their
+    /// handle or not at all.
+    pub pinned_bytes: u64,
+}
+
+impl FreeGranules {
+    /// What is left of `cached_free` outside whole free granules.
+    fn shared(&self, cached_free: u64) -> u64 {
+        cached_free.saturating_sub(self.movable_bytes + self.pinned_bytes)
+    }
 }
 
 impl OomReport {
@@ -161,16 +184,48 @@ impl OomReport {
         if let Some(limit) = self.limit_bytes {
             out += &format!("  limit: {} (memory fraction)\n", format_bytes(limit));
         }
+        if let Some(free) = self.free_granules {
+            out += &format!(
+                "  cached free: {} in whole granules that may move, {} in whole granules of \
+                 handles live blocks lie on (a handle maps whole), {} in granules live blocks share\n",
+                format_bytes(free.movable_bytes),
+                format_bytes(free.pinned_bytes),
+                format_bytes(free.shared(self.cached_free_bytes)),
+            );
+        }
         out += &format!("  verdict: {}\n", self.verdict.explain());
         out += "  what would help: ";
         out += match self.verdict {
             OomVerdict::RealDemand => "less live memory (smaller batch, activation checkpointing) or a larger device",
             OomVerdict::ConfiguredLimit => "a larger per_process_memory_fraction",
             OomVerdict::PendingStreams => "synchronize the streams named in record_stream before allocating, or avoid record_stream",
-            OomVerdict::Fragmentation if self.policy == "hbm" => "empty_cache() between phases whose tensors differ (idle mappings are released, so their memory can be stitched anew), or a larger device",
-            OomVerdict::Fragmentation => "policy hbm (stitches free granules), or expandable_segments:True under policy pytorch",
+            OomVerdict::Fragmentation => self.fragmentation_help(),
         };
         out
+    }
+
+    /// What would help a request that fragmentation refused, by where most
+    /// of the free memory lies.
+    fn fragmentation_help(&self) -> &'static str {
+        if self.policy != "hbm" {
+            return "policy hbm (stitches free granules), or expandable_segments:True under policy pytorch";
+        }
+        let releasable = "empty_cache() between phases whose tensors differ (idle mappings are \
+             released, so their memory can be stitched anew), or a larger device";
+        let Some(free) = self.free_granules else {
+            return releasable;
+        };
+        let shared = free.shared(self.cached_free_bytes);
+        if free.pinned_bytes > shared.max(free.movable_bytes) {
+            "smaller physical handles, which move whole (whole_handle_granules:4 or 1, at more \
+             driver calls: hbmalloc advise weighs them), or a larger device"
+        } else if free.movable_bytes > shared {
+            // Memory the retry did not give back: a capture forbids it.
+            releasable
+        } else {
+            "a larger device, or fewer small tensors kept among large ones: the free memory lies \
+             in granules that live blocks share, which no remapping frees"
+        }
     }
 }
 
@@ -290,6 +345,7 @@ mod tests {
             pending_free_bytes: 0,
             limit_bytes: None,
             policy: "pytorch",
+            free_granules: None,
             verdict: OomVerdict::RealDemand,
         }
     }

@@ -1356,6 +1356,7 @@ impl HbmPolicy {
             pending_free_bytes: pending,
             limit_bytes: self.state.limit_bytes,
             policy: "hbm",
+            free_granules: self.granule.map(|g| self.free_granules_by_mobility(g)),
             verdict: OomVerdict::RealDemand,
         };
         report.judge();

@@ -42,7 +42,7 @@ pub use device::{
     CallCounts, CallKind, Device, DeviceError, DeviceErrorKind, DevicePtr, DeviceResult, EventId,
     MemoryInfo, PhysicalHandle, PoolId, StreamId,
 };
-pub use error::{AllocError, OomReport, OomVerdict, MAX_REQUEST_BYTES};
+pub use error::{AllocError, FreeGranules, OomReport, OomVerdict, MAX_REQUEST_BYTES};
 pub use hbm::HbmConfig;
 pub use history::{Action, History, TraceEntry};
 #[cfg(any(test, feature = "sim"))]

@@ -1313,6 +1313,7 @@ impl PytorchPolicy {
             pending_free_bytes: pending,
             limit_bytes: self.state.limit_bytes,
             policy: "pytorch",
+            free_granules: None,
             verdict: OomVerdict::RealDemand,
         };
         report.judge();

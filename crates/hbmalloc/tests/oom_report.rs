@@ -2,10 +2,12 @@
 //! their verdicts, for a fragmentation case, a real-demand case, a
 //! pending-streams case and a memory-fraction case; and the fragmentation
 //! report printed next to the message PyTorch prints for the same numbers.
+//! Under policy `hbm`: where the free memory lies (whole granules that may
+//! move, or that their handles pin) and the advice that follows from it.
 
 use hbmalloc::{
-    AllocError, Allocator, AllocatorConfig, DevicePtr, OomReport, OomVerdict, PolicyConfig,
-    SimDevice, StreamId,
+    AllocError, Allocator, AllocatorConfig, DevicePtr, FreeGranules, OomReport, OomVerdict,
+    PolicyConfig, SimDevice, StreamId,
 };
 
 const MIB: u64 = 1 << 20;
@@ -189,6 +191,7 @@ fn pending_streams() {
         pending_free_bytes: 40 * MIB,
         limit_bytes: None,
         policy: "pytorch",
+        free_granules: None,
         verdict: OomVerdict::RealDemand,
     };
     report.judge();
@@ -228,4 +231,103 @@ fn pending_streams() {
         "{}",
         report.render()
     );
+}
+
+/// Policy `hbm` on a driver that maps whole handles only: two 16-granule
+/// (32 MiB) handles fill the device, and a 2 MiB block kept at the front of
+/// each leaves 60 MiB free in whole granules that move with their handle or
+/// not at all. A 40 MiB request runs out: the report says where the free
+/// memory lies and names smaller handles; with one-granule handles the same
+/// program stitches the idle granules together and fits.
+#[test]
+fn hbm_says_when_free_granules_are_pinned_by_their_handles() {
+    let program = |settings: &str| {
+        let mut alloc = allocator(64 * MIB, settings);
+        let handles = [
+            alloc.malloc(32 * MIB, S).unwrap(),
+            alloc.malloc(32 * MIB, S).unwrap(),
+        ];
+        assert_eq!(alloc.device().used_bytes(), 64 * MIB);
+        for p in handles {
+            alloc.free(p).unwrap();
+        }
+        let front = alloc.malloc(2 * MIB, S).unwrap();
+        let rest = alloc.malloc(30 * MIB, S).unwrap();
+        let second_front = alloc.malloc(2 * MIB, S).unwrap();
+        alloc.free(rest).unwrap();
+        assert_eq!(
+            second_front - front,
+            32 * MIB,
+            "one block at each handle's front"
+        );
+        let result = alloc.malloc(40 * MIB, S);
+        (alloc, result)
+    };
+    let (alloc, result) = program("policy:hbm,whole_handle_granules:16");
+    let report = oom(result);
+    check_numbers(&alloc, &report, 40 * MIB);
+    let free = report
+        .free_granules
+        .expect("hbm reports where free memory lies");
+    assert_eq!(free.movable_bytes, 0, "{}", report.render());
+    assert_eq!(free.pinned_bytes, 60 * MIB, "{}", report.render());
+    assert_eq!(report.cached_free_bytes, 60 * MIB);
+    assert_eq!(report.verdict, OomVerdict::Fragmentation);
+    let text = report.render();
+    println!("{text}");
+    assert!(
+        text.contains("60.00 MiB in whole granules of handles live blocks lie on"),
+        "{text}"
+    );
+    assert!(text.contains("whole_handle_granules:4 or 1"), "{text}");
+    alloc.check_invariants().unwrap();
+    let (alloc, result) = program("policy:hbm,whole_handle_granules:1");
+    result.expect("one-granule handles move where the request is");
+    alloc.check_invariants().unwrap();
+}
+
+/// What would help a fragmented `hbm` follows where most of its free memory
+/// lies: whole granules its handles pin, granules live blocks share, or
+/// idle granules the retry could not give back.
+#[test]
+fn hbm_fragmentation_advice_follows_where_the_free_memory_lies() {
+    let report = |movable: u64, pinned: u64| {
+        let mut report = OomReport {
+            requested_bytes: 30 * MIB,
+            rounded_bytes: 30 * MIB,
+            device_request_bytes: 30 * MIB,
+            stream: S,
+            device_total_bytes: 100 * MIB,
+            device_free_bytes: 0,
+            allocated_bytes: 60 * MIB,
+            reserved_bytes: 100 * MIB,
+            cached_free_bytes: 40 * MIB,
+            largest_free_block_bytes: 0,
+            pending_free_bytes: 0,
+            limit_bytes: None,
+            policy: "hbm",
+            free_granules: Some(FreeGranules {
+                movable_bytes: movable,
+                pinned_bytes: pinned,
+            }),
+            verdict: OomVerdict::RealDemand,
+        };
+        report.judge();
+        assert_eq!(report.verdict, OomVerdict::Fragmentation);
+        report.render()
+    };
+    let pinned = report(0, 30 * MIB);
+    assert!(pinned.contains("whole_handle_granules"), "{pinned}");
+    assert!(
+        pinned.contains("30.00 MiB in whole granules of handles"),
+        "{pinned}"
+    );
+    assert!(
+        pinned.contains("10.00 MiB in granules live blocks share"),
+        "{pinned}"
+    );
+    let shared = report(0, 10 * MIB);
+    assert!(shared.contains("no remapping frees"), "{shared}");
+    let movable = report(30 * MIB, 0);
+    assert!(movable.contains("empty_cache()"), "{movable}");
 }

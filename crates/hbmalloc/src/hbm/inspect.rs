@@ -7,12 +7,41 @@
 use std::collections::BTreeMap;
 
 use crate::device::DevicePtr;
+use crate::error::FreeGranules;
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 
 use super::spans::RegionTiles;
 use super::{granules_under, HbmPolicy, LiveBlock, PhysicalGranule, View};
 
 impl HbmPolicy {
+    /// Whole granules free under free ranges, each physical granule once
+    /// (memory also mapped at another view is left out), by whether it may
+    /// be mapped elsewhere or moves only with the rest of its handle, on
+    /// which live blocks lie: where an out-of-memory request's memory is.
+    pub(super) fn free_granules_by_mobility(&self, granule: u64) -> FreeGranules {
+        let mut free = FreeGranules {
+            movable_bytes: 0,
+            pinned_bytes: 0,
+        };
+        for (_, region_index, first, end) in self.free_granules(granule) {
+            let region = self.region(region_index);
+            for (start, chunk) in region.chunks_in(first, end) {
+                let (lo, hi) = (first.max(start), end.min(start + chunk.count));
+                let once = (lo..hi).filter(|&i| !region.aliased.get(i)).count() as u64;
+                let offset = chunk.offset + (lo - start) * granule;
+                if self
+                    .physical
+                    .movable(chunk.handle, offset, (hi - lo) * granule)
+                {
+                    free.movable_bytes += once * granule;
+                } else {
+                    free.pinned_bytes += once * granule;
+                }
+            }
+        }
+        free
+    }
+
     /// Each contiguous mapped range (or fallback segment) as a segment.
     pub(crate) fn snapshot(&self) -> Vec<SegmentSnapshot> {
         let mut live: Vec<(DevicePtr, &LiveBlock)> =
