@@ -253,8 +253,8 @@ fn place(blocks: &[Lifetime]) -> Vec<u64> {
 }
 
 /// Placed blocks by lifetime, so that those alive with a new block are found
-/// without a pass over every block placed (a quadratic plan took 7 s on
-/// gpt2_train run 24 more steps). A block alive with `[start, end)` either
+/// without a pass over every block placed (a quadratic plan takes seconds
+/// on a long trace). A block alive with `[start, end)` either
 /// is alive at `start` (a stabbing query of a segment tree over the states,
 /// each block kept in the tree's nodes its lifetime covers) or begins after
 /// `start` and before `end` (an ordered map by start).
