@@ -1310,22 +1310,11 @@ impl HbmPolicy {
             .record(Action::Oom, device_free, rounded, stream);
         self.state.stats.num_ooms += 1;
         let allocated = self.state.stats.allocated_bytes[0].current as u64;
-        // With remapping, every wholly free mapped granule is usable by any
-        // request: that is the largest piece the allocator could offer. Idle
-        // memory stitched in at several views is mapped (and listed) once per
-        // view; the cache cannot offer more than it holds (this shows during
-        // a capture, when the retry unmaps nothing).
-        let cached_free = self
-            .physical
-            .held_bytes()
-            .saturating_sub(self.state.stats.allocated_bytes[0].current as u64);
-        let largest_free = match self.granule {
-            Some(g) => self
-                .free_spans(g, u64::MAX, false)
-                .iter()
-                .map(|v| v.3 * g)
-                .sum::<u64>()
-                .min(cached_free),
+        // With remapping, every wholly free granule that may move is usable
+        // by any request: that is the largest piece the allocator could offer.
+        let free_granules = self.granule.map(|g| self.free_granules_by_mobility(g));
+        let largest_free = match free_granules {
+            Some(free) => free.movable_bytes,
             None => self
                 .spans
                 .indexes()
@@ -1356,7 +1345,7 @@ impl HbmPolicy {
             pending_free_bytes: pending,
             limit_bytes: self.state.limit_bytes,
             policy: "hbm",
-            free_granules: self.granule.map(|g| self.free_granules_by_mobility(g)),
+            free_granules,
             verdict: OomVerdict::RealDemand,
         };
         report.judge();
