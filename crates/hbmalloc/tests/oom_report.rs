@@ -31,6 +31,28 @@ fn oom(result: Result<DevicePtr, AllocError>) -> OomReport {
     }
 }
 
+/// A report built by hand: 30 MiB asked of a 100 MiB device, 40 MiB live,
+/// 80 MiB reserved, 40 MiB of it waiting on another stream.
+fn pending_report() -> OomReport {
+    OomReport {
+        requested_bytes: 30 * MIB,
+        rounded_bytes: 30 * MIB,
+        device_request_bytes: 30 * MIB,
+        stream: S,
+        device_total_bytes: 100 * MIB,
+        device_free_bytes: 20 * MIB,
+        allocated_bytes: 40 * MIB,
+        reserved_bytes: 80 * MIB,
+        cached_free_bytes: 40 * MIB,
+        largest_free_block_bytes: 0,
+        pending_free_bytes: 40 * MIB,
+        limit_bytes: None,
+        policy: "pytorch",
+        free_granules: None,
+        verdict: OomVerdict::RealDemand,
+    }
+}
+
 /// The numbers every report must get right, whatever the verdict.
 fn check_numbers(alloc: &Allocator<SimDevice>, report: &OomReport, requested: u64) {
     let stats = alloc.stats();
@@ -177,23 +199,7 @@ fn pending_streams() {
 
     // ...so the verdict is judged from the numbers: 40 MiB waits on another
     // stream, and the request fits once it is released.
-    let mut report = OomReport {
-        requested_bytes: 30 * MIB,
-        rounded_bytes: 30 * MIB,
-        device_request_bytes: 30 * MIB,
-        stream: S,
-        device_total_bytes: 100 * MIB,
-        device_free_bytes: 20 * MIB,
-        allocated_bytes: 40 * MIB,
-        reserved_bytes: 80 * MIB,
-        cached_free_bytes: 40 * MIB,
-        largest_free_block_bytes: 0,
-        pending_free_bytes: 40 * MIB,
-        limit_bytes: None,
-        policy: "pytorch",
-        free_granules: None,
-        verdict: OomVerdict::RealDemand,
-    };
+    let mut report = pending_report();
     report.judge();
     assert_eq!(
         report.verdict,
@@ -292,25 +298,18 @@ fn hbm_says_when_free_granules_are_pinned_by_their_handles() {
 #[test]
 fn hbm_fragmentation_advice_follows_where_the_free_memory_lies() {
     let report = |movable: u64, pinned: u64| {
+        // The device full, 60 MiB live, no frees pending.
         let mut report = OomReport {
-            requested_bytes: 30 * MIB,
-            rounded_bytes: 30 * MIB,
-            device_request_bytes: 30 * MIB,
-            stream: S,
-            device_total_bytes: 100 * MIB,
             device_free_bytes: 0,
             allocated_bytes: 60 * MIB,
             reserved_bytes: 100 * MIB,
-            cached_free_bytes: 40 * MIB,
-            largest_free_block_bytes: 0,
             pending_free_bytes: 0,
-            limit_bytes: None,
             policy: "hbm",
             free_granules: Some(FreeGranules {
                 movable_bytes: movable,
                 pinned_bytes: pinned,
             }),
-            verdict: OomVerdict::RealDemand,
+            ..pending_report()
         };
         report.judge();
         assert_eq!(report.verdict, OomVerdict::Fragmentation);
