@@ -14,14 +14,23 @@ use super::spans::RegionTiles;
 use super::{granules_under, HbmPolicy, LiveBlock, PhysicalGranule, View};
 
 impl HbmPolicy {
-    /// Whole granules free under free ranges, each physical granule once
-    /// (memory also mapped at another view is left out), by whether it may
-    /// be mapped elsewhere or moves only with the rest of its handle, on
-    /// which live blocks lie: where an out-of-memory request's memory is.
+    /// Whole granules free under free ranges, each physical granule once (an
+    /// idle alias group at the view that used it last; memory in use at
+    /// another view is no free memory), by whether it may be mapped
+    /// elsewhere or moves only with the rest of its handle, on which live
+    /// blocks lie: where an out-of-memory request's memory is.
     pub(super) fn free_granules_by_mobility(&self, granule: u64) -> FreeGranules {
         let mut free = FreeGranules {
             movable_bytes: 0,
             pinned_bytes: 0,
+        };
+        let mut count = |movable: bool, granules: u64| {
+            let bytes = if movable {
+                &mut free.movable_bytes
+            } else {
+                &mut free.pinned_bytes
+            };
+            *bytes += granules * granule;
         };
         for (_, region_index, first, end) in self.free_granules(granule) {
             let region = self.region(region_index);
@@ -29,13 +38,24 @@ impl HbmPolicy {
                 let (lo, hi) = (first.max(start), end.min(start + chunk.count));
                 let once = (lo..hi).filter(|&i| !region.aliased.get(i)).count() as u64;
                 let offset = chunk.offset + (lo - start) * granule;
-                if self
-                    .physical
-                    .movable(chunk.handle, offset, (hi - lo) * granule)
-                {
-                    free.movable_bytes += once * granule;
-                } else {
-                    free.pinned_bytes += once * granule;
+                count(
+                    self.physical
+                        .movable(chunk.handle, offset, (hi - lo) * granule),
+                    once,
+                );
+            }
+            for (start, id) in self
+                .groups
+                .views_in(&self.regions, region_index, first, end)
+            {
+                let group = self.groups.get(id);
+                if group.blocks == 0 && group.user == (region_index, start) {
+                    let granules = (start + group.count).min(end) - start.max(first);
+                    let bytes = group.count * granule;
+                    count(
+                        self.physical.movable(group.handle, group.offset, bytes),
+                        granules,
+                    );
                 }
             }
         }
