@@ -257,8 +257,8 @@ pub fn advice_text(rows: &[Row], baseline: &Row, devices: usize, capacity_given:
         if best.slow_driver {
             // Only settings whose calls a program would notice fit this much.
             text += &format!(
-                "its driver calls take {:.0} ms, over twice expandable segments': a program \
-                 would notice them\n",
+                "its driver calls take {:.0} ms, over {DRIVER_TIME_FACTOR}x expandable \
+                 segments': a program would notice them\n",
                 best.driver_seconds * 1e3
             );
         }
@@ -321,7 +321,7 @@ pub fn advice_text(rows: &[Row], baseline: &Row, devices: usize, capacity_given:
          each completes (2 MiB resolution; summed over devices, as are the other columns);\n\
          reserved: peak device memory held; driver: simulated driver time; calls: driver calls\n\
          that allocate, free, map or unmap memory; !: driver time a program would notice, over\n\
-         twice expandable segments' on some device (and over 1% of the run, on a GPU's\n\
+         {}x expandable segments' on some device (and over {}% of the run, on a GPU's\n\
          recording). Ranked by fits, then driver time not noticed, then {}peak\n\
          reserved, then driver time; ties keep the sweep's order (PyTorch's defaults first).\n",
         if capacity_given {
@@ -329,6 +329,8 @@ pub fn advice_text(rows: &[Row], baseline: &Row, devices: usize, capacity_given:
         } else {
             "(unbounded device)"
         },
+        DRIVER_TIME_FACTOR,
+        DRIVER_TIME_SHARE * 100.0,
         if capacity_given {
             ""
         } else {

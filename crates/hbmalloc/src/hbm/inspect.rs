@@ -1,5 +1,6 @@
 //! Read-only walks of the whole state: the snapshot (segments and blocks as
-//! tools expect them) and the invariant checks the tests run. Each part
+//! tools expect them), where an out-of-memory report's free memory lies, and
+//! the invariant checks the tests run. Each part
 //! checks its own state (`Spans::check`, `Physical::check`,
 //! `AliasGroups::check`, `AliasGroups::check_users`); the regions and the
 //! totals that tie the parts together are checked here.
