@@ -292,6 +292,48 @@ fn hbm_says_when_free_granules_are_pinned_by_their_handles() {
     alloc.check_invariants().unwrap();
 }
 
+/// During a CUDA graph capture the retry may not release idle handles, so an
+/// out-of-memory report can find whole idle handles: counted as memory that
+/// may move, apart from the granules live blocks pin in their handles. Three
+/// 16-granule (32 MiB) handles fill the device; the middle one lies idle
+/// between a 2 MiB block at the end of the first and one at the front of the
+/// third, and a 70 MiB request finds room nowhere.
+#[test]
+fn hbm_counts_an_idle_handle_a_capture_keeps_as_movable() {
+    let mut alloc = allocator(96 * MIB, "policy:hbm,whole_handle_granules:16");
+    let handles = [(); 3].map(|()| alloc.malloc(32 * MIB, S).unwrap());
+    for p in handles {
+        alloc.free(p).unwrap();
+    }
+    let head = alloc.malloc(30 * MIB, S).unwrap();
+    let first_end = alloc.malloc(2 * MIB, S).unwrap();
+    let middle = alloc.malloc(32 * MIB, S).unwrap();
+    let third_front = alloc.malloc(2 * MIB, S).unwrap();
+    assert_eq!(
+        [head, first_end, middle, third_front],
+        [handles[0], handles[0] + 30 * MIB, handles[1], handles[2]]
+    );
+    alloc.free(head).unwrap();
+    alloc.free(middle).unwrap();
+    alloc.set_capture_underway(true).unwrap();
+    let report = oom(alloc.malloc(70 * MIB, S));
+    check_numbers(&alloc, &report, 70 * MIB);
+    let free = report
+        .free_granules
+        .expect("hbm reports where free memory lies");
+    assert_eq!(free.movable_bytes, 32 * MIB, "{}", report.render());
+    assert_eq!(free.pinned_bytes, 60 * MIB, "{}", report.render());
+    assert_eq!(report.largest_free_block_bytes, 32 * MIB);
+    assert_eq!(report.verdict, OomVerdict::Fragmentation);
+    let text = report.render();
+    assert!(
+        text.contains("32.00 MiB in whole granules that may move, 60.00 MiB in whole granules"),
+        "{text}"
+    );
+    alloc.set_capture_underway(false).unwrap();
+    alloc.check_invariants().unwrap();
+}
+
 /// What would help a fragmented `hbm` follows where most of its free memory
 /// lies: whole granules its handles pin, granules live blocks share, or
 /// idle granules the retry could not give back.
@@ -329,4 +371,10 @@ fn hbm_fragmentation_advice_follows_where_the_free_memory_lies() {
     assert!(shared.contains("no remapping frees"), "{shared}");
     let movable = report(30 * MIB, 0);
     assert!(movable.contains("empty_cache()"), "{movable}");
+    // A tie with the granules live blocks share gets the advice that always
+    // helps, a larger device, not a change of settings.
+    for (movable, pinned) in [(0, 20 * MIB), (20 * MIB, 0)] {
+        let tie = report(movable, pinned);
+        assert!(tie.contains("no remapping frees"), "{tie}");
+    }
 }
