@@ -5,9 +5,9 @@
 //! `AliasGroups::check`, `AliasGroups::check_users`); the regions and the
 //! totals that tie the parts together are checked here.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
-use crate::device::DevicePtr;
+use crate::device::{DevicePtr, PhysicalHandle};
 use crate::error::FreeGranules;
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot};
 
@@ -17,19 +17,35 @@ use super::{granules_under, HbmPolicy, LiveBlock, PhysicalGranule, View};
 impl HbmPolicy {
     /// Whole granules free under free ranges, each physical granule once (an
     /// idle alias group at the view that used it last; memory in use at
-    /// another view is no free memory), by whether it may be mapped
-    /// elsewhere or moves only with the rest of its handle, on which live
-    /// blocks lie: where an out-of-memory request's memory is.
+    /// another view is no free memory), by whether a live or pending-free
+    /// block lies on their handle at any view: where the device maps whole
+    /// handles only, such granules move only with the rest of their handle,
+    /// and the others may be mapped where a request is (a handle cut into
+    /// idle groups is mapped whole, each group gaining a view). Where an
+    /// out-of-memory request's memory is.
     pub(super) fn free_granules_by_mobility(&self, granule: u64) -> FreeGranules {
+        let pinned: BTreeSet<PhysicalHandle> = if self.physical.maps_handle_parts() {
+            BTreeSet::new()
+        } else {
+            self.live
+                .values()
+                .flat_map(|block| {
+                    let span = self.spans.get(block.span);
+                    let region = self.region(span.region);
+                    let (first, end) = granules_under(granule, region.base, span.start, span.size);
+                    region.chunks_in(first, end).map(|(_, chunk)| chunk.handle)
+                })
+                .collect()
+        };
         let mut free = FreeGranules {
             movable_bytes: 0,
             pinned_bytes: 0,
         };
-        let mut count = |movable: bool, granules: u64| {
-            let bytes = if movable {
-                &mut free.movable_bytes
-            } else {
+        let mut count = |handle: PhysicalHandle, granules: u64| {
+            let bytes = if pinned.contains(&handle) {
                 &mut free.pinned_bytes
+            } else {
+                &mut free.movable_bytes
             };
             *bytes += granules * granule;
         };
@@ -38,12 +54,7 @@ impl HbmPolicy {
             for (start, chunk) in region.chunks_in(first, end) {
                 let (lo, hi) = (first.max(start), end.min(start + chunk.count));
                 let once = (lo..hi).filter(|&i| !region.aliased.get(i)).count() as u64;
-                let offset = chunk.offset + (lo - start) * granule;
-                count(
-                    self.physical
-                        .movable(chunk.handle, offset, (hi - lo) * granule),
-                    once,
-                );
+                count(chunk.handle, once);
             }
             for (start, id) in self
                 .groups
@@ -51,11 +62,9 @@ impl HbmPolicy {
             {
                 let group = self.groups.get(id);
                 if group.blocks == 0 && group.user == (region_index, start) {
-                    let granules = (start + group.count).min(end) - start.max(first);
-                    let bytes = group.count * granule;
                     count(
-                        self.physical.movable(group.handle, group.offset, bytes),
-                        granules,
+                        group.handle,
+                        (start + group.count).min(end) - start.max(first),
                     );
                 }
             }
