@@ -653,6 +653,11 @@ fn child_entry() {
             assert_error(Status::NoDriver, &["CUDA_ERROR_NO_DEVICE"]);
         }
         "hbm_bytes" => hbm_keeps_every_buffer_its_own_bytes(),
+        "hostile" => {
+            for seed in 0..hostile_seeds() {
+                hostile_program(seed, 400, true);
+            }
+        }
         "log" => a_logged_run_replays_to_the_peak_it_saw(),
         "bad_log_entries" => {
             assert!(alloc(512, 0).is_null());
@@ -967,4 +972,287 @@ fn threads_allocate_and_free_concurrently() {
     }
     assert_eq!(stats_map(0).unwrap()["allocation.all.current"], before);
     assert_consistent();
+}
+
+/// A small deterministic generator (SplitMix64) for the hostile programs.
+struct Draw(u64);
+
+impl Draw {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.below(items.len() as u64) as usize]
+    }
+}
+
+/// One seeded program of `ops` calls through the C ABI as a careless or
+/// hostile caller makes them: valid and invalid sizes and devices, frees of
+/// live, freed, interior, foreign and wrong-device pointers, streams used
+/// and recorded, memory fractions valid and not, empty_cache and captures
+/// at any moment. Every call's status is the one the header promises, and
+/// after every call each device's invariants hold, its count of live
+/// allocations is the program's and its requested and allocated bytes at
+/// least the program's. At the end everything is freed and the statistics
+/// are back where they started; `fresh`: this process holds no other
+/// allocation, so after `empty_cache` no device holds any memory.
+fn hostile_program(seed: u64, ops: usize, fresh: bool) {
+    let mut draw = Draw(seed);
+    // In a fresh process, before either device has an allocator.
+    for device in 0..2 {
+        hbmalloc_free(0xdead_0000 as *mut c_void, 0, device, NO_STREAM.cast());
+        assert_error(Status::UnknownPointer, &["0xdead0000"]);
+    }
+    let streams = [NO_STREAM, 0x100 as *mut c_void, 0x200 as *mut c_void];
+    let before: Vec<(i64, i64, i64)> = (0..2)
+        .map(|d| {
+            (
+                stat(d, "allocation.all.current"),
+                stat(d, "requested_bytes.all.current"),
+                stat(d, "allocated_bytes.all.current"),
+            )
+        })
+        .collect();
+    // Live allocations in the order made: (pointer, device, requested
+    // bytes). Picks go by position, so a seed makes the same calls whatever
+    // addresses the driver hands out.
+    let mut live: Vec<(usize, i32, i64)> = Vec::new();
+    let mut freed: Vec<(usize, i32)> = Vec::new();
+    let mut capturing = false;
+    let status = || last_status();
+    let context = |op: usize, what: &str| format!("seed {seed} op {op}: {what}: {}", last_error());
+    for op in 0..ops {
+        let kind = draw.below(100);
+        let stream = draw.pick(&streams);
+        match kind {
+            0..=44 => {
+                let device = draw.pick(&[0, 0, 0, 1, -1, 2]);
+                let size: isize = match draw.below(10) {
+                    0 => draw.pick(&[0, -1, isize::MIN, isize::MAX, 1 << 51]),
+                    1..=2 => (1 + draw.below(64 * MIB as u64)) as isize,
+                    _ => (1 + draw.below(256 * 1024)) as isize,
+                };
+                let ptr = hbmalloc_alloc(size, device, stream.cast());
+                let what = context(op, &format!("alloc {size} on device {device}"));
+                if size == 0 {
+                    assert!(ptr.is_null() && status() == Status::Ok as i32, "{what}");
+                } else if size < 0 || size as u64 > hbmalloc::MAX_REQUEST_BYTES {
+                    assert!(ptr.is_null(), "{what}");
+                    assert_eq!(status(), Status::InvalidArgument as i32, "{what}");
+                } else if !(0..2).contains(&device) {
+                    assert!(ptr.is_null(), "{what}");
+                    assert_eq!(status(), Status::DeviceOutOfRange as i32, "{what}");
+                } else if ptr.is_null() {
+                    // A memory fraction below what is held, or the capture's
+                    // first use of a device: refused, with its own status.
+                    assert!(
+                        [Status::OutOfMemory as i32, Status::InvalidState as i32]
+                            .contains(&status()),
+                        "{what}"
+                    );
+                } else {
+                    assert_eq!(status(), Status::Ok as i32, "{what}");
+                    assert!(
+                        live.iter().all(|&(p, _, _)| p != ptr as usize),
+                        "{what}: handed out twice"
+                    );
+                    live.push((ptr as usize, device, size as i64));
+                    freed.retain(|&(p, _)| p != ptr as usize);
+                }
+            }
+            45..=74 => {
+                let (ptr, device, expect) = match draw.below(8) {
+                    0..=3 if !live.is_empty() => {
+                        let (ptr, device, _) = live[draw.below(live.len() as u64) as usize];
+                        (ptr, device, Status::Ok)
+                    }
+                    4 if !freed.is_empty() => {
+                        let (ptr, device) = draw.pick(&freed);
+                        (ptr, device, Status::UnknownPointer)
+                    }
+                    5 if !live.is_empty() => {
+                        let (ptr, device, size) = live[0];
+                        if size > 1 {
+                            (
+                                ptr + 1 + draw.below(size as u64 - 1) as usize,
+                                device,
+                                Status::UnknownPointer,
+                            )
+                        } else {
+                            (ptr, 1 - device, Status::UnknownPointer)
+                        }
+                    }
+                    6 if !live.is_empty() => {
+                        let (ptr, device, _) = live[live.len() - 1];
+                        (ptr, 1 - device, Status::UnknownPointer)
+                    }
+                    7 => (0, 0, Status::Ok),
+                    _ => {
+                        // A foreign pointer, on a device that may have no
+                        // allocator yet, or on none at all.
+                        let device = draw.pick(&[0, 1, 1, -1, 2]);
+                        let expect = if (0..2).contains(&device) {
+                            Status::UnknownPointer
+                        } else {
+                            Status::DeviceOutOfRange
+                        };
+                        (0xdead_0000 + 512 * draw.below(64) as usize, device, expect)
+                    }
+                };
+                hbmalloc_free(ptr as *mut c_void, 0, device, stream.cast());
+                let what = context(op, &format!("free {ptr:#x} on device {device}"));
+                assert_eq!(status(), expect as i32, "{what}");
+                if expect == Status::Ok && ptr != 0 {
+                    live.retain(|&(p, _, _)| p != ptr);
+                    freed.push((ptr, device));
+                }
+            }
+            75..=84 => {
+                let target = if !live.is_empty() && draw.below(4) > 0 {
+                    let (ptr, device, _) = live[draw.below(live.len() as u64) as usize];
+                    Some((ptr, device, Status::Ok))
+                } else {
+                    freed.last().map(|&(p, d)| (p, d, Status::UnknownPointer))
+                };
+                if let Some((ptr, device, expect)) = target {
+                    let code = hbmalloc_record_stream(ptr as *mut c_void, device, stream.cast());
+                    let what = context(op, &format!("record_stream {ptr:#x}"));
+                    assert_eq!(code, expect as i32, "{what}");
+                }
+            }
+            85..=89 => {
+                let device = draw.pick(&[0, 1]);
+                let code = hbmalloc_empty_cache(device);
+                // Refused on the capturing device only: a capture is per device.
+                let expect = if capturing && device == 0 {
+                    Status::InvalidState
+                } else {
+                    Status::Ok
+                };
+                assert_eq!(code, expect as i32, "{}", context(op, "empty_cache"));
+            }
+            90..=94 => {
+                let device = draw.pick(&[0, 1]);
+                let fraction = draw.pick(&[0.05, 0.5, 1.0, f64::NAN, -0.5, 1.5]);
+                let code = hbmalloc_set_memory_fraction(fraction, device);
+                let expect = if (0.0..=1.0).contains(&fraction) {
+                    Status::Ok
+                } else {
+                    Status::InvalidArgument
+                };
+                let what = context(op, &format!("set_memory_fraction {fraction}"));
+                assert_eq!(code, expect as i32, "{what}");
+            }
+            _ => {
+                let code = if capturing {
+                    hbmalloc_end_capture(0)
+                } else {
+                    hbmalloc_begin_capture(0)
+                };
+                assert_eq!(code, Status::Ok as i32, "{}", context(op, "capture"));
+                capturing = !capturing;
+                let code = hbmalloc_end_capture(if capturing { 1 } else { 0 });
+                assert_ne!(
+                    code,
+                    Status::Ok as i32,
+                    "{}",
+                    context(op, "end of no capture")
+                );
+            }
+        }
+        for device in 0..2 {
+            check_invariants(device).unwrap_or_else(|e| panic!("seed {seed} op {op}: {e:?}"));
+            let (count, bytes) = live
+                .iter()
+                .filter(|&&(_, d, _)| d == device)
+                .fold((0, 0), |(c, b), &(_, _, size)| (c + 1, b + size));
+            assert_eq!(
+                stat(device, "allocation.all.current") - before[device as usize].0,
+                count,
+                "seed {seed} op {op}: live allocations on device {device}"
+            );
+            // As PyTorch's, requested bytes count a freed block until the
+            // streams it was recorded on are done with it (then it is no
+            // longer active); allocated bytes, rounded, drop at the free.
+            let requested = stat(device, "requested_bytes.all.current") - before[device as usize].1;
+            let allocated = stat(device, "allocated_bytes.all.current") - before[device as usize].2;
+            assert!(
+                requested >= bytes && allocated >= bytes && (count > 0 || allocated == 0),
+                "seed {seed} op {op}: device {device}: {bytes} B live, {requested} B requested, \
+                 {allocated} B allocated"
+            );
+        }
+    }
+    if capturing {
+        assert_eq!(
+            hbmalloc_end_capture(0),
+            Status::Ok as i32,
+            "{}",
+            last_error()
+        );
+    }
+    for (ptr, device, _) in std::mem::take(&mut live) {
+        hbmalloc_free(ptr as *mut c_void, 0, device, NO_STREAM.cast());
+        assert_ok();
+    }
+    for device in 0..2 {
+        assert_eq!(hbmalloc_set_memory_fraction(1.0, device), Status::Ok as i32);
+        assert_eq!(
+            hbmalloc_empty_cache(device),
+            Status::Ok as i32,
+            "{}",
+            last_error()
+        );
+        check_invariants(device).unwrap();
+        let (count, requested, allocated) = before[device as usize];
+        assert_eq!(
+            [
+                stat(device, "allocation.all.current"),
+                stat(device, "requested_bytes.all.current"),
+                stat(device, "allocated_bytes.all.current"),
+            ],
+            [count, requested, allocated],
+            "seed {seed}: device {device} after everything was freed"
+        );
+        if fresh {
+            assert_eq!(
+                stat(device, "reserved_bytes.all.current"),
+                0,
+                "seed {seed}: device {device} holds memory with nothing live"
+            );
+        }
+    }
+}
+
+/// Seeds for the hostile programs: `HBMALLOC_CAPI_SEEDS` (default 8) of
+/// 400 calls each.
+fn hostile_seeds() -> u64 {
+    std::env::var("HBMALLOC_CAPI_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(8)
+}
+
+#[test]
+fn hostile_call_sequences_break_no_rule() {
+    let _serial = setup();
+    for seed in 0..hostile_seeds() {
+        hostile_program(seed, 400, false);
+    }
+    for conf in [
+        "policy:hbm",
+        "policy:hbm,whole_handle_granules:4",
+        "policy:pytorch,expandable_segments:True",
+    ] {
+        child_case("hostile", &[("HBMALLOC_CONF", conf)]);
+    }
 }
