@@ -162,10 +162,11 @@ void *hbmalloc_torch_pool_alloc(ssize_t size, int device, cudaStream_t stream,
                                 unsigned long long pool_second);
 
 /* A CUDA graph capture (or torch.cuda.use_mem_pool) begins on device, and
- * ends. Meanwhile the allocator queries and synchronizes no event, records
- * the events of frees with uses on other streams only after the last
- * capture ends, gives no memory back (empty_cache is
- * HBMALLOC_INVALID_STATE), and creates memory in relaxed capture mode.
+ * ends. Meanwhile device's allocator queries and synchronizes no event,
+ * records the events of frees with uses on other streams only after the
+ * last capture ends, gives no memory back (empty_cache of device is
+ * HBMALLOC_INVALID_STATE; other devices' allocators are not affected), and
+ * creates memory in relaxed capture mode.
  * Captures nest; an end with none underway is HBMALLOC_INVALID_STATE. */
 int hbmalloc_begin_capture(int device);
 int hbmalloc_end_capture(int device);
