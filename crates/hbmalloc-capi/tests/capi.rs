@@ -12,6 +12,7 @@ use std::ffi::{c_char, c_void, CString};
 use std::process::Command;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
+use hbmalloc::simtest::{RandomSource, SplitMix64};
 use hbmalloc::{StreamId, ThreadSafeAllocator};
 use hbmalloc_capi::{
     check_invariants, driver_calls, hbmalloc_alloc, hbmalloc_begin_capture, hbmalloc_cache_info,
@@ -974,25 +975,9 @@ fn threads_allocate_and_free_concurrently() {
     assert_consistent();
 }
 
-/// A small deterministic generator (SplitMix64) for the hostile programs.
-struct Draw(u64);
-
-impl Draw {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
-        items[self.below(items.len() as u64) as usize]
-    }
+/// One of `items`, drawn from `draw`.
+fn pick<T: Copy>(draw: &mut SplitMix64, items: &[T]) -> T {
+    items[draw.below(items.len() as u64) as usize]
 }
 
 /// One seeded program of `ops` calls through the C ABI as a careless or
@@ -1006,7 +991,7 @@ impl Draw {
 /// are back where they started; `fresh`: this process holds no other
 /// allocation, so after `empty_cache` no device holds any memory.
 fn hostile_program(seed: u64, ops: usize, fresh: bool) {
-    let mut draw = Draw(seed);
+    let mut draw = SplitMix64::new(seed);
     // In a fresh process, before either device has an allocator.
     for device in 0..2 {
         hbmalloc_free(0xdead_0000 as *mut c_void, 0, device, NO_STREAM.cast());
@@ -1032,12 +1017,12 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
     let context = |op: usize, what: &str| format!("seed {seed} op {op}: {what}: {}", last_error());
     for op in 0..ops {
         let kind = draw.below(100);
-        let stream = draw.pick(&streams);
+        let stream = pick(&mut draw, &streams);
         match kind {
             0..=44 => {
-                let device = draw.pick(&[0, 0, 0, 1, -1, 2]);
+                let device = pick(&mut draw, &[0, 0, 0, 1, -1, 2]);
                 let size: isize = match draw.below(10) {
-                    0 => draw.pick(&[0, -1, isize::MIN, isize::MAX, 1 << 51]),
+                    0 => pick(&mut draw, &[0, -1, isize::MIN, isize::MAX, 1 << 51]),
                     1..=2 => (1 + draw.below(64 * MIB as u64)) as isize,
                     _ => (1 + draw.below(256 * 1024)) as isize,
                 };
@@ -1076,7 +1061,7 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                         (ptr, device, Status::Ok)
                     }
                     4 if !freed.is_empty() => {
-                        let (ptr, device) = draw.pick(&freed);
+                        let (ptr, device) = pick(&mut draw, &freed);
                         (ptr, device, Status::UnknownPointer)
                     }
                     5 if !live.is_empty() => {
@@ -1099,7 +1084,7 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                     _ => {
                         // A foreign pointer, on a device that may have no
                         // allocator yet, or on none at all.
-                        let device = draw.pick(&[0, 1, 1, -1, 2]);
+                        let device = pick(&mut draw, &[0, 1, 1, -1, 2]);
                         let expect = if (0..2).contains(&device) {
                             Status::UnknownPointer
                         } else {
@@ -1130,7 +1115,7 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                 }
             }
             85..=89 => {
-                let device = draw.pick(&[0, 1]);
+                let device = pick(&mut draw, &[0, 1]);
                 let code = hbmalloc_empty_cache(device);
                 // Refused on the capturing device only: a capture is per device.
                 let expect = if capturing && device == 0 {
@@ -1141,8 +1126,8 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                 assert_eq!(code, expect as i32, "{}", context(op, "empty_cache"));
             }
             90..=94 => {
-                let device = draw.pick(&[0, 1]);
-                let fraction = draw.pick(&[0.05, 0.5, 1.0, f64::NAN, -0.5, 1.5]);
+                let device = pick(&mut draw, &[0, 1]);
+                let fraction = pick(&mut draw, &[0.05, 0.5, 1.0, f64::NAN, -0.5, 1.5]);
                 let code = hbmalloc_set_memory_fraction(fraction, device);
                 let expect = if (0.0..=1.0).contains(&fraction) {
                     Status::Ok
