@@ -1099,6 +1099,13 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                 if expect == Status::Ok && ptr != 0 {
                     live.retain(|&(p, _, _)| p != ptr);
                     freed.push((ptr, device));
+                    // At once again: the block may still wait for a stream
+                    // it was recorded on, and is freed all the same.
+                    if draw.below(4) == 0 {
+                        hbmalloc_free(ptr as *mut c_void, 0, device, stream.cast());
+                        let what = context(op, &format!("second free of {ptr:#x}"));
+                        assert_eq!(status(), Status::UnknownPointer as i32, "{what}");
+                    }
                 }
             }
             75..=84 => {
