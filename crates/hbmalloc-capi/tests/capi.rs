@@ -19,10 +19,10 @@ use hbmalloc_capi::{
     hbmalloc_create_or_incref_pool, hbmalloc_empty_cache, hbmalloc_end_capture, hbmalloc_free,
     hbmalloc_history_entries, hbmalloc_init, hbmalloc_last_error, hbmalloc_last_error_code,
     hbmalloc_mem_get_info, hbmalloc_memory_fraction, hbmalloc_pool_alloc,
-    hbmalloc_pool_live_allocations, hbmalloc_record_stream, hbmalloc_release_pool, hbmalloc_reset,
-    hbmalloc_set_history_entries, hbmalloc_set_memory_fraction, hbmalloc_snapshot,
-    hbmalloc_stats_json, hbmalloc_stats_values, hbmalloc_summary, hbmalloc_write_log, settings,
-    stats_map, Status,
+    hbmalloc_pool_live_allocations, hbmalloc_pool_use_count, hbmalloc_record_stream,
+    hbmalloc_release_pool, hbmalloc_reset, hbmalloc_set_history_entries,
+    hbmalloc_set_memory_fraction, hbmalloc_snapshot, hbmalloc_stats_json, hbmalloc_stats_values,
+    hbmalloc_summary, hbmalloc_write_log, settings, stats_map, Status,
 };
 use hbmalloc_cuda::byte_check::{byte_program, Buffers, DeviceBytes};
 
@@ -983,8 +983,9 @@ fn pick<T: Copy>(draw: &mut SplitMix64, items: &[T]) -> T {
 /// One seeded program of `ops` calls through the C ABI as a careless or
 /// hostile caller makes them: valid and invalid sizes and devices, frees of
 /// live, freed, interior, foreign and wrong-device pointers, streams used
-/// and recorded, memory fractions valid and not, empty_cache and captures
-/// at any moment. Every call's status is the one the header promises, and
+/// and recorded, private pools made, held, released, listed and allocated
+/// from after their release, memory fractions valid and not, empty_cache
+/// and captures at any moment. Every call's status is the one the header promises, and
 /// after every call each device's invariants hold, its count of live
 /// allocations is the program's and its requested and allocated bytes at
 /// least the program's. At the end everything is freed and the statistics
@@ -1008,9 +1009,13 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
         })
         .collect();
     // Live allocations in the order made: (pointer, device, requested
-    // bytes). Picks go by position, so a seed makes the same calls whatever
-    // addresses the driver hands out.
-    let mut live: Vec<(usize, i32, i64)> = Vec::new();
+    // bytes, private pool). Picks go by position, so a seed makes the same
+    // calls whatever addresses the driver hands out.
+    let mut live: Vec<(usize, i32, i64, Option<usize>)> = Vec::new();
+    // Private pools (PyTorch's MempoolId_t pairs) and how many hold each, per
+    // device.
+    let pools: [(u64, u64); 3] = [(1, 0), (2, 0), (3, 7)];
+    let mut holders = [[0u32; 3]; 2];
     let mut freed: Vec<(usize, i32)> = Vec::new();
     let mut capturing = false;
     let status = || last_status();
@@ -1026,8 +1031,19 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                     1..=2 => (1 + draw.below(64 * MIB as u64)) as isize,
                     _ => (1 + draw.below(256 * 1024)) as isize,
                 };
-                let ptr = hbmalloc_alloc(size, device, stream.cast());
-                let what = context(op, &format!("alloc {size} on device {device}"));
+                // A third into a private pool, held or not.
+                let pool = (draw.below(3) == 0).then(|| draw.below(3) as usize);
+                let ptr = match pool {
+                    None => hbmalloc_alloc(size, device, stream.cast()),
+                    Some(p) => {
+                        hbmalloc_pool_alloc(size, device, stream.cast(), pools[p].0, pools[p].1)
+                    }
+                };
+                let what = context(op, &format!("alloc {size} on device {device} in {pool:?}"));
+                let held = match pool {
+                    None => true,
+                    Some(p) => (0..2).contains(&device) && holders[device as usize][p] > 0,
+                };
                 if size == 0 {
                     assert!(ptr.is_null() && status() == Status::Ok as i32, "{what}");
                 } else if size < 0 || size as u64 > hbmalloc::MAX_REQUEST_BYTES {
@@ -1036,6 +1052,14 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                 } else if !(0..2).contains(&device) {
                     assert!(ptr.is_null(), "{what}");
                     assert_eq!(status(), Status::DeviceOutOfRange as i32, "{what}");
+                } else if !held {
+                    // An unknown or released pool takes no allocation.
+                    assert!(ptr.is_null(), "{what}");
+                    assert!(
+                        [Status::InvalidArgument as i32, Status::InvalidState as i32]
+                            .contains(&status()),
+                        "{what}"
+                    );
                 } else if ptr.is_null() {
                     // A memory fraction below what is held, or the capture's
                     // first use of a device: refused, with its own status.
@@ -1047,17 +1071,17 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                 } else {
                     assert_eq!(status(), Status::Ok as i32, "{what}");
                     assert!(
-                        live.iter().all(|&(p, _, _)| p != ptr as usize),
+                        live.iter().all(|&(p, ..)| p != ptr as usize),
                         "{what}: handed out twice"
                     );
-                    live.push((ptr as usize, device, size as i64));
+                    live.push((ptr as usize, device, size as i64, pool));
                     freed.retain(|&(p, _)| p != ptr as usize);
                 }
             }
             45..=74 => {
                 let (ptr, device, expect) = match draw.below(8) {
                     0..=3 if !live.is_empty() => {
-                        let (ptr, device, _) = live[draw.below(live.len() as u64) as usize];
+                        let (ptr, device, ..) = live[draw.below(live.len() as u64) as usize];
                         (ptr, device, Status::Ok)
                     }
                     4 if !freed.is_empty() => {
@@ -1065,7 +1089,7 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                         (ptr, device, Status::UnknownPointer)
                     }
                     5 if !live.is_empty() => {
-                        let (ptr, device, size) = live[0];
+                        let (ptr, device, size, _) = live[0];
                         if size > 1 {
                             (
                                 ptr + 1 + draw.below(size as u64 - 1) as usize,
@@ -1077,7 +1101,7 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                         }
                     }
                     6 if !live.is_empty() => {
-                        let (ptr, device, _) = live[live.len() - 1];
+                        let (ptr, device, ..) = live[live.len() - 1];
                         (ptr, 1 - device, Status::UnknownPointer)
                     }
                     7 => (0, 0, Status::Ok),
@@ -1097,7 +1121,7 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                 let what = context(op, &format!("free {ptr:#x} on device {device}"));
                 assert_eq!(status(), expect as i32, "{what}");
                 if expect == Status::Ok && ptr != 0 {
-                    live.retain(|&(p, _, _)| p != ptr);
+                    live.retain(|&(p, ..)| p != ptr);
                     freed.push((ptr, device));
                     // At once again: the block may still wait for a stream
                     // it was recorded on, and is freed all the same.
@@ -1110,7 +1134,7 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
             }
             75..=84 => {
                 let target = if !live.is_empty() && draw.below(4) > 0 {
-                    let (ptr, device, _) = live[draw.below(live.len() as u64) as usize];
+                    let (ptr, device, ..) = live[draw.below(live.len() as u64) as usize];
                     Some((ptr, device, Status::Ok))
                 } else {
                     freed.last().map(|&(p, d)| (p, d, Status::UnknownPointer))
@@ -1144,6 +1168,62 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                 let what = context(op, &format!("set_memory_fraction {fraction}"));
                 assert_eq!(code, expect as i32, "{what}");
             }
+            95..=97 => {
+                let device = pick(&mut draw, &[0, 1]);
+                let p = draw.below(3) as usize;
+                let (first, second) = pools[p];
+                let held = &mut holders[device as usize][p];
+                let what = context(op, &format!("pool {first},{second} on device {device}"));
+                match draw.below(4) {
+                    0 | 1 => {
+                        assert_eq!(
+                            hbmalloc_create_or_incref_pool(device, first, second),
+                            Status::Ok as i32,
+                            "{what}"
+                        );
+                        *held += 1;
+                    }
+                    2 => {
+                        let code = hbmalloc_release_pool(device, first, second);
+                        if *held > 0 {
+                            assert_eq!(code, Status::Ok as i32, "{what}");
+                            *held -= 1;
+                        } else {
+                            assert_eq!(code, Status::InvalidArgument as i32, "{what}");
+                        }
+                    }
+                    _ => {
+                        let mut count = -1;
+                        // SAFETY: `count` is valid for a write.
+                        let code =
+                            unsafe { hbmalloc_pool_use_count(device, first, second, &mut count) };
+                        assert_eq!((code, count), (Status::Ok as i32, *held as i32), "{what}");
+                        let in_pool = live
+                            .iter()
+                            .filter(|&&(_, d, _, q)| d == device && q == Some(p))
+                            .count();
+                        let mut listed = 0usize;
+                        // SAFETY: a null `ptrs` with capacity 0; `listed` is valid.
+                        let code = unsafe {
+                            hbmalloc_pool_live_allocations(
+                                device,
+                                first,
+                                second,
+                                std::ptr::null_mut(),
+                                0,
+                                &mut listed,
+                            )
+                        };
+                        if code == Status::Ok as i32 {
+                            assert_eq!(listed, in_pool, "{what}");
+                        } else {
+                            // Gone: released by every holder, its last allocation freed.
+                            assert_eq!(code, Status::InvalidArgument as i32, "{what}");
+                            assert_eq!((*held, in_pool), (0, 0), "{what}");
+                        }
+                    }
+                }
+            }
             _ => {
                 let code = if capturing {
                     hbmalloc_end_capture(0)
@@ -1165,8 +1245,8 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
             check_invariants(device).unwrap_or_else(|e| panic!("seed {seed} op {op}: {e:?}"));
             let (count, bytes) = live
                 .iter()
-                .filter(|&&(_, d, _)| d == device)
-                .fold((0, 0), |(c, b), &(_, _, size)| (c + 1, b + size));
+                .filter(|&&(_, d, ..)| d == device)
+                .fold((0, 0), |(c, b), &(_, _, size, _)| (c + 1, b + size));
             assert_eq!(
                 stat(device, "allocation.all.current") - before[device as usize].0,
                 count,
@@ -1192,9 +1272,20 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
             last_error()
         );
     }
-    for (ptr, device, _) in std::mem::take(&mut live) {
+    for (ptr, device, ..) in std::mem::take(&mut live) {
         hbmalloc_free(ptr as *mut c_void, 0, device, NO_STREAM.cast());
         assert_ok();
+    }
+    for (device, held) in holders.iter().enumerate() {
+        for (p, &count) in held.iter().enumerate() {
+            for _ in 0..count {
+                let (first, second) = pools[p];
+                assert_eq!(
+                    hbmalloc_release_pool(device as i32, first, second),
+                    Status::Ok as i32
+                );
+            }
+        }
     }
     for device in 0..2 {
         assert_eq!(hbmalloc_set_memory_fraction(1.0, device), Status::Ok as i32);
