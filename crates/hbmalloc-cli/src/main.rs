@@ -835,6 +835,13 @@ fn load_all(paths: &[PathBuf]) -> Result<Vec<Trace>, String> {
         for note in &trace.notes {
             eprintln!("hbmalloc: {}: {note}", trace.source);
         }
+        if trace.devices.is_empty() {
+            return Err(format!(
+                "{}: no device allocated anything in this trace (an empty snapshot or log): \
+                 nothing to replay",
+                trace.source
+            ));
+        }
     }
     Ok(traces)
 }

@@ -128,6 +128,35 @@ fn empty_and_unknown_files() {
     assert_clear_error(&hbmalloc(&["replay", f.path().to_str().unwrap()]), "format");
 }
 
+/// A snapshot with no segment and no event, and an RMM log of its header
+/// alone (or of frees of addresses it never saw), hold no device's
+/// activity: every command says so and fails, rather than print a table of
+/// nothing.
+#[test]
+fn traces_with_no_device_activity() {
+    // {'segments': [], 'device_traces': [[]]}
+    let snapshot =
+        temp_file(b"\x80\x04}\x94(\x8c\x08segments\x94]\x94\x8c\x0ddevice_traces\x94]\x94]\x94au.");
+    let header = temp_file(b"Thread,Time,Action,Pointer,Size,Stream\n");
+    let frees = temp_file(b"Thread,Time,Action,Pointer,Size,Stream\n1,0.1,free,0x1000,512,0x0\n");
+    let html = tempfile::NamedTempFile::new().unwrap();
+    let html = html.path().to_str().unwrap();
+    for f in [&snapshot, &header, &frees] {
+        let path = f.path().to_str().unwrap();
+        for command in [
+            &["compare", path][..],
+            &["replay", path],
+            &["advise", path],
+            &["summary", path],
+            &["fidelity", path],
+            &["bench", path, "--repeat", "1"],
+            &["report", path, "-o", html],
+        ] {
+            assert_clear_error(&hbmalloc(command), "no device allocated anything");
+        }
+    }
+}
+
 #[test]
 fn truncated_pickle() {
     // A protocol-4 pickle that opens a dict and a string, then stops.

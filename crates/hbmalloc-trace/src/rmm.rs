@@ -91,9 +91,16 @@ pub fn parse_rmm_csv(name: &str, bytes: &[u8]) -> Result<Trace, TraceError> {
         }
     }
     trace.recorded_span_us = span.micros;
+    // A log of nothing (a header, or frees of addresses it never saw) holds
+    // no device's activity, as an empty snapshot holds none.
+    let devices = if trace.ops.is_empty() {
+        Vec::new()
+    } else {
+        vec![trace]
+    };
     Ok(Trace {
         source: String::new(),
-        devices: vec![trace],
+        devices,
         notes: Vec::new(),
     })
 }
