@@ -497,4 +497,63 @@ mod tests {
         lying[18..26].copy_from_slice(&u64::MAX.to_ne_bytes());
         assert!(decode(&lying).is_err());
     }
+
+    /// Another process's bytes, corrupted anyhow (bytes overwritten, the
+    /// string cut or lengthened, header words set to extremes): decoding
+    /// gives a handle consistent with itself or an invalid-argument error,
+    /// never a panic.
+    #[test]
+    fn corrupted_handles_decode_or_are_refused() {
+        use hbmalloc::simtest::{RandomSource, SplitMix64};
+        let exports = [
+            IpcExport::Segment {
+                handle: [7; CU_IPC_HANDLE_SIZE],
+                offset: 0,
+            },
+            IpcExport::Handles {
+                sizes: vec![2 << 20; 3],
+                fds: vec![5, 9, 11],
+                offset: 0,
+            },
+            IpcExport::Handles {
+                sizes: vec![4 << 20, 32 << 20],
+                fds: vec![5, 9],
+                offset: 0,
+            },
+        ];
+        let mut draw = SplitMix64::new(1);
+        let extremes = [0u64, 1, 3, u64::MAX, u64::MAX / 12, MAX_SHARED_HANDLES + 1];
+        for export in &exports {
+            let good = encode(export, 4321).handle;
+            for _ in 0..3000 {
+                let mut bytes = good.clone();
+                for _ in 0..1 + draw.below(3) {
+                    match draw.below(4) {
+                        0 if !bytes.is_empty() => {
+                            let at = draw.below(bytes.len() as u64) as usize;
+                            bytes[at] = draw.next_u64() as u8;
+                        }
+                        1 => bytes.truncate(draw.below(bytes.len() as u64 + 1) as usize),
+                        2 => bytes.extend((0..draw.below(16)).map(|_| draw.next_u64() as u8)),
+                        _ if bytes.len() >= 10 => {
+                            let at = 2 + draw.below(bytes.len() as u64 - 9) as usize;
+                            let word = extremes[draw.below(extremes.len() as u64) as usize];
+                            bytes[at..at + 8].copy_from_slice(&word.to_ne_bytes());
+                        }
+                        _ => {}
+                    }
+                }
+                match decode(&bytes) {
+                    Ok(Decoded::Segment(_)) => {}
+                    Ok(Decoded::Handles { pid, sizes, fds }) => {
+                        assert!(pid > 0, "{bytes:?}");
+                        assert!(!sizes.is_empty() && sizes.len() == fds.len(), "{bytes:?}");
+                        assert!(sizes.len() as u64 <= MAX_SHARED_HANDLES, "{bytes:?}");
+                        assert!(!sizes.contains(&0), "{bytes:?}");
+                    }
+                    Err(e) => assert_eq!(e.status, Status::InvalidArgument, "{bytes:?}"),
+                }
+            }
+        }
+    }
 }
