@@ -1232,6 +1232,7 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                 };
                 assert_eq!(code, Status::Ok as i32, "{}", context(op, "capture"));
                 capturing = !capturing;
+                // An end where none is underway (device 1 never captures).
                 let code = hbmalloc_end_capture(if capturing { 1 } else { 0 });
                 assert_ne!(
                     code,
