@@ -825,7 +825,9 @@ fn parse_runs(runs: &[String]) -> Result<Vec<PolicyConfig>, String> {
         .collect()
 }
 
-/// Loads every trace, saying on stderr what an importer left out.
+/// Loads every trace, saying on stderr what an importer left out; a trace
+/// with no device activity is an error, so every command has a device to
+/// work on.
 fn load_all(paths: &[PathBuf]) -> Result<Vec<Trace>, String> {
     let traces: Vec<Trace> = paths
         .iter()
