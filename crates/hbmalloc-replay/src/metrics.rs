@@ -332,11 +332,7 @@ pub fn evaluate(
     let peak_live = live.iter().copied().max().unwrap_or(0);
     // `live[i]` is after `i` ops: the first half is `live[..=half]`.
     let half = prepared.len() / 2;
-    let peak_live_at_half = live[..=half.min(live.len() - 1)]
-        .iter()
-        .copied()
-        .max()
-        .unwrap_or(0);
+    let peak_live_at_half = live[..=half].iter().copied().max().unwrap_or(0);
     let out_of_memory = match &run.outcome {
         Outcome::Completed => None,
         Outcome::OutOfMemory { op_index, report } => Some((*op_index, (**report).clone())),
@@ -1006,6 +1002,162 @@ mod tests {
             log.reserved_bytes,
             vec![0, 64 * MIB, 96 * MIB, 96 * MIB, 96 * MIB, 96 * MIB]
         );
+    }
+
+    /// An RMM log of (action, pointer, MiB) rows, a tenth of a second apart
+    /// (at most nine).
+    fn rmm_trace(rows: &[(&str, u64, f64)]) -> DeviceTrace {
+        let mut csv = String::from("Thread,Time,Action,Pointer,Size,Stream\n");
+        for (i, &(action, ptr, mib)) in rows.iter().enumerate() {
+            let size = (mib * MIB as f64) as u64 / 512 * 512;
+            csv += &format!("1,10:00:00.{},{action},{ptr:#x},{size},0x0\n", i + 1);
+        }
+        let trace = hbmalloc_trace::parse_bytes("rows.csv", csv.as_bytes()).unwrap();
+        trace.devices.into_iter().next().unwrap()
+    }
+
+    /// A block that lives across another's free leaves a hole too small for
+    /// the next request, in the first half; the second half's live peak is
+    /// higher. Nine ops, 0.8 s recorded.
+    fn fragmenting_trace() -> DeviceTrace {
+        rmm_trace(&[
+            ("allocate", 0x1000, 4.0),
+            ("allocate", 0x2000, 4.0),
+            ("free", 0x1000, 4.0),
+            ("allocate", 0x3000, 15.0),
+            ("free", 0x2000, 4.0),
+            ("allocate", 0x4000, 1.0),
+            ("free", 0x3000, 15.0),
+            ("allocate", 0x5000, 30.0),
+            ("free", 0x5000, 30.0),
+        ])
+    }
+
+    #[test]
+    fn each_metric_is_what_its_definition_says() {
+        let trace = fragmenting_trace();
+        let live = live_bytes_after_ops(&trace);
+        for settings in [
+            "policy:pytorch",
+            "policy:pytorch,expandable_segments:True",
+            "policy:hbm",
+        ] {
+            let opts = options(settings, None);
+            let m = evaluate("rows.csv", &trace, &opts).unwrap();
+            let log = calls_log(&trace, &opts).unwrap();
+            let reserved = &log.reserved_bytes;
+            assert_eq!((m.ops, m.trace_ops, m.device), (9, 9, 0), "{settings}");
+            assert_eq!(m.peak_live_bytes, 31 * MIB, "{settings}");
+            assert_eq!(Some(&m.peak_reserved_bytes), reserved.iter().max());
+            let eff = m.peak_live_bytes as f64 / m.peak_reserved_bytes as f64;
+            assert_eq!(m.efficiency, Some(eff), "{settings}");
+            assert!(eff < 1.0, "{settings}: {eff}");
+            let waste = m.peak_reserved_bytes - m.peak_live_bytes;
+            assert_eq!(m.waste_bytes, Some(waste), "{settings}");
+            // The first half: ops 0-3, its live peak 19 MiB (the 15 MiB
+            // block and one 4 MiB block), what was held by then.
+            let half_live = *live[..=4].iter().max().unwrap();
+            assert_eq!(half_live, 19 * MIB);
+            let half_reserved = *reserved[..=4].iter().max().unwrap();
+            let at_half = half_live as f64 / half_reserved as f64;
+            assert_eq!(m.efficiency_at_half, Some(at_half), "{settings}");
+            // Every driver call, and those of the second half's ops.
+            let memory = |calls: &CallCounts| calls.memory_calls();
+            let all: u64 = log.ops.iter().map(|(_, c)| memory(c)).sum();
+            let second: u64 = log
+                .ops
+                .iter()
+                .filter(|(op, _)| *op >= 4)
+                .map(|(_, c)| memory(c))
+                .sum();
+            assert_eq!(m.memory_device_calls, all, "{settings}");
+            assert_eq!(m.steady_state_device_calls, Some(second), "{settings}");
+            assert!(
+                m.device_calls.values().all(|&n| n > 0),
+                "{settings}: {:?}",
+                m.device_calls
+            );
+            // The ops' calls, and before them the allocator's start: one
+            // query of the device's memory (1 µs on the H100).
+            let ns: u64 = log.ops.iter().map(|(_, c)| c.simulated_ns()).sum();
+            let start = LatencyModel::h100().of(CallKind::MemoryInfo, 0);
+            assert_eq!(
+                m.simulated_driver_seconds,
+                seconds(ns + start),
+                "{settings}"
+            );
+            let hits = log
+                .ops
+                .iter()
+                .filter(|(op, _)| matches!(trace.ops[*op], Op::Alloc { .. }))
+                .count();
+            assert_eq!(m.cache_hit_rate, (5 - hits) as f64 / 5.0, "{settings}");
+            // 0.1 s to 0.9 s.
+            let recorded = m.recorded_seconds.unwrap();
+            assert!((recorded - 0.8).abs() < 1e-9, "{settings}: {recorded}");
+            assert_eq!(
+                m.driver_time_fraction,
+                Some(m.simulated_driver_seconds / recorded),
+                "{settings}"
+            );
+            assert!(m.ns_per_op > 0.0, "{settings}");
+            // By the half 19 MiB live may hold 20 MiB (0.95 allows 20.0):
+            // 31 MiB in the second half passes it once.
+            assert_eq!(m.steady_state_growth_floor, 1, "{settings}");
+        }
+    }
+
+    #[test]
+    fn the_smallest_device_is_one_that_completes_above_one_that_does_not() {
+        let trace = fragmenting_trace();
+        for settings in ["policy:pytorch", "policy:hbm"] {
+            let mut opts = options(settings, None);
+            opts.find_min_capacity = true;
+            let m = evaluate("rows.csv", &trace, &opts).unwrap();
+            let min = m.min_capacity_bytes.unwrap();
+            let res = m.min_capacity_resolution_bytes;
+            assert_eq!(res, 2 * MIB);
+            assert!(
+                min % res == 0 && min >= m.peak_live_bytes,
+                "{settings}: {min}"
+            );
+            assert!(
+                min <= m.peak_reserved_bytes.next_multiple_of(res),
+                "{settings}"
+            );
+            let runs = |capacity| {
+                let at = evaluate("rows.csv", &trace, &options(settings, Some(capacity))).unwrap();
+                at.out_of_memory.is_none()
+            };
+            assert!(runs(min), "{settings}: {min}");
+            assert!(!runs(min - res), "{settings}: {min}");
+        }
+        // pytorch holds a 20 MiB segment for the first 4 MiB blocks, and a
+        // second one for the 15 MiB block that fits in none of its holes:
+        // more than live memory, found by bisection.
+        let mut opts = options("policy:pytorch", None);
+        opts.find_min_capacity = true;
+        let m = evaluate("rows.csv", &trace, &opts).unwrap();
+        assert!(
+            m.min_capacity_bytes.unwrap() > 32 * MIB,
+            "{:?}",
+            m.min_capacity_bytes
+        );
+    }
+
+    #[test]
+    fn drift_is_judged_in_the_simulated_devices_granules() {
+        // 107.9 MiB live by the half and 111 MiB in all: no two counts of 2
+        // MiB granules give efficiencies within the tolerance (`floor.rs`).
+        let trace = rmm_trace(&[
+            ("allocate", 0x1000, 107.9),
+            ("free", 0x1000, 107.9),
+            ("allocate", 0x2000, 111.0),
+            ("free", 0x2000, 111.0),
+        ]);
+        let m = evaluate("rows.csv", &trace, &options("policy:hbm", None)).unwrap();
+        assert_eq!(device_granule(), 2 * MIB);
+        assert!(!m.drift_within_reach);
     }
 
     fn growing_trace() -> DeviceTrace {
