@@ -1132,6 +1132,13 @@ mod tests {
             assert!(runs(min), "{settings}: {min}");
             assert!(!runs(min - res), "{settings}: {min}");
         }
+        // Blocks that fill whole granules need no more than their live peak.
+        for settings in ["policy:pytorch", "policy:hbm"] {
+            let mut opts = options(settings, None);
+            opts.find_min_capacity = true;
+            let m = evaluate("peak.csv", &peak_in_the_middle(), &opts).unwrap();
+            assert_eq!(m.min_capacity_bytes, Some(96 * MIB), "{settings}");
+        }
         // pytorch holds a 20 MiB segment for the first 4 MiB blocks, and a
         // second one for the 15 MiB block that fits in none of its holes:
         // more than live memory, found by bisection.
@@ -1143,6 +1150,73 @@ mod tests {
             "{:?}",
             m.min_capacity_bytes
         );
+    }
+
+    #[test]
+    fn a_trace_that_asks_for_nothing_wastes_nothing() {
+        // PyTorch never calls its allocator for an empty tensor.
+        let m = evaluate(
+            "rows.csv",
+            &rmm_trace(&[("allocate", 0x1000, 0.0)]),
+            &options("policy:hbm", None),
+        )
+        .unwrap();
+        assert_eq!((m.ops, m.peak_live_bytes, m.peak_reserved_bytes), (0, 0, 0));
+        assert_eq!((m.efficiency, m.cache_hit_rate), (Some(1.0), 1.0));
+        assert_eq!((m.waste_bytes, m.ns_per_op), (Some(0), 0.0));
+    }
+
+    #[test]
+    fn live_memory_counts_the_blocks_a_window_starts_with() {
+        // A snapshot's window: a 20 MiB segment holding 6 MiB asked for in
+        // an 8 MiB block, then a 4 MiB request and the block's free.
+        let mut trace = rmm_trace(&[("allocate", 0x1000, 4.0)]);
+        trace.ops.push(Op::Free { id: 7 });
+        trace.initial_segments.push(hbmalloc_trace::InitialSegment {
+            address: 0,
+            stream: 0,
+            small_pool: false,
+            expandable: false,
+            blocks: vec![
+                hbmalloc_trace::InitialBlock {
+                    size: 8 * MIB,
+                    requested_size: 6 * MIB,
+                    state: InitialBlockState::Allocated(7),
+                },
+                hbmalloc_trace::InitialBlock {
+                    size: 12 * MIB,
+                    requested_size: 0,
+                    state: InitialBlockState::Free,
+                },
+            ],
+        });
+        assert_eq!(live_bytes_after_ops(&trace), [6 * MIB, 10 * MIB, 4 * MIB]);
+        assert_eq!(peak_live_bytes(&trace), 10 * MIB);
+    }
+
+    #[test]
+    fn driver_time_is_a_share_of_a_gpu_recording_that_spans_time() {
+        let two_rows = [("allocate", 0x1000, 4.0), ("free", 0x1000, 4.0)];
+        let m = evaluate(
+            "rows.csv",
+            &rmm_trace(&two_rows),
+            &options("policy:hbm", None),
+        )
+        .unwrap();
+        assert!(m.driver_time_fraction.is_some_and(|f| f > 0.0));
+        // A recording that spans no time has no share of it.
+        let mut instant = rmm_trace(&two_rows);
+        instant.recorded_span_us = Some(0);
+        let m = evaluate("rows.csv", &instant, &options("policy:hbm", None)).unwrap();
+        assert_eq!(
+            (m.recorded_seconds, m.driver_time_fraction),
+            (Some(0.0), None)
+        );
+        // Host memory (device -1) is not driven through a GPU's driver.
+        let mut host = rmm_trace(&two_rows);
+        host.device = -1;
+        let m = evaluate("rows.csv", &host, &options("policy:hbm", None)).unwrap();
+        assert!(m.recorded_seconds.is_some() && m.driver_time_fraction.is_none());
     }
 
     #[test]
