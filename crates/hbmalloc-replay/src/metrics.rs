@@ -600,7 +600,6 @@ fn min_capacity_bytes(
     peak_live: u64,
     unbounded_peak_reserved: u64,
 ) -> Result<Option<u64>, ReplayError> {
-    let res = MIN_CAPACITY_RESOLUTION_BYTES;
     let completes = |capacity: u64| -> Result<bool, ReplayError> {
         // The main run's options at another capacity; no recorded
         // out-of-memory error reproduced: those are the recorded device's,
@@ -611,7 +610,26 @@ fn min_capacity_bytes(
         options.latency = LatencyModel::zero();
         Ok(prepared.run(&options)?.outcome == Outcome::Completed)
     };
-    let mut hi = unbounded_peak_reserved.div_ceil(res).max(1) * res;
+    smallest_completing(
+        peak_live,
+        unbounded_peak_reserved,
+        MIN_CAPACITY_RESOLUTION_BYTES,
+        completes,
+    )
+}
+
+/// The smallest multiple of `res` at which `completes` holds, found by
+/// bisection: from `start` rounded up (where an unbounded replay peaked, so
+/// it should complete; doubled up to six times while it does not, else
+/// `None`) down to `peak_live` rounded down, below which nothing can. Each
+/// probe is a whole replay, hence few: about log2 of the range over `res`.
+fn smallest_completing<E>(
+    peak_live: u64,
+    start: u64,
+    res: u64,
+    mut completes: impl FnMut(u64) -> Result<bool, E>,
+) -> Result<Option<u64>, E> {
+    let mut hi = start.div_ceil(res).max(1) * res;
     let mut doublings = 0;
     while !completes(hi)? {
         doublings += 1;
@@ -620,7 +638,6 @@ fn min_capacity_bytes(
         }
         hi *= 2;
     }
-    // Nothing below the live peak can work.
     let mut lo = (peak_live / res) * res;
     if lo >= hi {
         return Ok(Some(hi));
@@ -1217,6 +1234,58 @@ mod tests {
         host.device = -1;
         let m = evaluate("rows.csv", &host, &options("policy:hbm", None)).unwrap();
         assert!(m.recorded_seconds.is_some() && m.driver_time_fraction.is_none());
+    }
+
+    /// [`smallest_completing`] on a device that completes from `threshold`
+    /// bytes on: its answer and how many capacities it tried.
+    fn search(peak_live: u64, start: u64, threshold: u64) -> (Option<u64>, u32) {
+        let mut probes = 0;
+        let found = smallest_completing(peak_live, start, 2 * MIB, |capacity| {
+            probes += 1;
+            Ok::<_, ()>(capacity >= threshold)
+        })
+        .unwrap();
+        (found, probes)
+    }
+
+    #[test]
+    fn bisection_finds_the_smallest_capacity_in_few_replays() {
+        let g = 2 * MIB;
+        for live in (0..=40).map(|tenth_gib| tenth_gib * 100 * MIB + 3 * MIB / 2) {
+            for extra in [0, MIB, 5 * MIB, 64 * MIB, 900 * MIB] {
+                let start = live + extra;
+                for threshold in [live, live + extra / 2, start] {
+                    let (found, probes) = search(live, start, threshold);
+                    let expected = threshold.next_multiple_of(g).max(g);
+                    assert_eq!(found, Some(expected), "{live} {start} {threshold}");
+                    // The range's granules halved each probe, after the
+                    // start and the live peak rounded down are tried.
+                    let granules = start.div_ceil(g) - live / g;
+                    let most = 2 + u64::BITS - granules.leading_zeros();
+                    assert!(
+                        probes <= most,
+                        "{live} {start} {threshold}: {probes} > {most}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bisection_doubles_past_a_start_that_does_not_complete() {
+        let g = 2 * MIB;
+        // Completes from 3x the start: two doublings, then bisection down.
+        assert_eq!(search(100 * MIB, 200 * MIB, 600 * MIB).0, Some(600 * MIB));
+        // 64x is the last try: seven probes, then none.
+        assert_eq!(search(10 * MIB, 10 * MIB, 640 * MIB).0, Some(640 * MIB));
+        assert_eq!(search(10 * MIB, 10 * MIB, 640 * MIB + g), (None, 7));
+        // No search past the largest device replays use.
+        let huge = UNBOUNDED_CAPACITY_BYTES;
+        assert_eq!(search(huge, huge, huge + g), (None, 1));
+        // A live peak at or above the start: the start is the answer.
+        assert_eq!(search(300 * MIB, 200 * MIB, 0), (Some(200 * MIB), 1));
+        // A live peak that fills whole granules and completes: two probes.
+        assert_eq!(search(96 * MIB, 200 * MIB, 96 * MIB), (Some(96 * MIB), 2));
     }
 
     #[test]
