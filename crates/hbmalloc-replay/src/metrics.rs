@@ -1170,6 +1170,16 @@ mod tests {
     }
 
     #[test]
+    fn a_free_driver_costs_no_time() {
+        let trace = fragmenting_trace();
+        let mut free = options("policy:hbm", None);
+        free.latency = LatencyModel::zero();
+        let m = evaluate("rows.csv", &trace, &free).unwrap();
+        assert!(m.memory_device_calls > 0);
+        assert_eq!(m.simulated_driver_seconds, 0.0);
+    }
+
+    #[test]
     fn a_trace_that_asks_for_nothing_wastes_nothing() {
         // PyTorch never calls its allocator for an empty tensor.
         let m = evaluate(
