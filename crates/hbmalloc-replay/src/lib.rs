@@ -729,3 +729,86 @@ fn finish(
 pub fn replay(trace: &DeviceTrace, options: &ReplayOptions) -> Result<RunResult, ReplayError> {
     PreparedTrace::new(trace)?.run(options)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    /// A thread-safe allocator that notes each call it passes on.
+    struct Noting {
+        inner: Mutex<Allocator<SimDevice>>,
+        calls: Mutex<Vec<String>>,
+    }
+
+    impl Noting {
+        fn note(&self, call: String) {
+            self.calls.lock().unwrap().push(call);
+        }
+    }
+
+    impl ThreadSafeAllocator for Noting {
+        fn malloc(&self, size: u64, stream: StreamId) -> Result<DevicePtr, AllocError> {
+            self.note(format!("malloc {} {:#x}", size / MIB, stream.0));
+            self.inner.malloc(size, stream)
+        }
+        fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
+            self.note("free".into());
+            self.inner.free(ptr)
+        }
+        fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
+            self.inner.record_stream(ptr, stream)
+        }
+        fn empty_cache(&self) -> Result<(), AllocError> {
+            self.note("empty_cache".into());
+            self.inner.empty_cache()
+        }
+        fn stats(&self) -> DeviceStats {
+            self.inner.stats()
+        }
+    }
+
+    #[test]
+    fn a_shared_replay_makes_the_traces_calls_on_its_own_streams() {
+        let alloc = |id, mib| Op::Alloc {
+            id,
+            size: mib * MIB,
+            stream: 1,
+        };
+        let trace = DeviceTrace {
+            ops: vec![
+                alloc(1, 4),
+                alloc(2, 0),        // an empty tensor: PyTorch asks for nothing
+                Op::Free { id: 2 }, // and gives nothing back
+                Op::EmptyCache,
+                alloc(3, 8),
+                Op::Free { id: 1 },
+            ],
+            ..DeviceTrace::default()
+        };
+        let prepared = PreparedTrace::new(&trace).unwrap();
+        let allocator = Noting {
+            inner: Mutex::new(
+                Allocator::new(SimDevice::default(), AllocatorConfig::default()).unwrap(),
+            ),
+            calls: Mutex::new(Vec::new()),
+        };
+        let ops = prepared.run_shared(&allocator, 0x100).unwrap();
+        assert_eq!(ops, 3);
+        // Block 3, still live at the end, is given back too.
+        assert_eq!(
+            *allocator.calls.lock().unwrap(),
+            [
+                "malloc 4 0x101",
+                "empty_cache",
+                "malloc 8 0x101",
+                "free",
+                "free"
+            ]
+        );
+        assert_eq!(allocator.stats().allocated_bytes[0].current, 0);
+    }
+}
