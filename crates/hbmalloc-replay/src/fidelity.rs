@@ -214,7 +214,7 @@ pub fn fidelity(trace: &DeviceTrace) -> Result<FidelityReport, FidelityError> {
 
 #[cfg(test)]
 mod tests {
-    use hbmalloc_trace::{DeviceTrace, Recorded};
+    use hbmalloc_trace::{DeviceTrace, Op, Recorded, RecordedSegmentEvent, SegmentEventKind};
 
     use super::*;
 
@@ -232,5 +232,93 @@ mod tests {
         };
         let report = fidelity(&trace).unwrap();
         assert_eq!(report.verdict(), Verdict::NoEvents);
+    }
+
+    const MIB: u64 = 1 << 20;
+
+    /// Four 64 MiB requests, each a `cudaMalloc` of its own under `pytorch`,
+    /// and a recorded out-of-memory error; the recorded allocator made the
+    /// `recorded` segments (MiB) at ops 0, 1, ...
+    fn snapshot_with_segments(recorded: &[u64]) -> DeviceTrace {
+        let alloc = |id| Op::Alloc {
+            id,
+            size: 64 * MIB,
+            stream: 0,
+        };
+        let event = |(op_index, &mib): (usize, &u64)| RecordedSegmentEvent {
+            kind: SegmentEventKind::Alloc,
+            size: mib * MIB,
+            stream: 0,
+            address: 0,
+            op_index,
+        };
+        DeviceTrace {
+            ops: vec![
+                alloc(1),
+                alloc(2),
+                alloc(3),
+                alloc(4),
+                Op::Oom {
+                    size: MIB,
+                    stream: 0,
+                    device_free: 0,
+                },
+            ],
+            recorded: Some(Recorded {
+                segment_events: recorded.iter().enumerate().map(event).collect(),
+                ..Recorded::default()
+            }),
+            ..DeviceTrace::default()
+        }
+    }
+
+    #[test]
+    fn the_replay_is_compared_with_the_recorded_segments_in_order() {
+        let same = fidelity(&snapshot_with_segments(&[64, 64, 64, 64])).unwrap();
+        assert!(same.exact());
+        assert_eq!(same.verdict(), Verdict::Exact);
+        assert_eq!(
+            (same.recorded, same.replayed, same.matching_prefix),
+            (4, 4, 4)
+        );
+        // The recorded out-of-memory error happened again (the device said
+        // it had no memory free); where it said it had, the note says so.
+        assert_eq!(same.replay_note, None);
+        let mut roomy = snapshot_with_segments(&[64, 64, 64, 64]);
+        roomy.ops[4] = Op::Oom {
+            size: MIB,
+            stream: 0,
+            device_free: 1 << 30,
+        };
+        assert_eq!(
+            fidelity(&roomy).unwrap().replay_note.as_deref(),
+            Some("1 recorded out-of-memory request(s) succeeded in replay")
+        );
+        // A third segment of another size: the sequences part there, shown
+        // with what came before and after.
+        let other = fidelity(&snapshot_with_segments(&[64, 64, 66, 64])).unwrap();
+        assert!(!other.exact());
+        assert_eq!(other.verdict(), Verdict::Diverges);
+        let divergence = other.first_divergence.unwrap();
+        assert_eq!((other.matching_prefix, divergence.index), (2, 2));
+        let sizes = |events: &[SegmentEvent]| -> Vec<(usize, u64)> {
+            events.iter().map(|e| (e.op_index, e.size / MIB)).collect()
+        };
+        assert_eq!(
+            sizes(&divergence.recorded_context),
+            [(0, 64), (1, 64), (2, 66), (3, 64)]
+        );
+        assert_eq!(
+            sizes(&divergence.replayed_context),
+            [(0, 64), (1, 64), (2, 64), (3, 64)]
+        );
+        assert!(divergence
+            .recorded_context
+            .iter()
+            .all(|e| e.action == "segment_alloc"));
+        // Fewer recorded than replayed: they part where the record ends.
+        let fewer = fidelity(&snapshot_with_segments(&[64, 64, 64])).unwrap();
+        assert_eq!(fewer.verdict(), Verdict::Diverges);
+        assert_eq!(fewer.first_divergence.unwrap().index, 3);
     }
 }
