@@ -772,6 +772,32 @@ mod tests {
     }
 
     #[test]
+    fn a_block_in_use_on_another_stream_waits_for_it_before_reuse() {
+        let alloc = |id| Op::Alloc {
+            id,
+            size: 64 * MIB,
+            stream: 0,
+        };
+        let trace = DeviceTrace {
+            ops: vec![
+                alloc(1),
+                Op::RecordStream { id: 1, stream: 7 },
+                Op::Free { id: 1 },
+                alloc(2), // block 1 still in use on stream 7: a new segment
+                Op::StreamComplete { stream: 7 },
+                Op::Free { id: 2 },
+                alloc(3), // either block, cached
+            ],
+            ..DeviceTrace::default()
+        };
+        let options = ReplayOptions::new(PolicyConfig::from_settings("policy:pytorch").unwrap());
+        let run = replay(&trace, &options).unwrap();
+        assert_eq!(run.calls.get(hbmalloc::CallKind::SegmentAlloc), 2);
+        assert_eq!(run.peak_reserved_bytes, 128 * MIB);
+        assert_eq!((run.mallocs, run.frees, run.cache_hits), (3, 2, 1));
+    }
+
+    #[test]
     fn a_shared_replay_makes_the_traces_calls_on_its_own_streams() {
         let alloc = |id, mib| Op::Alloc {
             id,
