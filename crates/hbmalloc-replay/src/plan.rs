@@ -496,6 +496,49 @@ mod tests {
         }
     }
 
+    /// [`place`]'s rule by its definition, in quadratic time: largest block
+    /// first (earliest on ties), each in the smallest gap between the placed
+    /// blocks it lives with that holds it (the lowest such gap on ties),
+    /// else above them all.
+    fn place_by_definition(blocks: &[Lifetime]) -> Vec<u64> {
+        let mut order: Vec<usize> = (0..blocks.len()).collect();
+        order.sort_by_key(|&i| (std::cmp::Reverse(blocks[i].size), blocks[i].start));
+        let mut offsets: Vec<Option<u64>> = vec![None; blocks.len()];
+        for &i in &order {
+            let mut taken: Vec<(u64, u64)> = (0..blocks.len())
+                .filter_map(|j| {
+                    let offset = offsets[j]?;
+                    blocks[i]
+                        .overlaps(&blocks[j])
+                        .then(|| (offset, offset + blocks[j].size))
+                })
+                .collect();
+            taken.sort_unstable();
+            let (mut top, mut best) = (0, None::<(u64, u64)>);
+            for &(lo, hi) in &taken {
+                let gap = lo.saturating_sub(top);
+                if gap >= blocks[i].size && best.is_none_or(|(size, _)| gap < size) {
+                    best = Some((gap, top));
+                }
+                top = top.max(hi);
+            }
+            offsets[i] = Some(best.map_or(top, |(_, at)| at));
+        }
+        offsets.into_iter().map(Option::unwrap).collect()
+    }
+
+    #[test]
+    fn placement_is_greedy_by_size_into_the_smallest_gap() {
+        for seed in [7, 8, 9] {
+            // Up to 8 KiB, rounded: 16 sizes, so that ties in size and in
+            // gap are common.
+            let blocks = lifetimes(&random_program(0x9e37_79b9_7f4a_7c15 ^ seed, 600, 8 * K));
+            let sizes: std::collections::BTreeSet<u64> = blocks.iter().map(|b| b.size).collect();
+            assert!(sizes.len() > 8, "{sizes:?}");
+            assert_eq!(place(&blocks), place_by_definition(&blocks), "seed {seed}");
+        }
+    }
+
     #[test]
     fn the_plan_holds_no_less_than_live_memory_and_maps_no_more_than_its_arena() {
         let plan = plan_with_granule(&random_program(0x9e37_79b9_7f4a_7c15, 2_000, 64 * K), G);
