@@ -240,6 +240,11 @@ mod tests {
     /// and a recorded out-of-memory error; the recorded allocator made the
     /// `recorded` segments (MiB) at ops 0, 1, ...
     fn snapshot_with_segments(recorded: &[u64]) -> DeviceTrace {
+        snapshot_of(4, recorded)
+    }
+
+    /// [`snapshot_with_segments`] with `requests` requests of 64 MiB.
+    fn snapshot_of(requests: u64, recorded: &[u64]) -> DeviceTrace {
         let alloc = |id| Op::Alloc {
             id,
             size: 64 * MIB,
@@ -253,17 +258,14 @@ mod tests {
             op_index,
         };
         DeviceTrace {
-            ops: vec![
-                alloc(1),
-                alloc(2),
-                alloc(3),
-                alloc(4),
-                Op::Oom {
+            ops: (1..=requests)
+                .map(alloc)
+                .chain([Op::Oom {
                     size: MIB,
                     stream: 0,
                     device_free: 0,
-                },
-            ],
+                }])
+                .collect(),
             recorded: Some(Recorded {
                 segment_events: recorded.iter().enumerate().map(event).collect(),
                 ..Recorded::default()
@@ -316,6 +318,21 @@ mod tests {
             .recorded_context
             .iter()
             .all(|e| e.action == "segment_alloc"));
+        // A long record is shown around where it parts: 3 events before
+        // it, that one and 4 after.
+        let mut long = vec![64; 12];
+        long[6] = 66;
+        let divergence = fidelity(&snapshot_of(12, &long))
+            .unwrap()
+            .first_divergence
+            .unwrap();
+        let ops: Vec<usize> = divergence
+            .recorded_context
+            .iter()
+            .map(|e| e.op_index)
+            .collect();
+        assert_eq!(ops, [3, 4, 5, 6, 7, 8, 9, 10]);
+        assert_eq!(divergence.replayed_context.len(), 8);
         // Fewer recorded than replayed: they part where the record ends.
         let fewer = fidelity(&snapshot_with_segments(&[64, 64, 64])).unwrap();
         assert_eq!(fewer.verdict(), Verdict::Diverges);

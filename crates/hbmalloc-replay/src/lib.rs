@@ -798,6 +798,23 @@ mod tests {
     }
 
     #[test]
+    fn recorded_out_of_memory_errors_are_replayed_only_when_asked() {
+        let trace = DeviceTrace {
+            ops: vec![Op::Oom {
+                size: MIB,
+                stream: 0,
+                device_free: 0,
+            }],
+            ..DeviceTrace::default()
+        };
+        let mut options =
+            ReplayOptions::new(PolicyConfig::from_settings("policy:pytorch").unwrap());
+        assert!(replay(&trace, &options).unwrap().reproduced_ooms.is_empty());
+        options.emulate_recorded_ooms = true;
+        assert_eq!(replay(&trace, &options).unwrap().reproduced_ooms.len(), 1);
+    }
+
+    #[test]
     fn a_shared_replay_makes_the_traces_calls_on_its_own_streams() {
         let alloc = |id, mib| Op::Alloc {
             id,
