@@ -537,7 +537,7 @@ mod tests {
                         2 => bytes.extend((0..draw.below(16)).map(|_| draw.next_u64() as u8)),
                         _ if bytes.len() >= 10 => {
                             let at = 2 + draw.below(bytes.len() as u64 - 9) as usize;
-                            let word = extremes[draw.below(extremes.len() as u64) as usize];
+                            let word = *draw.pick(&extremes);
                             bytes[at..at + 8].copy_from_slice(&word.to_ne_bytes());
                         }
                         _ => {}

@@ -975,11 +975,6 @@ fn threads_allocate_and_free_concurrently() {
     assert_consistent();
 }
 
-/// One of `items`, drawn from `draw`.
-fn pick<T: Copy>(draw: &mut SplitMix64, items: &[T]) -> T {
-    items[draw.below(items.len() as u64) as usize]
-}
-
 /// One seeded program of `ops` calls through the C ABI as a careless or
 /// hostile caller makes them: valid and invalid sizes and devices, frees of
 /// live, freed, interior, foreign and wrong-device pointers, streams used
@@ -993,7 +988,8 @@ fn pick<T: Copy>(draw: &mut SplitMix64, items: &[T]) -> T {
 /// allocation, so after `empty_cache` no device holds any memory.
 fn hostile_program(seed: u64, ops: usize, fresh: bool) {
     let mut draw = SplitMix64::new(seed);
-    // In a fresh process, before either device has an allocator.
+    // A foreign pointer, on devices that may have no allocator yet (the
+    // first program in a process).
     for device in 0..2 {
         hbmalloc_free(0xdead_0000 as *mut c_void, 0, device, NO_STREAM.cast());
         assert_error(Status::UnknownPointer, &["0xdead0000"]);
@@ -1018,16 +1014,15 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
     let mut holders = [[0u32; 3]; 2];
     let mut freed: Vec<(usize, i32)> = Vec::new();
     let mut capturing = false;
-    let status = || last_status();
     let context = |op: usize, what: &str| format!("seed {seed} op {op}: {what}: {}", last_error());
     for op in 0..ops {
         let kind = draw.below(100);
-        let stream = pick(&mut draw, &streams);
+        let stream = *draw.pick(&streams);
         match kind {
             0..=44 => {
-                let device = pick(&mut draw, &[0, 0, 0, 1, -1, 2]);
+                let device = *draw.pick(&[0, 0, 0, 1, -1, 2]);
                 let size: isize = match draw.below(10) {
-                    0 => pick(&mut draw, &[0, -1, isize::MIN, isize::MAX, 1 << 51]),
+                    0 => *draw.pick(&[0, -1, isize::MIN, isize::MAX, 1 << 51]),
                     1..=2 => (1 + draw.below(64 * MIB as u64)) as isize,
                     _ => (1 + draw.below(256 * 1024)) as isize,
                 };
@@ -1045,19 +1040,22 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                     Some(p) => (0..2).contains(&device) && holders[device as usize][p] > 0,
                 };
                 if size == 0 {
-                    assert!(ptr.is_null() && status() == Status::Ok as i32, "{what}");
+                    assert!(
+                        ptr.is_null() && last_status() == Status::Ok as i32,
+                        "{what}"
+                    );
                 } else if size < 0 || size as u64 > hbmalloc::MAX_REQUEST_BYTES {
                     assert!(ptr.is_null(), "{what}");
-                    assert_eq!(status(), Status::InvalidArgument as i32, "{what}");
+                    assert_eq!(last_status(), Status::InvalidArgument as i32, "{what}");
                 } else if !(0..2).contains(&device) {
                     assert!(ptr.is_null(), "{what}");
-                    assert_eq!(status(), Status::DeviceOutOfRange as i32, "{what}");
+                    assert_eq!(last_status(), Status::DeviceOutOfRange as i32, "{what}");
                 } else if !held {
                     // An unknown or released pool takes no allocation.
                     assert!(ptr.is_null(), "{what}");
                     assert!(
                         [Status::InvalidArgument as i32, Status::InvalidState as i32]
-                            .contains(&status()),
+                            .contains(&last_status()),
                         "{what}"
                     );
                 } else if ptr.is_null() {
@@ -1065,11 +1063,11 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                     // first use of a device: refused, with its own status.
                     assert!(
                         [Status::OutOfMemory as i32, Status::InvalidState as i32]
-                            .contains(&status()),
+                            .contains(&last_status()),
                         "{what}"
                     );
                 } else {
-                    assert_eq!(status(), Status::Ok as i32, "{what}");
+                    assert_eq!(last_status(), Status::Ok as i32, "{what}");
                     assert!(
                         live.iter().all(|&(p, ..)| p != ptr as usize),
                         "{what}: handed out twice"
@@ -1081,11 +1079,11 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
             45..=74 => {
                 let (ptr, device, expect) = match draw.below(8) {
                     0..=3 if !live.is_empty() => {
-                        let (ptr, device, ..) = live[draw.below(live.len() as u64) as usize];
+                        let (ptr, device, ..) = *draw.pick(&live);
                         (ptr, device, Status::Ok)
                     }
                     4 if !freed.is_empty() => {
-                        let (ptr, device) = pick(&mut draw, &freed);
+                        let (ptr, device) = *draw.pick(&freed);
                         (ptr, device, Status::UnknownPointer)
                     }
                     5 if !live.is_empty() => {
@@ -1108,7 +1106,7 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                     _ => {
                         // A foreign pointer, on a device that may have no
                         // allocator yet, or on none at all.
-                        let device = pick(&mut draw, &[0, 1, 1, -1, 2]);
+                        let device = *draw.pick(&[0, 1, 1, -1, 2]);
                         let expect = if (0..2).contains(&device) {
                             Status::UnknownPointer
                         } else {
@@ -1119,7 +1117,7 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                 };
                 hbmalloc_free(ptr as *mut c_void, 0, device, stream.cast());
                 let what = context(op, &format!("free {ptr:#x} on device {device}"));
-                assert_eq!(status(), expect as i32, "{what}");
+                assert_eq!(last_status(), expect as i32, "{what}");
                 if expect == Status::Ok && ptr != 0 {
                     live.retain(|&(p, ..)| p != ptr);
                     freed.push((ptr, device));
@@ -1128,13 +1126,13 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                     if draw.below(4) == 0 {
                         hbmalloc_free(ptr as *mut c_void, 0, device, stream.cast());
                         let what = context(op, &format!("second free of {ptr:#x}"));
-                        assert_eq!(status(), Status::UnknownPointer as i32, "{what}");
+                        assert_eq!(last_status(), Status::UnknownPointer as i32, "{what}");
                     }
                 }
             }
             75..=84 => {
                 let target = if !live.is_empty() && draw.below(4) > 0 {
-                    let (ptr, device, ..) = live[draw.below(live.len() as u64) as usize];
+                    let (ptr, device, ..) = *draw.pick(&live);
                     Some((ptr, device, Status::Ok))
                 } else {
                     freed.last().map(|&(p, d)| (p, d, Status::UnknownPointer))
@@ -1146,7 +1144,7 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                 }
             }
             85..=89 => {
-                let device = pick(&mut draw, &[0, 1]);
+                let device = *draw.pick(&[0, 1]);
                 let code = hbmalloc_empty_cache(device);
                 // Refused on the capturing device only: a capture is per device.
                 let expect = if capturing && device == 0 {
@@ -1157,8 +1155,8 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                 assert_eq!(code, expect as i32, "{}", context(op, "empty_cache"));
             }
             90..=94 => {
-                let device = pick(&mut draw, &[0, 1]);
-                let fraction = pick(&mut draw, &[0.05, 0.5, 1.0, f64::NAN, -0.5, 1.5]);
+                let device = *draw.pick(&[0, 1]);
+                let fraction = *draw.pick(&[0.05, 0.5, 1.0, f64::NAN, -0.5, 1.5]);
                 let code = hbmalloc_set_memory_fraction(fraction, device);
                 let expect = if (0.0..=1.0).contains(&fraction) {
                     Status::Ok
@@ -1169,7 +1167,7 @@ fn hostile_program(seed: u64, ops: usize, fresh: bool) {
                 assert_eq!(code, expect as i32, "{what}");
             }
             95..=97 => {
-                let device = pick(&mut draw, &[0, 1]);
+                let device = *draw.pick(&[0, 1]);
                 let p = draw.below(3) as usize;
                 let (first, second) = pools[p];
                 let held = &mut holders[device as usize][p];

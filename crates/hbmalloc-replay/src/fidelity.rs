@@ -236,14 +236,9 @@ mod tests {
 
     const MIB: u64 = 1 << 20;
 
-    /// Four 64 MiB requests, each a `cudaMalloc` of its own under `pytorch`,
-    /// and a recorded out-of-memory error; the recorded allocator made the
-    /// `recorded` segments (MiB) at ops 0, 1, ...
-    fn snapshot_with_segments(recorded: &[u64]) -> DeviceTrace {
-        snapshot_of(4, recorded)
-    }
-
-    /// [`snapshot_with_segments`] with `requests` requests of 64 MiB.
+    /// `requests` requests of 64 MiB, each a `cudaMalloc` of its own under
+    /// `pytorch`, and a recorded out-of-memory error; the recorded allocator
+    /// made the `recorded` segments (MiB) at ops 0, 1, ...
     fn snapshot_of(requests: u64, recorded: &[u64]) -> DeviceTrace {
         let alloc = |id| Op::Alloc {
             id,
@@ -276,7 +271,7 @@ mod tests {
 
     #[test]
     fn the_replay_is_compared_with_the_recorded_segments_in_order() {
-        let same = fidelity(&snapshot_with_segments(&[64, 64, 64, 64])).unwrap();
+        let same = fidelity(&snapshot_of(4, &[64, 64, 64, 64])).unwrap();
         assert!(same.exact());
         assert_eq!(same.verdict(), Verdict::Exact);
         assert_eq!(
@@ -286,7 +281,7 @@ mod tests {
         // The recorded out-of-memory error happened again (the device said
         // it had no memory free); where it said it had, the note says so.
         assert_eq!(same.replay_note, None);
-        let mut roomy = snapshot_with_segments(&[64, 64, 64, 64]);
+        let mut roomy = snapshot_of(4, &[64, 64, 64, 64]);
         roomy.ops[4] = Op::Oom {
             size: MIB,
             stream: 0,
@@ -298,7 +293,7 @@ mod tests {
         );
         // A third segment of another size: the sequences part there, shown
         // with what came before and after.
-        let other = fidelity(&snapshot_with_segments(&[64, 64, 66, 64])).unwrap();
+        let other = fidelity(&snapshot_of(4, &[64, 64, 66, 64])).unwrap();
         assert!(!other.exact());
         assert_eq!(other.verdict(), Verdict::Diverges);
         let divergence = other.first_divergence.unwrap();
@@ -334,7 +329,7 @@ mod tests {
         assert_eq!(ops, [3, 4, 5, 6, 7, 8, 9, 10]);
         assert_eq!(divergence.replayed_context.len(), 8);
         // Fewer recorded than replayed: they part where the record ends.
-        let fewer = fidelity(&snapshot_with_segments(&[64, 64, 64])).unwrap();
+        let fewer = fidelity(&snapshot_of(4, &[64, 64, 64])).unwrap();
         assert_eq!(fewer.verdict(), Verdict::Diverges);
         assert_eq!(fewer.first_divergence.unwrap().index, 3);
     }

@@ -664,29 +664,30 @@ mod tests {
 
     const MIB: u64 = 1 << 20;
 
-    /// 64 MiB and 32 MiB allocated, both freed, then 16 MiB that the cache
-    /// serves: reserved memory peaks after the second op and stays there.
-    fn peak_in_the_middle() -> DeviceTrace {
-        peak_in_the_middle_then("")
+    /// An RMM log of (action, pointer, MiB) rows, a tenth of a second apart.
+    fn rmm_trace(rows: &[(&str, u64, f64)]) -> DeviceTrace {
+        let mut csv = String::from("Thread,Time,Action,Pointer,Size,Stream\n");
+        for (i, &(action, ptr, mib)) in rows.iter().enumerate() {
+            let size = (mib * MIB as f64) as u64 / 512 * 512;
+            let (seconds, tenths) = ((i + 1) / 10, (i + 1) % 10);
+            csv += &format!("1,10:00:{seconds:02}.{tenths},{action},{ptr:#x},{size},0x0\n");
+        }
+        let trace = hbmalloc_trace::parse_bytes("rows.csv", csv.as_bytes()).unwrap();
+        trace.devices.into_iter().next().unwrap()
     }
 
-    /// [`peak_in_the_middle`] followed by the RMM log rows `more`.
-    fn peak_in_the_middle_then(more: &str) -> DeviceTrace {
-        let csv = format!(
-            "Thread,Time,Action,Pointer,Size,Stream\n\
-             1,0.1,allocate,0x1000,{},0x0\n\
-             1,0.2,allocate,0x2000,{},0x0\n\
-             1,0.3,free,0x1000,{},0x0\n\
-             1,0.4,free,0x2000,{},0x0\n\
-             1,0.5,allocate,0x3000,{},0x0\n{more}",
-            64 * MIB,
-            32 * MIB,
-            64 * MIB,
-            32 * MIB,
-            16 * MIB
-        );
-        let trace = hbmalloc_trace::parse_bytes("peak.csv", csv.as_bytes()).unwrap();
-        trace.devices.into_iter().next().unwrap()
+    /// 64 MiB and 32 MiB allocated, both freed, then 16 MiB that the cache
+    /// serves: reserved memory peaks after the second op and stays there.
+    const PEAK_IN_THE_MIDDLE: [(&str, u64, f64); 5] = [
+        ("allocate", 0x1000, 64.0),
+        ("allocate", 0x2000, 32.0),
+        ("free", 0x1000, 64.0),
+        ("free", 0x2000, 32.0),
+        ("allocate", 0x3000, 16.0),
+    ];
+
+    fn peak_in_the_middle() -> DeviceTrace {
+        rmm_trace(&PEAK_IN_THE_MIDDLE)
     }
 
     fn options(settings: &str, capacity_bytes: Option<u64>) -> EvalOptions {
@@ -790,10 +791,13 @@ mod tests {
     fn only_mallocs_and_frees_that_allocate_nothing_are_timed_as_cache_hits() {
         // Two empty tensors made and dropped at the end: the allocator is
         // not called for them, so they are no hits.
-        let trace = peak_in_the_middle_then(
-            "1,0.6,allocate,0x4000,0,0x0\n1,0.7,allocate,0x5000,0,0x0\n\
-             1,0.8,free,0x4000,0,0x0\n1,0.9,free,0x5000,0,0x0\n",
-        );
+        let empty = [
+            ("allocate", 0x4000, 0.0),
+            ("allocate", 0x5000, 0.0),
+            ("free", 0x4000, 0.0),
+            ("free", 0x5000, 0.0),
+        ];
+        let trace = rmm_trace(&[&PEAK_IN_THE_MIDDLE[..], &empty].concat());
         for settings in ["policy:pytorch", "policy:hbm"] {
             let mut replay = options(settings, None).replay_options();
             let untimed = PreparedTrace::new(&trace).unwrap().run(&replay).unwrap();
@@ -1019,18 +1023,6 @@ mod tests {
             log.reserved_bytes,
             vec![0, 64 * MIB, 96 * MIB, 96 * MIB, 96 * MIB, 96 * MIB]
         );
-    }
-
-    /// An RMM log of (action, pointer, MiB) rows, a tenth of a second apart
-    /// (at most nine).
-    fn rmm_trace(rows: &[(&str, u64, f64)]) -> DeviceTrace {
-        let mut csv = String::from("Thread,Time,Action,Pointer,Size,Stream\n");
-        for (i, &(action, ptr, mib)) in rows.iter().enumerate() {
-            let size = (mib * MIB as f64) as u64 / 512 * 512;
-            csv += &format!("1,10:00:00.{},{action},{ptr:#x},{size},0x0\n", i + 1);
-        }
-        let trace = hbmalloc_trace::parse_bytes("rows.csv", csv.as_bytes()).unwrap();
-        trace.devices.into_iter().next().unwrap()
     }
 
     /// A block that lives across another's free leaves a hole too small for
@@ -1313,17 +1305,9 @@ mod tests {
         assert!(!m.drift_within_reach);
     }
 
+    /// Four 64 MiB tensors allocated and kept.
     fn growing_trace() -> DeviceTrace {
-        let csv = format!(
-            "Thread,Time,Action,Pointer,Size,Stream\n\
-             1,0.1,allocate,0x1000,{size},0x0\n\
-             1,0.2,allocate,0x2000,{size},0x0\n\
-             1,0.3,allocate,0x3000,{size},0x0\n\
-             1,0.4,allocate,0x4000,{size},0x0\n",
-            size = 64 * MIB
-        );
-        let trace = hbmalloc_trace::parse_bytes("growing.csv", csv.as_bytes()).unwrap();
-        trace.devices.into_iter().next().unwrap()
+        rmm_trace(&[0x1000, 0x2000, 0x3000, 0x4000].map(|ptr| ("allocate", ptr, 64.0)))
     }
 
     #[test]

@@ -86,6 +86,11 @@ pub trait RandomSource {
         lo + self.below(hi - lo + 1)
     }
 
+    /// One of `items` (not empty), uniformly.
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len() as u64) as usize]
+    }
+
     /// True with probability `percent` / 100.
     fn chance(&mut self, percent: u64) -> bool {
         self.below(100) < percent
@@ -427,7 +432,7 @@ impl<D: SimBacked> Run<D> {
     }
 
     fn pick_stream(&mut self) -> StreamId {
-        self.streams[self.rng.below(self.streams.len() as u64) as usize]
+        *self.rng.pick(&self.streams)
     }
 
     fn pick_live(&mut self) -> Option<DevicePtr> {
@@ -523,7 +528,7 @@ impl<D: SimBacked> Run<D> {
     }
 
     fn op_fault(&mut self, step: usize) {
-        let kind = CallKind::ALL[self.rng.below(CallKind::ALL.len() as u64) as usize];
+        let kind = *self.rng.pick(&CallKind::ALL);
         let nth = if kind == CallKind::Map {
             // The Nth map of a multi-page growth: fail part-way.
             self.rng.range(1, 6)
@@ -680,7 +685,7 @@ impl<D: SimBacked> Run<D> {
         let l = &self.live[&ptr];
         let mut candidates = vec![l.stream];
         candidates.extend(l.others.iter().copied());
-        let stream = candidates[self.rng.below(candidates.len() as u64) as usize];
+        let stream = *self.rng.pick(&candidates);
         let len = l.requested;
         self.log(format!("launch on stream {} over {ptr:#x}", stream.0));
         self.sim().enqueue_use(stream, ptr, len);
@@ -749,7 +754,7 @@ impl<D: SimBacked> Run<D> {
             4..=6 => {
                 let events = self.sim().pending_event_ids();
                 if !events.is_empty() {
-                    let e = events[self.rng.below(events.len() as u64) as usize];
+                    let e = *self.rng.pick(&events);
                     self.log(format!("complete_event({})", e.0));
                     self.sim().complete_event(e);
                 }
@@ -757,7 +762,7 @@ impl<D: SimBacked> Run<D> {
             7..=8 => {
                 let uses = self.sim().pending_uses();
                 if !uses.is_empty() {
-                    let u = uses[self.rng.below(uses.len() as u64) as usize].id;
+                    let u = self.rng.pick(&uses).id;
                     self.log(format!("complete_use({})", u.0));
                     self.sim().complete_use(u);
                 }
