@@ -336,13 +336,9 @@ fn peaks(blocks: &[Lifetime], offsets: &[u64], granule: u64) -> (u64, u64) {
         let start = offsets[index];
         let end = start.saturating_add(size);
         let whole = (end / granule).saturating_sub(start.div_ceil(granule));
-        let mut edges = [None, None];
-        if start % granule != 0 {
-            edges[0] = Some(start / granule);
-        }
-        if end % granule != 0 && edges[0] != Some(end / granule) {
-            edges[1] = Some(end / granule);
-        }
+        // The granules it covers in part. One inside a single granule names
+        // it twice and adds two users to it, as its free takes two away.
+        let edges = [start, end].map(|at| (at % granule != 0).then_some(at / granule));
         if begins {
             live = live.saturating_add(size);
             whole_granules += whole;
@@ -589,6 +585,28 @@ mod tests {
     }
 
     #[test]
+    fn a_block_maps_every_granule_it_touches_and_shares_its_edges() {
+        // (offset, size, start, end) in granules' halves and states.
+        let h = G / 2;
+        let peak = |layout: &[(u64, u64, usize, usize)]| {
+            let blocks: Vec<Lifetime> = layout
+                .iter()
+                .map(|&(_, size, start, end)| Lifetime { size, start, end })
+                .collect();
+            let offsets: Vec<u64> = layout.iter().map(|&(offset, ..)| offset).collect();
+            peaks(&blocks, &offsets, G).1 / G
+        };
+        assert_eq!(peak(&[(0, G, 0, 1)]), 1, "one whole granule");
+        assert_eq!(peak(&[(0, 3 * h, 0, 1)]), 2, "its end in the next granule");
+        assert_eq!(peak(&[(h, h / 2, 0, 1)]), 1, "inside one granule");
+        assert_eq!(peak(&[(h, 4 * h, 0, 1)]), 3, "both ends in part");
+        // Two blocks on one granule count it once, and it stays mapped
+        // while either lies on it.
+        assert_eq!(peak(&[(0, 3 * h, 0, 2), (3 * h, 3 * h, 1, 3)]), 3);
+        assert_eq!(peak(&[(0, 3 * h, 0, 1), (3 * h, 3 * h, 1, 2)]), 2);
+    }
+
+    #[test]
     fn an_absurd_size_saturates_instead_of_overflowing() {
         let plan = plan_with_granule(
             &trace(vec![
@@ -634,5 +652,31 @@ mod tests {
         // Live in the step: W, the previous G, Y and Z, then the new G.
         assert_eq!(plan.peak_live_bytes, 16 * K + 4 * K + 4 * K + 4 * K);
         assert_eq!(plan_last_step(&trace(vec![alloc(1, K), free(1)])), None);
+    }
+
+    #[test]
+    fn a_step_plan_begins_where_least_is_live_and_pairs_each_state_with_its_op() {
+        // W lives throughout. Each step: A (8 KiB, freed inside it), K (1
+        // KiB, kept for good, so each step begins with 1 KiB more live), A
+        // freed, then padding. The step before the last begins with less
+        // live memory, but a stretch beginning there does not end in the
+        // last step: the plan begins at the last step itself.
+        let mut ops = vec![alloc(0, 16 * K)];
+        let mut id = 1;
+        for _ in 0..4 {
+            ops.extend([alloc(id, 8 * K), alloc(id + 1, K), free(id)]);
+            id += 2;
+            for _ in 0..7 {
+                ops.extend([alloc(id, 512), free(id)]);
+                id += 1;
+            }
+        }
+        let plan = plan_last_step(&trace(ops)).expect("the steps repeat");
+        assert_eq!((plan.first_op, plan.ops), (1 + 3 * 17, 17));
+        // After the last step's A and K: W, four K and A.
+        assert_eq!(plan.peak_live_bytes, 16 * K + 4 * K + 8 * K);
+        // Paired with the state after each op, A never counts as outer.
+        assert_eq!(plan.outer_peak_bytes, 16 * K + 4 * K);
+        assert_eq!(plan.arena_bytes, 8 * K);
     }
 }
