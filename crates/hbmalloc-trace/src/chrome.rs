@@ -2,10 +2,11 @@
 //!
 //! The profiler logs one `[memory]` instant event per allocation and free:
 //! `args.Addr`, `args.Bytes` (negative for a free), `args["Device Type"]`
-//! (c10's `DeviceType`: 0 CPU, 1 CUDA, also on ROCm) and `args["Device Id"]`,
-//! and one `[OutOfMemory]` event (no `Addr`) per failed allocation, which
-//! becomes [`Op::Oom`]. Events are replayed in timestamp order; the trace
-//! knows nothing of segments or streams, so every op is on stream 0.
+//! (c10's `DeviceType`: 0 CPU, 1 CUDA, also on ROCm; CPU when missing) and
+//! `args["Device Id"]` (required but on the CPU), and one `[OutOfMemory]`
+//! event (no `Addr`) per failed allocation, which becomes [`Op::Oom`].
+//! Events are replayed in timestamp order; the trace knows nothing of
+//! segments or streams, so every op is on stream 0.
 //!
 //! Devices: a GPU run logs host (CPU) and device memory in the same file.
 //! Every device type but the CPU keeps its `Device Id` (a CUDA device 0 is
@@ -22,6 +23,7 @@
 //! without `profile_memory=True` (or is another JSON file), and has nothing
 //! to replay.
 
+use std::cmp::Ordering;
 use std::collections::{BTreeMap, HashMap};
 
 use serde_json::Value as Json;
@@ -159,13 +161,16 @@ impl MemoryEvent {
         let ts = ts
             .filter(|ts| ts.is_finite())
             .ok_or_else(|| entry_error(&path, "ts is not a number"))?;
+        let device_type = int("Device Type", Some(DEVICE_TYPE_CPU))?;
         Ok(MemoryEvent {
             ts,
             // An OOM names no address.
             addr: int("Addr", out_of_memory.then_some(0))? as u64,
             bytes: int("Bytes", None)?,
-            device_type: int("Device Type", Some(DEVICE_TYPE_CPU))?,
-            device_id: int("Device Id", Some(-1))?,
+            device_type,
+            // The profiler writes -1 for host memory; a GPU's event without
+            // its device cannot be placed.
+            device_id: int("Device Id", (device_type == DEVICE_TYPE_CPU).then_some(-1))?,
             out_of_memory,
         })
     }
@@ -226,9 +231,9 @@ impl<'t> DeviceBuilder<'t> {
             });
             return;
         }
-        match event.bytes {
-            0 => self.skip("zero-byte event"),
-            bytes if bytes > 0 => {
+        match event.bytes.cmp(&0) {
+            Ordering::Equal => self.skip("zero-byte event"),
+            Ordering::Greater => {
                 if let Some(old) = self.live.remove(&event.addr) {
                     // The profiler missed the free; the address cannot be
                     // handed out twice, so the old allocation is gone.
@@ -240,11 +245,11 @@ impl<'t> DeviceBuilder<'t> {
                 self.live.insert(event.addr, id);
                 self.trace.ops.push(Op::Alloc {
                     id,
-                    size: bytes.unsigned_abs(),
+                    size: event.bytes.unsigned_abs(),
                     stream: 0,
                 });
             }
-            _ => match self.live.remove(&event.addr) {
+            Ordering::Less => match self.live.remove(&event.addr) {
                 Some(id) => self.trace.ops.push(Op::Free { id }),
                 // Allocated before profiling started.
                 None => self.skip("free of an unknown address"),

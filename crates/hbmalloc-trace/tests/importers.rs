@@ -815,7 +815,8 @@ fn chrome_trace_orders_by_timestamp_and_marks_steps() {
         memory_event(1.0, 32, 50, 0, -1),
         memory_event(2.0, 99, -7, 0, -1), // allocated before profiling
         memory_event(5.0, 48, 30, 0, -1), // same ts as the first: file order
-        r#"{"ph": "X", "name": "aten::add", "ts": 3}"#.to_string(),
+        // Not a step, though it comes before the first op.
+        r#"{"ph": "X", "name": "aten::add", "ts": 0.5}"#.to_string(),
         r#"{"ph": "X", "name": "ProfilerStep#1", "ts": 6, "dur": 4}"#.to_string(),
         r#"{"ph": "X", "name": "ProfilerStep#0", "ts": 4.5, "dur": 1}"#.to_string(),
     ];
@@ -888,6 +889,38 @@ fn chrome_trace_alloc_at_a_live_address_frees_the_old_one() {
             },
         ]
     );
+}
+
+/// A zero-byte event allocates and frees nothing (the live block at its
+/// address stays live), and a GPU's event must say which GPU.
+#[test]
+fn chrome_trace_skips_zero_byte_events_and_needs_a_gpus_device_id() {
+    let json = format!(
+        "[{}, {}, {}]",
+        memory_event(1.0, 16, 100, 1, 0),
+        memory_event(2.0, 16, 0, 1, 0),
+        memory_event(3.0, 16, -100, 1, 0)
+    );
+    let trace = import("zero.json", json.as_bytes());
+    let alloc = Op::Alloc {
+        id: 0,
+        size: 100,
+        stream: 0,
+    };
+    assert_eq!(trace.devices[0].ops, vec![alloc, Op::Free { id: 0 }]);
+    assert_eq!(trace.devices[0].skipped.get("zero-byte event"), Some(&1));
+    assert_eq!(trace.devices[0].skipped.len(), 1);
+
+    let no_id =
+        r#"[{"name": "[memory]", "ts": 1, "args": {"Addr": 1, "Bytes": 8, "Device Type": 1}}]"#;
+    assert!(
+        import_error(no_id.as_bytes()).contains("traceEvents[0]: missing args.Device Id"),
+        "{}",
+        import_error(no_id.as_bytes())
+    );
+    // On the CPU the id may be left out: it is host memory either way.
+    let host = r#"[{"name": "[memory]", "ts": 1, "args": {"Addr": 1, "Bytes": 8}}]"#;
+    assert_eq!(import("host.json", host.as_bytes()).devices[0].device, -1);
 }
 
 /// A GPU run: host and CUDA memory in one file (host memory left out with a
@@ -1186,4 +1219,31 @@ mod fuzz {
             let _ = parse_bytes("fuzz.pickle", &bytes);
         }
     }
+}
+
+/// A path that names no file says so with the path as given; a pattern the
+/// shell did not expand (no file matched it) says that too.
+#[test]
+fn a_missing_file_is_named_and_an_unexpanded_pattern_is_told_apart() {
+    let dir = std::env::temp_dir().join("hbmalloc-trace-no-such-dir");
+    for (name, pattern) in [
+        ("run.pickle", false),
+        ("*.pickle", true),
+        ("run?.json", true),
+    ] {
+        let path = dir.join(name);
+        let message = hbmalloc_trace::load(&path).unwrap_err().to_string();
+        assert!(message.contains(&path.display().to_string()), "{message}");
+        assert_eq!(
+            message.contains("no file matches this pattern"),
+            pattern,
+            "{message}"
+        );
+    }
+    // A path that exists but is no file is not a pattern, whatever its name.
+    let odd = std::env::temp_dir().join(format!("hbmalloc-trace-[{}]", std::process::id()));
+    std::fs::create_dir_all(&odd).unwrap();
+    let message = hbmalloc_trace::load(&odd).unwrap_err().to_string();
+    std::fs::remove_dir(&odd).unwrap();
+    assert!(!message.contains("no file matches"), "{message}");
 }
