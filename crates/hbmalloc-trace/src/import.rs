@@ -79,17 +79,40 @@ fn parse_plain(name: &str, bytes: &[u8]) -> Result<Trace, TraceError> {
 }
 
 fn gunzip(bytes: &[u8]) -> Result<Vec<u8>, TraceError> {
+    gunzip_at_most(bytes, MAX_DECOMPRESSED_BYTES)
+}
+
+fn gunzip_at_most(bytes: &[u8], max_bytes: u64) -> Result<Vec<u8>, TraceError> {
     let mut inner = Vec::new();
     flate2::read::GzDecoder::new(bytes)
-        .take(MAX_DECOMPRESSED_BYTES + 1)
+        .take(max_bytes + 1)
         .read_to_end(&mut inner)
         .map_err(|e| TraceError::new("gzip", Location::File, format!("cannot decompress: {e}")))?;
-    if inner.len() as u64 > MAX_DECOMPRESSED_BYTES {
+    if inner.len() as u64 > max_bytes {
         return Err(TraceError::new(
             "gzip",
             Location::File,
-            format!("decompresses to more than {MAX_DECOMPRESSED_BYTES} bytes"),
+            format!("decompresses to more than {max_bytes} bytes"),
         ));
     }
     Ok(inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gzip_is_unpacked_whole_up_to_the_limit_and_refused_past_it() {
+        let text = b"0123456789";
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut gz, text).unwrap();
+        let gz = gz.finish().unwrap();
+        assert_eq!(gunzip_at_most(&gz, 10).unwrap(), text);
+        let error = gunzip_at_most(&gz, 9).unwrap_err().to_string();
+        assert!(
+            error.contains("decompresses to more than 9 bytes"),
+            "{error}"
+        );
+    }
 }

@@ -155,6 +155,10 @@ const MAX_LINE: usize = 1 << 10;
 /// Errors carry the byte offset of the offending opcode and format `pickle`;
 /// the caller adds the file name.
 pub fn parse(bytes: &[u8]) -> Result<Document, TraceError> {
+    parse_with_memo_limit(bytes, MAX_MEMO)
+}
+
+fn parse_with_memo_limit(bytes: &[u8], max_memo: usize) -> Result<Document, TraceError> {
     Parser {
         input: bytes,
         pos: 0,
@@ -163,6 +167,7 @@ pub fn parse(bytes: &[u8]) -> Result<Document, TraceError> {
         stack: Vec::new(),
         marks: Vec::new(),
         memo: HashMap::new(),
+        max_memo,
     }
     .run()
 }
@@ -177,6 +182,8 @@ struct Parser<'a> {
     /// Stack heights at each open `MARK`.
     marks: Vec<usize>,
     memo: HashMap<u32, ValueId>,
+    /// Most memo entries ([`MAX_MEMO`] but in tests).
+    max_memo: usize,
 }
 
 impl Parser<'_> {
@@ -267,8 +274,8 @@ impl Parser<'_> {
 
     fn memo_put(&mut self, key: u32) -> Result<(), TraceError> {
         let id = self.top()?;
-        if self.memo.len() >= MAX_MEMO && !self.memo.contains_key(&key) {
-            return Err(self.error(format!("memo larger than {MAX_MEMO} entries")));
+        if self.memo.len() >= self.max_memo && !self.memo.contains_key(&key) {
+            return Err(self.error(format!("memo larger than {} entries", self.max_memo)));
         }
         self.memo.insert(key, id);
         Ok(())
@@ -583,4 +590,22 @@ fn refused_opcode_name(opcode: u8) -> Option<&'static str> {
         0x98 => "READONLY_BUFFER",
         _ => return None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_memo_refuses_a_new_key_but_takes_an_old_one_again() {
+        // Three lists memoized under keys 0, 1, 2, then key 1 again.
+        let bytes = b"\x80\x02]q\x00]q\x01]q\x02q\x01h\x01.";
+        let doc = parse_with_memo_limit(bytes, 3).unwrap();
+        assert_eq!(doc.root(), 2, "key 1 now names the third list");
+        let error = parse_with_memo_limit(bytes, 2).unwrap_err().to_string();
+        assert!(
+            error.contains("byte 9: memo larger than 2 entries"),
+            "{error}"
+        );
+    }
 }

@@ -1051,6 +1051,41 @@ fn rmm_csv_parses_allocations_frees_and_failures() {
         ]
     );
     assert_eq!(device.skipped.get("free of an unknown address"), Some(&1));
+    assert_eq!(device.recorded_span_us, Some(4));
+}
+
+/// An allocation at a live address frees the old one first (RMM missed its
+/// free), the log's time runs on past midnight, and a header with more
+/// columns than RMM's is no RMM log.
+#[test]
+fn rmm_csv_reuses_a_live_address_and_spans_midnight() {
+    let csv = "Thread,Time,Action,Pointer,Size,Stream\n\
+               1,23:59:59.500000,allocate,0x10,256,0x0\n\
+               1,23:59:59:750000,allocate,0x10,512,0x0\n\
+               1,00:00:01.25,free,0x10,512,0x0\n";
+    let device = &import("log.csv", csv.as_bytes()).devices[0];
+    assert_eq!(
+        device.ops,
+        vec![
+            rmm_alloc(0, 256, 0),
+            Op::Free { id: 0 },
+            rmm_alloc(1, 512, 0),
+            Op::Free { id: 1 },
+        ]
+    );
+    assert_eq!(
+        device
+            .skipped
+            .get("allocate at a live address (old one freed first)"),
+        Some(&1)
+    );
+    assert_eq!(device.recorded_span_us, Some(1_750_000));
+    let wider = "Thread,Time,Action,Pointer,Size,Stream,Extra\n1,10:00:00.0,free,0x10,8,0x0,x\n";
+    let error = import_error(wider.as_bytes());
+    assert!(
+        error.contains("line 1") && error.contains("expected the header"),
+        "{error}"
+    );
 }
 
 // ---- Bad input: each error names the file, format, place and problem. ----
@@ -1068,6 +1103,122 @@ fn refuses_a_global_with_a_one_line_message() {
     let torch_global = b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nq\x00.";
     assert!(import_error(torch_global).contains("refused global 'torch._utils._rebuild_tensor_v2'"));
     assert!(import_error(b"\x80\x02X\x01\x00\x00\x000Q.").contains("refused opcode BINPERSID"));
+}
+
+/// `value` as Python would print it, ids followed into the arena.
+fn repr(doc: &pickle::Document, id: pickle::ValueId) -> String {
+    let items = |ids: &[pickle::ValueId]| {
+        ids.iter()
+            .map(|&item| repr(doc, item))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match doc.get(id) {
+        Value::None => "None".into(),
+        Value::Bool(b) => if *b { "True" } else { "False" }.into(),
+        Value::Int(n) => n.to_string(),
+        Value::Float(x) => format!("{x:?}"),
+        Value::Str(text) => format!("'{text}'"),
+        Value::Bytes(bytes) => format!("b'{}'", String::from_utf8_lossy(bytes)),
+        Value::List(ids) => format!("[{}]", items(ids)),
+        Value::Tuple(ids) if ids.len() == 1 => format!("({},)", items(ids)),
+        Value::Tuple(ids) => format!("({})", items(ids)),
+        Value::Dict(pairs) => {
+            let pairs: Vec<String> = pairs
+                .iter()
+                .map(|&(k, v)| format!("{}: {}", repr(doc, k), repr(doc, v)))
+                .collect();
+            format!("{{{}}}", pairs.join(", "))
+        }
+    }
+}
+
+/// Each data opcode the reader takes, on its own: what it builds.
+#[test]
+fn pickle_reads_every_data_opcode() {
+    let cases: &[(&[u8], &str)] = &[
+        (b"(K\x01K\x021K\x03.", "3"),                        // POP_MARK
+        (b"]2K\x01a0.", "[1]"),                              // DUP: the same list
+        (b"N\x88\x89\x87.", "(None, True, False)"),          // TUPLE3
+        (b"J\xff\xff\xff\xffM\x01\x01\x86.", "(-1, 257)"),   // BININT, BININT2
+        (b"G?\xe0\x00\x00\x00\x00\x00\x00\x85.", "(0.5,)"),  // BINFLOAT
+        (b"U\x02ab.", "b'ab'"),                              // SHORT_BINSTRING
+        (b"C\x02ab.", "b'ab'"),                              // SHORT_BINBYTES
+        (b"B\x02\x00\x00\x00ab.", "b'ab'"),                  // BINBYTES
+        (b"T\x02\x00\x00\x00ab.", "b'ab'"),                  // BINSTRING
+        (b"\x8e\x01\x00\x00\x00\x00\x00\x00\x00a.", "b'a'"), // BINBYTES8
+        (
+            b"X\x01\x00\x00\x00a\x8d\x01\x00\x00\x00\x00\x00\x00\x00b\x86.",
+            "('a', 'b')",
+        ),
+        (b"(\x8c\x01kK\x01d.", "{'k': 1}"), // DICT
+        (b"(d.", "{}"),
+        (b"(K\x01K\x02l.", "[1, 2]"),  // LIST
+        (b"(K\x01K\x02t.", "(1, 2)"),  // TUPLE
+        (b"}(u.", "{}"),               // SETITEMS of nothing
+        (b"](K\x01K\x02e.", "[1, 2]"), // APPENDS
+        // PUT and GET by text line, BINPUT and BINGET, LONG_BINPUT and
+        // LONG_BINGET: two keys each, so that a key read wrong shows.
+        (b"]p7\n0)p8\n0g7\n.", "[]"),
+        (b"]q\x07\x30)q\x08\x30h\x07.", "[]"),
+        (
+            b"]r\x07\x00\x00\x000)r\x08\x00\x00\x000j\x07\x00\x00\x00.",
+            "[]",
+        ),
+        // LONG1 of 16 bytes, the widest accepted.
+        (
+            b"\x8a\x10\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x01.",
+            "1329227995784915872903807060280344576",
+        ),
+    ];
+    for &(body, expected) in cases {
+        let mut bytes = vec![0x80, 2];
+        bytes.extend_from_slice(body);
+        let doc = pickle::parse(&bytes).unwrap_or_else(|e| panic!("{expected}: {e}"));
+        assert_eq!(repr(&doc, doc.root()), expected);
+        assert!(!doc.is_empty());
+        assert_eq!(doc.len(), doc.values().count());
+    }
+    for (body, message) in [
+        (&b"T\xff\xff\xff\xff."[..], "negative length -1"),
+        (b"(K\x01d.", "DICT with an odd number of items"),
+        (b"}(K\x01u.", "SETITEMS with an odd number of items"),
+        (b"]px\n.", "bad memo key \"x\""),
+        (
+            b"\x8a\x11\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x01.",
+            "integer of 17 bytes is too large",
+        ),
+    ] {
+        let mut bytes = vec![0x80, 2];
+        bytes.extend_from_slice(body);
+        let error = import_error(&bytes);
+        assert!(error.contains(message), "{error}");
+    }
+}
+
+/// Every opcode that would call code or build an object is named.
+#[test]
+fn refuses_each_object_opcode_by_name() {
+    for (opcode, name) in [
+        (b'R', "REDUCE"),
+        (b'b', "BUILD"),
+        (b'o', "OBJ"),
+        (0x81, "NEWOBJ"),
+        (0x92, "NEWOBJ_EX"),
+        (b'P', "PERSID"),
+        (b'Q', "BINPERSID"),
+        (0x82, "EXT1"),
+        (0x83, "EXT2"),
+        (0x84, "EXT4"),
+        (0x97, "NEXT_BUFFER"),
+        (0x98, "READONLY_BUFFER"),
+    ] {
+        let error = import_error(&[0x80, 5, opcode, b'.']);
+        assert!(
+            error.contains(&format!("refused opcode {name} ")),
+            "{error}"
+        );
+    }
 }
 
 #[test]
