@@ -183,3 +183,46 @@ fn device_from_file_name(name: &str) -> i64 {
         .last()
         .unwrap_or(0)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_time_of_day_is_read_to_the_microsecond_and_nothing_else_is() {
+        let us = |h: u64, m: u64, s: u64, micros: u64| {
+            Some(((h * 60 + m) * 60 + s) * 1_000_000 + micros)
+        };
+        assert_eq!(time_of_day_us("10:00:00.000001"), us(10, 0, 0, 1));
+        assert_eq!(time_of_day_us("23:59:59:750000"), us(23, 59, 59, 750_000));
+        assert_eq!(time_of_day_us("01:02:03.25"), us(1, 2, 3, 250_000));
+        assert_eq!(time_of_day_us("01:02:03"), us(1, 2, 3, 0));
+        assert_eq!(time_of_day_us("00:00:00.1234567"), us(0, 0, 0, 123_456));
+        // A leap second is a time of day; the 24th hour and the 60th minute
+        // are not, nor is anything but numbers.
+        assert_eq!(time_of_day_us("12:30:60.0"), us(12, 30, 60, 0));
+        for stamp in [
+            "24:00:00.0",
+            "10:60:00.0",
+            "10:00:61.0",
+            "10:00",
+            "10:0x:00",
+            "",
+        ] {
+            assert_eq!(time_of_day_us(stamp), None, "{stamp}");
+        }
+    }
+
+    #[test]
+    fn a_time_span_adds_the_steps_between_stamps_past_midnight() {
+        let mut span = TimeSpan::default();
+        span.add("23:59:58.0");
+        assert_eq!(span.micros, None, "one stamp spans no time");
+        span.add("not a time");
+        span.add("23:59:59.5");
+        assert_eq!(span.micros, Some(1_500_000));
+        span.add("23:59:59.5");
+        span.add("00:00:00.25");
+        assert_eq!(span.micros, Some(2_250_000));
+    }
+}

@@ -1028,6 +1028,8 @@ fn rmm_csv_bare_hex_and_device_from_the_file_name() {
     assert_eq!(device_of("dev2.csv"), 0);
     assert_eq!(device_of("rmm_log.device.csv"), 0);
     assert_eq!(device_of("log.csv"), 0);
+    // Ten digits is no device number RMM writes.
+    assert_eq!(device_of("rmm_log.dev1234567890.csv"), 0);
 }
 
 #[test]
