@@ -408,6 +408,10 @@ fn snapshot_settings_render_only_non_default_keys() {
         ]
     };
     assert_eq!(with(Py::Dict(defaults())), Some(String::new()));
+    // No limit, written as SIZE_MAX rather than -1.
+    let mut unlimited = defaults();
+    unlimited[0].1 = Py::int(u64::MAX);
+    assert_eq!(with(Py::Dict(unlimited)), Some(String::new()));
     let mut custom = defaults();
     custom[0].1 = Py::int(256 * MIB);
     custom[2].1 = Py::Bool(true);
@@ -498,6 +502,64 @@ fn snapshot_without_history_keeps_the_dumped_state_and_no_ops() {
     let recorded = device.recorded.as_ref().unwrap();
     assert_eq!(recorded.initial_reserved_bytes, 20 * MIB);
     assert!(recorded.segment_events.is_empty());
+}
+
+/// The dumped state's block states (both names of a block whose free waits
+/// on a stream are live), and a segment that gives no `segment_type`: small
+/// when it has the small pool's size.
+#[test]
+fn snapshot_reads_pending_blocks_as_live_and_a_segment_type_from_its_size() {
+    let (small, large) = (0x1000_0000, 0x2000_0000);
+    let untyped = |address: u64, size: u64, state: &'static str| {
+        Py::Dict(vec![
+            ("device", Py::int(0)),
+            ("address", Py::int(address)),
+            ("total_size", Py::int(size)),
+            ("stream", Py::int(0)),
+            ("blocks", Py::List(vec![block(address, size, size, state)])),
+        ])
+    };
+    let root = Py::Dict(vec![(
+        "segments",
+        Py::List(vec![
+            untyped(small, 2 * MIB, "active_pending_free"),
+            untyped(large, 20 * MIB, "active_awaiting_free"),
+        ]),
+    )]);
+    let device = &import("state.pickle", &root.dump()).devices[0];
+    let pools: Vec<bool> = device
+        .initial_segments
+        .iter()
+        .map(|s| s.small_pool)
+        .collect();
+    assert_eq!(pools, vec![true, false]);
+    for segment in &device.initial_segments {
+        assert!(
+            matches!(segment.blocks[0].state, InitialBlockState::Allocated(_)),
+            "{segment:?}"
+        );
+    }
+}
+
+/// Markers in the history carry no address or size, and are no ops.
+#[test]
+fn snapshot_markers_need_no_address() {
+    let marker = |action| Py::Dict(vec![("action", Py::Str(action))]);
+    let trace = vec![
+        marker("snapshot"),
+        entry("alloc", 0x100, 8),
+        marker("annotate"),
+        marker("some_future_action"),
+    ];
+    let device = &import("markers.pickle", &snapshot(vec![], trace).dump()).devices[0];
+    assert_eq!(
+        device.ops,
+        vec![Op::Alloc {
+            id: 0,
+            size: 8,
+            stream: 0
+        }]
+    );
 }
 
 /// torch 2.0's format (`THCPModule_memorySnapshot` with `History`): blocks
@@ -639,6 +701,11 @@ fn snapshot_annotations_mark_steps() {
         };
         root.push(("external_annotations", Py::List(annotations)));
         let trace = import("steps.pickle", &Py::Dict(root).dump());
+        assert_eq!(
+            trace.devices[0].recorded_span_us,
+            Some(50),
+            "times 10 to 60"
+        );
         trace.devices[0].step_starts.clone()
     };
     let optimizer = "Optimizer.step#AdamW.step";
@@ -648,7 +715,7 @@ fn snapshot_annotations_mark_steps() {
             annotation(optimizer, "START", 25),
             annotation(optimizer, "END", 26),
             annotation("Optimizer.zero_grad#AdamW.zero_grad", "START", 45),
-            annotation("Optimizer.step#SGD.step", "START", 45),
+            annotation("Optimizer.step#SGD.step", "START", 35),
             annotation(optimizer, "START", 50),
             Py::Dict(vec![("stage", Py::Str("START"))]),
             Py::Int(3),
@@ -662,9 +729,24 @@ fn snapshot_annotations_mark_steps() {
             annotation(optimizer, "START", 25),
             annotation("ProfilerStep#7", "START", 10),
             annotation("ProfilerStep#8", "START", 35),
+            // Another device's step marks nothing here.
+            Py::Dict(vec![
+                ("stage", Py::Str("START")),
+                ("name", Py::Str("ProfilerStep#8")),
+                ("device", Py::int(1)),
+                ("time_us", Py::int(15)),
+            ]),
         ]),
         vec![0, 3],
         "the profiler's steps, where the program has them"
+    );
+    assert_eq!(
+        with(vec![
+            // Ranges before the first optimizer step do not name the optimizer.
+            annotation("Optimizer.zero_grad#AdamW.zero_grad", "START", 15),
+            annotation(optimizer, "START", 25),
+        ]),
+        vec![2]
     );
     assert_eq!(with(vec![]), Vec::<usize>::new());
     assert!(import_error(
