@@ -412,6 +412,12 @@ fn snapshot_settings_render_only_non_default_keys() {
     let mut unlimited = defaults();
     unlimited[0].1 = Py::int(u64::MAX);
     assert_eq!(with(Py::Dict(unlimited)), Some(String::new()));
+    // Divisions as one number for every size: none when 0.
+    for (n, rendered) in [(0, ""), (4, "roundup_power2_divisions:[>:4]")] {
+        let mut one = defaults();
+        one[3].1 = Py::int(n);
+        assert_eq!(with(Py::Dict(one)).as_deref(), Some(rendered));
+    }
     let mut custom = defaults();
     custom[0].1 = Py::int(256 * MIB);
     custom[2].1 = Py::Bool(true);
