@@ -384,6 +384,64 @@ fn snapshot_expandable_unmap_rejoins_the_mapped_range() {
     );
 }
 
+/// Undoing the window's segment events, latest first: an unmap's range
+/// joins the touching expandable segment of its own pool (never a plain
+/// segment, another pool or one it does not touch), a map's range leaves a
+/// gap in the middle of a segment, and a freed plain segment takes its pool
+/// from its size.
+#[test]
+fn snapshot_segment_events_rebuild_each_range_with_its_pool() {
+    let base = 0x7000_0000;
+    let typed = |address: u64, size: u64, kind: &'static str, expandable: bool| {
+        Py::Dict(vec![
+            ("device", Py::int(0)),
+            ("address", Py::int(address)),
+            ("total_size", Py::int(size)),
+            ("stream", Py::int(0)),
+            ("segment_type", Py::Str(kind)),
+            ("is_expandable", Py::Bool(expandable)),
+            (
+                "blocks",
+                Py::List(vec![block(address, size, 0, "inactive")]),
+            ),
+        ])
+    };
+    let segments = vec![
+        typed(base, 20 * MIB, "small", true),
+        typed(base + 40 * MIB, 20 * MIB, "large", true),
+        typed(base + 80 * MIB, 20 * MIB, "large", false),
+    ];
+    let trace = vec![
+        entry("segment_map", base + 4 * MIB, 4 * MIB),
+        entry("segment_free", base + 100 * MIB, 2 * MIB),
+        entry("segment_unmap", base + 60 * MIB, 20 * MIB),
+        entry("segment_unmap", base + 20 * MIB, 20 * MIB),
+    ];
+    let device = &import("ranges.pickle", &snapshot(segments, trace).dump()).devices[0];
+    let layout: Vec<(u64, u64, bool, bool)> = device
+        .initial_segments
+        .iter()
+        .map(|s| {
+            (
+                (s.address - base) / MIB,
+                s.total_size() / MIB,
+                s.small_pool,
+                s.expandable,
+            )
+        })
+        .collect();
+    assert_eq!(
+        layout,
+        vec![
+            (0, 4, true, true),
+            (8, 32, true, true),
+            (40, 40, false, true),
+            (80, 20, false, false),
+            (100, 2, true, false),
+        ]
+    );
+}
+
 #[test]
 fn snapshot_settings_render_only_non_default_keys() {
     let with = |settings| {
