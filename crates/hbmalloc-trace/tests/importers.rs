@@ -442,6 +442,31 @@ fn snapshot_segment_events_rebuild_each_range_with_its_pool() {
     );
 }
 
+/// A block the history frees, larger than the room the dump leaves it
+/// before the next live block, is cut to that room: blocks never overlap.
+#[test]
+fn snapshot_block_freed_in_the_window_is_cut_to_the_room_before_the_next() {
+    let base = 0x1000_0000;
+    let segments = vec![segment(
+        base,
+        2 * MIB,
+        false,
+        vec![
+            block(base, 512, 0, "inactive"),
+            block(base + 512, 512, 512, "active_allocated"),
+            block(base + 1024, 2 * MIB - 1024, 0, "inactive"),
+        ],
+    )];
+    let trace = vec![entry("free", base, 1000)];
+    let device = &import("overlap.pickle", &snapshot(segments, trace).dump()).devices[0];
+    let sizes: Vec<u64> = device.initial_segments[0]
+        .blocks
+        .iter()
+        .map(|b| b.size)
+        .collect();
+    assert_eq!(sizes, vec![512, 512, 2 * MIB - 1024]);
+}
+
 #[test]
 fn snapshot_settings_render_only_non_default_keys() {
     let with = |settings| {
