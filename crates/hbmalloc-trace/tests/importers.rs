@@ -358,6 +358,41 @@ fn snapshot_block_pending_at_window_start_is_freed_behind_a_stream() {
     );
 }
 
+/// A `free_requested` is a plain free only when its own `free_completed`
+/// comes next; another block's completion between them leaves it pending.
+#[test]
+fn snapshot_free_requested_completes_only_with_its_own_block() {
+    let (a, b) = (0x100, 0x900);
+    let trace = vec![
+        entry("alloc", a, 512),
+        entry("alloc", b, 512),
+        entry("free_requested", b, 512),
+        entry("free_requested", a, 512),
+        entry("free_completed", b, 512),
+        entry("free_completed", a, 512),
+    ];
+    let device = &import("pending.pickle", &snapshot(vec![], trace).dump()).devices[0];
+    let (sa, sb) = (DEFERRED_FREE_STREAM_BASE, DEFERRED_FREE_STREAM_BASE | 1);
+    let alloc = |id| Op::Alloc {
+        id,
+        size: 512,
+        stream: 0,
+    };
+    assert_eq!(
+        device.ops,
+        vec![
+            alloc(0),
+            alloc(1),
+            Op::RecordStream { id: 1, stream: sb },
+            Op::Free { id: 1 },
+            Op::RecordStream { id: 0, stream: sa },
+            Op::Free { id: 0 },
+            Op::StreamComplete { stream: sb },
+            Op::StreamComplete { stream: sa },
+        ]
+    );
+}
+
 #[test]
 fn snapshot_expandable_unmap_rejoins_the_mapped_range() {
     let base = 0x7000_0000;
