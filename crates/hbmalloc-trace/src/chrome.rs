@@ -83,14 +83,9 @@ pub fn parse_chrome_trace(bytes: &[u8]) -> Result<Trace, TraceError> {
 
     let mut devices: BTreeMap<(i64, i64), DeviceBuilder> = BTreeMap::new();
     for event in &memory_events {
-        let device = if event.device_type == DEVICE_TYPE_CPU {
-            -1
-        } else {
-            event.device_id
-        };
         devices
-            .entry((device, event.device_type))
-            .or_insert_with(|| DeviceBuilder::new(device, &step_times))
+            .entry((event.device, event.device_type))
+            .or_insert_with(|| DeviceBuilder::new(event.device, &step_times))
             .apply(event);
     }
     let mut notes = Vec::new();
@@ -124,7 +119,8 @@ struct MemoryEvent {
     addr: u64,
     bytes: i64,
     device_type: i64,
-    device_id: i64,
+    /// Its `Device Id`, or -1 for host memory.
+    device: i64,
     /// `[OutOfMemory]`: `bytes` is the request that failed.
     out_of_memory: bool,
 }
@@ -162,15 +158,20 @@ impl MemoryEvent {
             .filter(|ts| ts.is_finite())
             .ok_or_else(|| entry_error(&path, "ts is not a number"))?;
         let device_type = int("Device Type", Some(DEVICE_TYPE_CPU))?;
+        // Host memory is one device whatever id the profiler gives it; a
+        // GPU's event without its device cannot be placed.
+        let device = if device_type == DEVICE_TYPE_CPU {
+            -1
+        } else {
+            int("Device Id", None)?
+        };
         Ok(MemoryEvent {
             ts,
             // An OOM names no address.
             addr: int("Addr", out_of_memory.then_some(0))? as u64,
             bytes: int("Bytes", None)?,
             device_type,
-            // The profiler writes -1 for host memory; a GPU's event without
-            // its device cannot be placed.
-            device_id: int("Device Id", (device_type == DEVICE_TYPE_CPU).then_some(-1))?,
+            device,
             out_of_memory,
         })
     }
