@@ -445,8 +445,10 @@ fn snapshot_segment_events_rebuild_each_range_with_its_pool() {
         typed(base, 20 * MIB, "small", true),
         typed(base + 40 * MIB, 20 * MIB, "large", true),
         typed(base + 80 * MIB, 20 * MIB, "large", false),
+        typed(base + 130 * MIB, 10 * MIB, "large", true),
     ];
     let trace = vec![
+        entry("segment_unmap", base + 150 * MIB, 10 * MIB),
         entry("segment_map", base + 4 * MIB, 4 * MIB),
         entry("segment_free", base + 100 * MIB, 2 * MIB),
         entry("segment_unmap", base + 60 * MIB, 20 * MIB),
@@ -473,6 +475,8 @@ fn snapshot_segment_events_rebuild_each_range_with_its_pool() {
             (40, 40, false, true),
             (80, 20, false, false),
             (100, 2, true, false),
+            (130, 10, false, true),
+            (150, 10, false, true),
         ]
     );
 }
@@ -658,11 +662,33 @@ fn snapshot_reads_pending_blocks_as_live_and_a_segment_type_from_its_size() {
         .collect();
     assert_eq!(pools, vec![true, false]);
     for segment in &device.initial_segments {
+        // One block fills the segment: no free block of 0 bytes after it.
+        assert_eq!(segment.blocks.len(), 1, "{segment:?}");
         assert!(
             matches!(segment.blocks[0].state, InitialBlockState::Allocated(_)),
             "{segment:?}"
         );
     }
+}
+
+/// A block the history frees that lies in no dumped segment gets a segment
+/// of its own, in the pool its size would take.
+#[test]
+fn snapshot_block_outside_every_segment_gets_one_of_its_pool() {
+    let trace = vec![entry("free", 0x900, 8), entry("free", 0x4000_0000, 4 * MIB)];
+    let device = &import("outside.pickle", &snapshot(vec![], trace).dump()).devices[0];
+    let pools: Vec<(u64, bool)> = device
+        .initial_segments
+        .iter()
+        .map(|s| (s.address, s.small_pool))
+        .collect();
+    assert_eq!(pools, vec![(0x900, true), (0x4000_0000, false)]);
+    assert_eq!(
+        device
+            .skipped
+            .get("live block outside every segment (given its own segment)"),
+        Some(&2)
+    );
 }
 
 /// Markers in the history carry no address or size, and are no ops.
