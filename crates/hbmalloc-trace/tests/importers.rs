@@ -100,19 +100,32 @@ fn block(address: u64, size: u64, requested: u64, state: &'static str) -> Py {
     ])
 }
 
+/// A segment whose `segment_type` its size says, as PyTorch's are.
 fn segment(address: u64, size: u64, expandable: bool, blocks: Vec<Py>) -> Py {
-    Py::Dict(vec![
+    let kind = if size == 2 * MIB { "small" } else { "large" };
+    segment_of_type(address, size, Some(kind), expandable, blocks)
+}
+
+/// A segment of `segment_type` `kind`, or with none (older files).
+fn segment_of_type(
+    address: u64,
+    size: u64,
+    kind: Option<&'static str>,
+    expandable: bool,
+    blocks: Vec<Py>,
+) -> Py {
+    let mut pairs = vec![
         ("device", Py::int(0)),
         ("address", Py::int(address)),
         ("total_size", Py::int(size)),
         ("stream", Py::int(0)),
-        (
-            "segment_type",
-            Py::Str(if size == 2 * MIB { "small" } else { "large" }),
-        ),
         ("is_expandable", Py::Bool(expandable)),
         ("blocks", Py::List(blocks)),
-    ])
+    ];
+    if let Some(kind) = kind {
+        pairs.push(("segment_type", Py::Str(kind)));
+    }
+    Py::Dict(pairs)
 }
 
 fn entry(action: &'static str, addr: u64, size: u64) -> Py {
@@ -428,18 +441,8 @@ fn snapshot_expandable_unmap_rejoins_the_mapped_range() {
 fn snapshot_segment_events_rebuild_each_range_with_its_pool() {
     let base = 0x7000_0000;
     let typed = |address: u64, size: u64, kind: &'static str, expandable: bool| {
-        Py::Dict(vec![
-            ("device", Py::int(0)),
-            ("address", Py::int(address)),
-            ("total_size", Py::int(size)),
-            ("stream", Py::int(0)),
-            ("segment_type", Py::Str(kind)),
-            ("is_expandable", Py::Bool(expandable)),
-            (
-                "blocks",
-                Py::List(vec![block(address, size, 0, "inactive")]),
-            ),
-        ])
+        let free = vec![block(address, size, 0, "inactive")];
+        segment_of_type(address, size, Some(kind), expandable, free)
     };
     let segments = vec![
         typed(base, 20 * MIB, "small", true),
@@ -639,13 +642,13 @@ fn snapshot_without_history_keeps_the_dumped_state_and_no_ops() {
 fn snapshot_reads_pending_blocks_as_live_and_a_segment_type_from_its_size() {
     let (small, large) = (0x1000_0000, 0x2000_0000);
     let untyped = |address: u64, size: u64, state: &'static str| {
-        Py::Dict(vec![
-            ("device", Py::int(0)),
-            ("address", Py::int(address)),
-            ("total_size", Py::int(size)),
-            ("stream", Py::int(0)),
-            ("blocks", Py::List(vec![block(address, size, size, state)])),
-        ])
+        segment_of_type(
+            address,
+            size,
+            None,
+            false,
+            vec![block(address, size, size, state)],
+        )
     };
     let root = Py::Dict(vec![(
         "segments",
