@@ -3,7 +3,7 @@
 //! The profiler logs one `[memory]` instant event per allocation and free:
 //! `args.Addr`, `args.Bytes` (negative for a free), `args["Device Type"]`
 //! (c10's `DeviceType`: 0 CPU, 1 CUDA, also on ROCm; CPU when missing) and
-//! `args["Device Id"]` (required but on the CPU), and one `[OutOfMemory]`
+//! `args["Device Id"]` (required but for host memory), and one `[OutOfMemory]`
 //! event (no `Addr`) per failed allocation, which becomes [`Op::Oom`].
 //! Events are replayed in timestamp order; the trace knows nothing of
 //! segments or streams, so every op is on stream 0.
