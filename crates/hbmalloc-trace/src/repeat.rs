@@ -443,6 +443,49 @@ mod tests {
         repeat_last_step(&training(3), 5).expect("small ids are fine");
     }
 
+    /// A copy's `record_stream` names the block the copy made; the tail's
+    /// names the last copy's block, or the block it named if that was made
+    /// before the step. What was recorded of the allocator is dropped, the
+    /// time span stretched with the ops, the step marks cleared.
+    #[test]
+    fn copies_and_the_tail_rename_what_they_record_and_drop_the_recording() {
+        let mut trace = training(3);
+        let tail_start = trace.ops.len() - 5;
+        let mut ops = Vec::new();
+        for (at, op) in trace.ops.iter().enumerate() {
+            if at == tail_start {
+                // The tail uses the weights and a gradient of the last step.
+                ops.push(Op::RecordStream { id: 1, stream: 7 });
+                ops.push(Op::RecordStream { id: 42, stream: 7 });
+            }
+            ops.push(op.clone());
+            if let Op::Alloc { id, size: 512, .. } = *op {
+                ops.push(Op::RecordStream { id, stream: 7 });
+            }
+        }
+        trace.ops = ops;
+        trace.recorded = Some(crate::model::Recorded::default());
+        trace.recorded_span_us = Some(1_000);
+        trace.step_starts = vec![1, 29];
+        let (longer, step) = repeat_last_step(&trace, 5).expect("repeats");
+        assert_eq!(step.len, 28);
+        check_lifetimes(HashSet::new(), &longer.ops).expect("every op names a live block");
+        let tail = &longer.ops[longer.ops.len() - 7..];
+        let Op::RecordStream { id: gradient, .. } = tail[1] else {
+            panic!("{tail:?}")
+        };
+        assert_eq!(tail[0], Op::RecordStream { id: 1, stream: 7 });
+        assert!(
+            gradient != 42 && tail.contains(&Op::Free { id: gradient }),
+            "{tail:?}"
+        );
+        assert_eq!(longer.recorded, None);
+        let (before, after) = (trace.ops.len(), longer.ops.len());
+        let stretched = (1_000.0 * after as f64 / before as f64).round() as u64;
+        assert_eq!(longer.recorded_span_us, Some(stretched));
+        assert!(longer.step_starts.is_empty());
+    }
+
     #[test]
     fn no_copies_is_the_same_trace() {
         let trace = training(3);
