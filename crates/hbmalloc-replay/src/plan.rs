@@ -586,7 +586,7 @@ mod tests {
 
     #[test]
     fn a_block_maps_every_granule_it_touches_and_shares_its_edges() {
-        // (offset, size, start, end) in granules' halves and states.
+        // Each block as (offset, size, start, end): bytes, then states.
         let h = G / 2;
         let peak = |layout: &[(u64, u64, usize, usize)]| {
             let blocks: Vec<Lifetime> = layout

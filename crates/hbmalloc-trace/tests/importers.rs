@@ -1148,10 +1148,10 @@ fn chrome_trace_skips_zero_byte_events_and_needs_a_gpus_device_id() {
 
     let no_id =
         r#"[{"name": "[memory]", "ts": 1, "args": {"Addr": 1, "Bytes": 8, "Device Type": 1}}]"#;
+    let error = import_error(no_id.as_bytes());
     assert!(
-        import_error(no_id.as_bytes()).contains("traceEvents[0]: missing args.Device Id"),
-        "{}",
-        import_error(no_id.as_bytes())
+        error.contains("traceEvents[0]: missing args.Device Id"),
+        "{error}"
     );
     // On the CPU the id may be left out: it is host memory either way.
     let host = r#"[{"name": "[memory]", "ts": 1, "args": {"Addr": 1, "Bytes": 8}}]"#;
