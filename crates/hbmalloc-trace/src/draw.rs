@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::model::{AllocId, DeviceTrace, InitialBlockState, Op};
 use crate::repeat::scale_by_ops;
+use crate::rng::SplitMix;
 
 /// The trace's ops up to its first steady step, then `steps` steps drawn
 /// uniformly (with replacement, from `seed`) from its steady steps: those
@@ -45,7 +46,7 @@ pub fn draw_steps(
 
     let prefix_end = bounds[first];
     let mut out = Builder::new(trace, prefix_end, &alive[first]);
-    let mut rng = SplitMix(seed);
+    let mut rng = SplitMix::new(seed);
     for _ in 0..steps {
         let i = steady[(rng.next() % steady.len() as u64) as usize];
         out.append_step(trace, &alive[i], bounds[i], bounds[i + 1])?;
@@ -95,11 +96,9 @@ fn alive_at(trace: &DeviceTrace, bounds: &[usize]) -> Vec<Vec<Alive>> {
         .map(|(id, size)| (id, (size, 0)))
         .collect();
     let mut out = Vec::with_capacity(bounds.len());
-    let mut next = 0;
     for (at, op) in trace.ops.iter().enumerate() {
-        while next < bounds.len() && bounds[next] == at {
+        if bounds.get(out.len()) == Some(&at) {
             out.push(sorted(&live));
-            next += 1;
         }
         match *op {
             Op::Alloc { id, size, .. } => {
@@ -111,9 +110,8 @@ fn alive_at(trace: &DeviceTrace, bounds: &[usize]) -> Vec<Vec<Alive>> {
             _ => {}
         }
     }
-    while out.len() < bounds.len() {
-        out.push(sorted(&live));
-    }
+    // The last bound is the end of the ops.
+    out.resize_with(bounds.len(), || sorted(&live));
     out
 }
 
@@ -264,19 +262,6 @@ fn hand_on(theirs: &[Alive], ours: &[Alive]) -> HashMap<AllocId, AllocId> {
     our_rest.sort_unstable_by_key(|&&(_, at, id)| (at, id));
     pairs.extend(their_rest.iter().zip(&our_rest).map(|(a, b)| (a.2, b.2)));
     pairs
-}
-
-/// A small seeded generator (splitmix64): the same seed draws the same steps.
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
 }
 
 #[cfg(test)]
@@ -433,6 +418,130 @@ mod tests {
             [11, 13, 17].into(),
             "the steady steps, each drawn"
         );
+    }
+
+    /// The weights (sizes 1000 and 3000) and the batch each step hands the
+    /// next (sizes below, between and above them) are told apart by size
+    /// first: a drawn step frees the batch before it, never a weight, and
+    /// what the recorded allocator did is dropped.
+    #[test]
+    fn weights_are_matched_by_size_and_batches_by_age_whatever_their_sizes() {
+        let alloc = |id, size| Op::Alloc {
+            id,
+            size,
+            stream: 0,
+        };
+        let mut ops = vec![alloc(0, 1000), alloc(1, 3000)];
+        let mut step_starts = Vec::new();
+        let batches = [500u64, 2000, 4000, 700, 2500];
+        for (step, &batch) in batches.iter().enumerate() {
+            let id = 2 + step as AllocId;
+            step_starts.push(ops.len());
+            ops.push(alloc(id, batch));
+            if step > 0 {
+                ops.push(Op::Free { id: id - 1 });
+            }
+        }
+        let trace = DeviceTrace {
+            ops,
+            step_starts,
+            recorded: Some(crate::model::Recorded::default()),
+            ..DeviceTrace::default()
+        };
+        let (long, from) = draw_steps(&trace, 300, 11).unwrap();
+        assert_eq!(from, 4);
+        assert_eq!(
+            long.recorded, None,
+            "the recorded allocator's figures no longer apply"
+        );
+        check_lifetimes(&long);
+        let mut last_batch = None;
+        for op in &long.ops[long.step_starts[1]..] {
+            match *op {
+                Op::Alloc { id, .. } => last_batch = Some(id),
+                Op::Free { id } => {
+                    assert!(id > 1, "a drawn step freed weight {id}");
+                    assert_ne!(Some(id), last_batch, "a step freed its own batch");
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Blocks alive when the recording began count as alive: a first step
+    /// that frees one and makes its replacement is steady, and is drawn.
+    #[test]
+    fn blocks_alive_at_the_window_start_are_handed_on() {
+        use crate::model::{InitialBlock, InitialBlockState, InitialSegment};
+        let block = |id| InitialBlock {
+            size: 1024,
+            requested_size: 1000,
+            state: InitialBlockState::Allocated(id),
+        };
+        let mut ops = Vec::new();
+        let mut step_starts = Vec::new();
+        for step in 0..3u64 {
+            step_starts.push(ops.len());
+            ops.push(Op::Alloc {
+                id: 2 + step,
+                size: 10 + step,
+                stream: 0,
+            });
+            // Frees the batch before it: the window's own at first.
+            ops.push(Op::Free {
+                id: if step == 0 { 1 } else { 1 + step },
+            });
+        }
+        let trace = DeviceTrace {
+            ops,
+            step_starts,
+            initial_segments: vec![InitialSegment {
+                address: 0,
+                stream: 0,
+                small_pool: false,
+                expandable: false,
+                blocks: vec![block(0), block(1)],
+            }],
+            ..DeviceTrace::default()
+        };
+        let (long, from) = draw_steps(&trace, 50, 1).unwrap();
+        assert_eq!(from, 3, "every recorded step, the first too");
+        assert_eq!(long.step_starts[0], 0, "no prefix before the first step");
+        assert_eq!(long.step_starts.len(), 50);
+        // Each drawn step frees the batch the one before made (or the
+        // window's), never weight 0, and ids stay fresh.
+        let mut live: std::collections::BTreeSet<AllocId> = [0, 1].into();
+        for op in &long.ops {
+            match *op {
+                Op::Alloc { id, .. } => assert!(id > 1 && live.insert(id)),
+                Op::Free { id } => assert!(id != 0 && live.remove(&id), "freed {id}"),
+                _ => {}
+            }
+        }
+        assert_eq!(live.len(), 2);
+    }
+
+    #[test]
+    fn step_marks_must_be_two_or_more_ascending_op_indices() {
+        let trace = training(&[10, 20, 30]);
+        let expected = draw_steps(&trace, 20, 4).unwrap();
+        // A mark at the end of the ops marks no step.
+        let mut at_end = trace.clone();
+        at_end.step_starts.push(trace.ops.len());
+        assert_eq!(draw_steps(&at_end, 20, 4).unwrap(), expected);
+        let mut past_end = trace.clone();
+        past_end.step_starts.push(trace.ops.len() + 1);
+        let mut descending = trace.clone();
+        descending.step_starts.swap(1, 2);
+        let mut repeated = trace.clone();
+        repeated.step_starts[1] = repeated.step_starts[0];
+        for bad in [past_end, descending, repeated] {
+            let error = draw_steps(&bad, 20, 4).unwrap_err();
+            assert!(error.contains("not ascending op indices"), "{error}");
+        }
+        // Two marks are enough: the second step is the steady one.
+        let two = training(&[10, 20]);
+        assert_eq!(draw_steps(&two, 3, 0).unwrap().1, 1);
     }
 
     #[test]

@@ -10,6 +10,7 @@
 //! result owes to the exact sizes recorded.
 
 use crate::model::{DeviceTrace, Op};
+use crate::rng::hash;
 
 /// Sizes are scaled by a factor in `[1 - p/100, 1 + p/100]`.
 pub const JITTER_PERCENT: f64 = 5.0;
@@ -41,19 +42,9 @@ fn jittered_size(size: u64, seed: u64) -> u64 {
         return 0;
     }
     // A uniform draw in [0, 1) from the top 53 bits of a mixed hash.
-    let unit = (splitmix64(seed ^ splitmix64(size)) >> 11) as f64 / (1u64 << 53) as f64;
+    let unit = (hash(seed ^ hash(size)) >> 11) as f64 / (1u64 << 53) as f64;
     let factor = 1.0 + JITTER_PERCENT / 100.0 * (2.0 * unit - 1.0);
     ((size as f64 * factor).round() as u64).max(1)
-}
-
-/// SplitMix64's output function: a well-mixed 64-bit hash of `x`. (The
-/// engine's `simtest::SplitMix64` is the same generator; this crate must not
-/// depend on the engine.)
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 #[cfg(test)]
@@ -150,16 +141,26 @@ mod tests {
         assert!(seeds.windows(2).any(|w| w[0] != w[1]));
     }
 
+    /// For every seed, the extreme ones too: a seed mixed in badly would give
+    /// every size of some seed one factor.
     #[test]
     fn factors_spread_over_the_whole_range() {
-        let (mut low, mut high) = (f64::MAX, f64::MIN);
-        for size in (1..2_000u64).map(|i| i * 4096) {
-            let factor = jittered_size(size, 42) as f64 / size as f64;
-            low = low.min(factor);
-            high = high.max(factor);
+        for seed in [42, 0, u64::MAX] {
+            let (mut low, mut high) = (f64::MAX, f64::MIN);
+            for size in (1..2_000u64).map(|i| i * 4096) {
+                let factor = jittered_size(size, seed) as f64 / size as f64;
+                low = low.min(factor);
+                high = high.max(factor);
+            }
+            assert!(
+                (0.95 - 1e-9..0.96).contains(&low),
+                "seed {seed}: lowest {low}"
+            );
+            assert!(
+                high > 1.04 && high <= 1.05 + 1e-9,
+                "seed {seed}: highest {high}"
+            );
         }
-        assert!((0.95 - 1e-9..0.96).contains(&low), "lowest factor {low}");
-        assert!(high > 1.04 && high <= 1.05 + 1e-9, "highest factor {high}");
         assert_eq!(jittered_size(1, 42), 1, "never below one byte");
     }
 }

@@ -13,6 +13,7 @@ pub mod model;
 pub mod pickle;
 mod repeat;
 mod rmm;
+mod rng;
 mod snapshot;
 
 pub use draw::draw_steps;

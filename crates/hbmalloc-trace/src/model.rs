@@ -129,6 +129,13 @@ impl SegmentEventKind {
             SegmentEventKind::Unmap => "segment_unmap",
         }
     }
+
+    /// The kind whose [`action`](SegmentEventKind::action) name is `name`.
+    pub fn from_action(name: &str) -> Option<Self> {
+        [Self::Alloc, Self::Free, Self::Map, Self::Unmap]
+            .into_iter()
+            .find(|kind| kind.action() == name)
+    }
 }
 
 /// One segment event the recorded allocator logged.

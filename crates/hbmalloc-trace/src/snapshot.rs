@@ -442,13 +442,9 @@ impl Reader<'_> {
             "free" => Action::Free,
             "free_requested" => Action::FreeRequested,
             "free_completed" => Action::FreeCompleted,
-            "segment_alloc" => Action::Segment(SegmentEventKind::Alloc),
-            "segment_free" => Action::Segment(SegmentEventKind::Free),
-            "segment_map" => Action::Segment(SegmentEventKind::Map),
-            "segment_unmap" => Action::Segment(SegmentEventKind::Unmap),
             "oom" => Action::Oom,
             "snapshot" | "annotate" | "user_defined" => Action::Marker,
-            _ => Action::Unknown,
+            other => SegmentEventKind::from_action(other).map_or(Action::Unknown, Action::Segment),
         };
         let stream = self.word_field(id, "stream", path)?.unwrap_or(0);
         let (addr, size) = match action {

@@ -833,6 +833,33 @@ fn annotation(name: &'static str, stage: &'static str, time_us: u64) -> Py {
     ])
 }
 
+/// A step that begins after the last op (only a marker follows it) is not
+/// in the recording: it marks nothing.
+#[test]
+fn snapshot_step_begun_after_the_last_op_marks_nothing() {
+    let Py::Dict(mut root) = snapshot(
+        vec![],
+        vec![
+            timed("alloc", 0x100, 10),
+            timed("free", 0x100, 20),
+            timed("snapshot", 0, 30),
+        ],
+    ) else {
+        unreachable!()
+    };
+    let optimizer = "Optimizer.step#AdamW.step";
+    root.push((
+        "external_annotations",
+        Py::List(vec![
+            annotation(optimizer, "START", 15),
+            annotation(optimizer, "START", 25),
+        ]),
+    ));
+    let trace = import("late-step.pickle", &Py::Dict(root).dump());
+    assert_eq!(trace.devices[0].ops.len(), 2);
+    assert_eq!(trace.devices[0].step_starts, vec![1]);
+}
+
 /// Steps come from `external_annotations`: each optimizer step (of the
 /// first optimizer named) begins one at the first entry at or after it;
 /// torch.profiler's step ranges take precedence; what is not a step's start
