@@ -468,6 +468,77 @@ mod tests {
         }
     }
 
+    /// Two blocks each step makes for the next (sizes 100 and 200), made in
+    /// one order in some steps and the other in the rest, beside a batch
+    /// whose size varies around theirs: a drawn step frees the ones of the
+    /// sizes it freed when recorded, which matching by age alone would
+    /// swap.
+    #[test]
+    fn blocks_handed_on_are_matched_by_size_before_age() {
+        let alloc = |id, size| Op::Alloc {
+            id,
+            size,
+            stream: 0,
+        };
+        let mut ops = vec![alloc(0, 1000)];
+        let mut step_starts = Vec::new();
+        let mut handed: Option<[AllocId; 3]> = None;
+        let mut id = 1;
+        for (step, batch) in [50u64, 3000, 150, 2500, 70, 5000, 120]
+            .into_iter()
+            .enumerate()
+        {
+            step_starts.push(ops.len());
+            if let Some([b, x, y]) = handed {
+                ops.extend([b, x, y].map(|id| Op::Free { id }));
+            }
+            let order = if step % 2 == 0 {
+                [100, 200]
+            } else {
+                [200, 100]
+            };
+            ops.push(alloc(id, batch));
+            ops.push(alloc(id + 1, order[0]));
+            ops.push(alloc(id + 2, order[1]));
+            // Freed next step as (batch, 100, 200).
+            handed = Some(if order[0] == 100 {
+                [id, id + 1, id + 2]
+            } else {
+                [id, id + 2, id + 1]
+            });
+            id += 3;
+        }
+        let trace = DeviceTrace {
+            ops,
+            step_starts,
+            ..DeviceTrace::default()
+        };
+        let (long, from) = draw_steps(&trace, 200, 9).unwrap();
+        assert_eq!(from, 6);
+        check_lifetimes(&long);
+        let mut size = std::collections::HashMap::new();
+        for (k, window) in long.step_starts.windows(2).enumerate() {
+            let mut freed = Vec::new();
+            for op in &long.ops[window[0]..window[1]] {
+                match *op {
+                    Op::Alloc {
+                        id, size: bytes, ..
+                    } => {
+                        size.insert(id, bytes);
+                    }
+                    Op::Free { id } => freed.push(size[&id]),
+                    _ => {}
+                }
+            }
+            if k > 0 {
+                assert!(
+                    freed.len() == 3 && freed[1..] == [100, 200] && ![100, 200].contains(&freed[0]),
+                    "step {k} freed {freed:?}"
+                );
+            }
+        }
+    }
+
     /// Blocks alive when the recording began count as alive: a first step
     /// that frees one and makes its replacement is steady, and is drawn.
     #[test]
