@@ -81,9 +81,6 @@ fn shapes(ops: &[Op]) -> Vec<Shape> {
 pub fn find_last_step(ops: &[Op]) -> Option<Step> {
     let shapes = shapes(ops);
     let n = shapes.len();
-    if n < 2 * MIN_STEP_OPS {
-        return None;
-    }
     // Rank every length by how often it matches at a few positions in the
     // second half (a full check of every length is quadratic), then check
     // the best few in full.
@@ -273,8 +270,9 @@ pub(crate) fn scale_by_ops(span: u64, old_ops: usize, new_ops: usize) -> u64 {
 }
 
 /// The allocation made `shift` operations after allocation `id`, for the
-/// operation at `at`. Only a block made in the step, or in the step before
-/// it, has one: the copies repeat the step and nothing earlier.
+/// operation at `at` (the next of `ops`). Only a block made in the step, or
+/// in the step before it, has one: the copies repeat the step and nothing
+/// earlier.
 fn counterpart(
     ops: &[Op],
     made_at: &HashMap<AllocId, usize>,
@@ -290,7 +288,7 @@ fn counterpart(
         ));
     };
     match ops.get(made + shift) {
-        Some(Op::Alloc { id, .. }) if made + step.len >= step.start && made + shift < at => Ok(*id),
+        Some(Op::Alloc { id, .. }) if made + step.len >= step.start => Ok(*id),
         _ => Err(format!(
             "operation {at} frees or uses allocation {id}, made at operation {made}, before \
              the step it repeats: the step does not repeat its frees"
@@ -493,8 +491,60 @@ mod tests {
         assert_eq!(same.ops, trace.ops);
     }
 
+    /// Ops of two shapes in a fixed pseudo-random order: about half of all
+    /// lengths match at any one place by chance, and only the step's own
+    /// length (and its multiples) everywhere.
+    fn chance_matches(step_len: u64, steps: u64) -> Vec<Op> {
+        let mut rng = crate::rng::SplitMix::new(5);
+        let step: Vec<u64> = (0..step_len).map(|_| 512 << (rng.next() % 2)).collect();
+        (0..steps * step_len)
+            .map(|i| alloc(i, step[(i % step_len) as usize]))
+            .collect()
+    }
+
+    #[test]
+    fn the_step_is_found_among_lengths_that_match_by_chance() {
+        let ops = chance_matches(97, 6);
+        assert_eq!(
+            find_last_step(&ops),
+            Some(Step {
+                start: 5 * 97,
+                len: 97
+            })
+        );
+    }
+
+    /// The length whose repeats cover the most ops wins, not the longest
+    /// step: ten copies of a 16-op step, then three of a 40-op one.
+    #[test]
+    fn the_longest_repeated_stretch_decides_the_step() {
+        let mut ops = chance_matches(16, 10);
+        let mut next = ops.len() as u64;
+        for _ in 0..3 {
+            for k in 0..40 {
+                ops.push(alloc(next, 100_000 + k));
+                next += 1;
+            }
+        }
+        assert_eq!(
+            find_last_step(&ops),
+            Some(Step {
+                start: 144,
+                len: 16
+            })
+        );
+    }
+
     #[test]
     fn a_trace_without_a_step_is_refused() {
+        // Ten ops that repeat the ten 40 before them are no whole step.
+        let mut sizes: Vec<u64> = (0..40).map(|i| 512 * (i + 1)).collect();
+        sizes.extend_from_within(..10);
+        let ops: Vec<Op> = (0..50).map(|i| alloc(i, sizes[i as usize])).collect();
+        assert_eq!(find_last_step(&ops), None);
+        // Nor are two copies of 15 ops: a step has `MIN_STEP_OPS` or more.
+        assert_eq!(find_last_step(&chance_matches(15, 2)), None);
+
         let ops: Vec<Op> = (0..100).map(|i| alloc(i, 512 * (i + 1))).collect();
         let trace = DeviceTrace {
             ops,
@@ -523,7 +573,7 @@ mod tests {
         };
         let error = repeat_last_step(&trace, 2).expect_err("frees do not line up");
         assert!(
-            error.to_string().contains("does not repeat its frees"),
+            error.to_string().contains("before the step it repeats"),
             "{error}"
         );
     }
