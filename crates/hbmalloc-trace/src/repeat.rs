@@ -535,12 +535,36 @@ mod tests {
         );
     }
 
+    /// Of two repeated stretches of one step, the longer decides where the
+    /// last step is, though a shorter one comes after it.
+    #[test]
+    fn a_shorter_repeat_later_does_not_move_the_step() {
+        let mut ops = chance_matches(16, 5);
+        let mut next = ops.len() as u64;
+        for k in 0..40 {
+            ops.push(alloc(next, 100_000 + k));
+            next += 1;
+        }
+        for k in 0..32 {
+            ops.push(alloc(
+                next,
+                match ops[k] {
+                    Op::Alloc { size, .. } => size,
+                    _ => unreachable!(),
+                },
+            ));
+            next += 1;
+        }
+        assert_eq!(find_last_step(&ops), Some(Step { start: 64, len: 16 }));
+    }
+
     #[test]
     fn a_trace_without_a_step_is_refused() {
         // Ten ops that repeat the ten 40 before them are no whole step.
         let mut sizes: Vec<u64> = (0..40).map(|i| 512 * (i + 1)).collect();
         sizes.extend_from_within(..10);
-        let ops: Vec<Op> = (0..50).map(|i| alloc(i, sizes[i as usize])).collect();
+        sizes.extend((0..30).map(|i| 1_000_000 + i));
+        let ops: Vec<Op> = (0..80).map(|i| alloc(i, sizes[i as usize])).collect();
         assert_eq!(find_last_step(&ops), None);
         // Nor are two copies of 15 ops: a step has `MIN_STEP_OPS` or more.
         assert_eq!(find_last_step(&chance_matches(15, 2)), None);
@@ -552,6 +576,46 @@ mod tests {
         };
         let error = repeat_last_step(&trace, 3).expect_err("no step");
         assert!(error.to_string().contains("no repeating step"), "{error}");
+    }
+
+    #[test]
+    fn a_step_freeing_a_block_made_long_before_it_is_refused() {
+        // Each step frees one of three like blocks made among 200 up front.
+        // A copy of the last step, shifted by a step, would free another
+        // block made up front, still live: a valid program, but not this one.
+        let mut ops: Vec<Op> = (0..200)
+            .map(|i| {
+                alloc(
+                    i,
+                    if (10..13).contains(&i) {
+                        512
+                    } else {
+                        4096 * (i + 1)
+                    },
+                )
+            })
+            .collect();
+        let mut next = 1_000;
+        for step in 0..3 {
+            for _ in 0..16 {
+                ops.push(alloc(next, 2048));
+                ops.push(free(next));
+                next += 1;
+            }
+            ops.push(free(10 + step));
+        }
+        let trace = DeviceTrace {
+            ops,
+            ..DeviceTrace::default()
+        };
+        assert_eq!(find_last_step(&trace.ops).map(|step| step.len), Some(33));
+        let error = repeat_last_step(&trace, 1).expect_err("a free from before the step");
+        assert!(
+            error
+                .to_string()
+                .contains("made at operation 12, before the step it repeats"),
+            "{error}"
+        );
     }
 
     #[test]
