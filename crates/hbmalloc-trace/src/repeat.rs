@@ -431,6 +431,21 @@ mod tests {
         assert!(error.to_string().contains("which is not live"), "{error}");
     }
 
+    /// The result is checked whole: a tail that uses a block after its free
+    /// is named, though the copies are sound.
+    #[test]
+    fn a_use_of_a_freed_block_is_refused() {
+        let mut trace = training(3);
+        trace.ops.push(Op::RecordStream { id: 1, stream: 3 });
+        let error = repeat_last_step(&trace, 2).expect_err("a use after free");
+        assert!(
+            error
+                .to_string()
+                .contains("uses allocation 1, which is not live"),
+            "{error}"
+        );
+    }
+
     #[test]
     fn ids_that_would_overflow_are_refused() {
         let mut trace = training(3);
