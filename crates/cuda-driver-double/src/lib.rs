@@ -677,7 +677,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) 
 pub extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     status(driver_call("cuMemFree_v2", |s| {
         s.current_device()?;
-        if !s.segments.get(&dptr).is_some_and(|seg| !seg.opened) {
+        if s.segments.get(&dptr).is_none_or(|seg| seg.opened) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let segment = s.segments.remove(&dptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
@@ -851,7 +851,7 @@ pub extern "C" fn cuMemMap(
             .size;
         if offset
             .checked_add(size)
-            .map_or(true, |end| end > physical_size)
+            .is_none_or(|end| end > physical_size)
             || s.reservation_of(ptr, size).is_none()
             || s.overlaps_mapping(ptr, size)
         {
@@ -1396,7 +1396,7 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
         if pid == std::process::id() as i32 {
             return Err(CUDA_ERROR_INVALID_CONTEXT);
         }
-        if !offset.checked_add(size).is_some_and(|end| end <= len) {
+        if offset.checked_add(size).is_none_or(|end| end > len) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let file =

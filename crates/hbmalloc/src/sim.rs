@@ -630,7 +630,7 @@ impl SimState {
                 "no virtual-memory API",
             ));
         };
-        if value == 0 || !value.is_multiple_of(g) {
+        if value == 0 || value % g != 0 {
             return Err(invalid(
                 call,
                 format!("{what} {value} is not a positive multiple of the granularity {g}"),

@@ -566,7 +566,7 @@ impl<D: SimBacked> Run<D> {
             Ok(ptr) => {
                 self.report.mallocs += 1;
                 let block = (self.alloc.stats().allocated_bytes[0].current - before) as u64;
-                if block < size || !block.is_multiple_of(512) {
+                if block < size || block % 512 != 0 {
                     return Err(format!(
                         "malloc({size}) at {ptr:#x} moved allocated_bytes by {block}"
                     ));
