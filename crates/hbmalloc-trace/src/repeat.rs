@@ -509,17 +509,23 @@ mod tests {
     /// Ops of two shapes in a fixed pseudo-random order: about half of all
     /// lengths match at any one place by chance, and only the step's own
     /// length (and its multiples) everywhere.
-    fn chance_matches(step_len: u64, steps: u64) -> Vec<Op> {
+    /// Their ids count up from `first`.
+    fn chance_matches(step_len: u64, steps: u64, first: u64) -> Vec<Op> {
         let mut rng = crate::rng::SplitMix::new(5);
         let step: Vec<u64> = (0..step_len).map(|_| 512 << (rng.next() % 2)).collect();
         (0..steps * step_len)
-            .map(|i| alloc(i, step[(i % step_len) as usize]))
+            .map(|i| alloc(first + i, step[(i % step_len) as usize]))
             .collect()
+    }
+
+    /// `count` ops of sizes no other test op has, ids from `first`.
+    fn unrepeated(count: u64, first: u64) -> Vec<Op> {
+        (0..count).map(|k| alloc(first + k, 100_000 + k)).collect()
     }
 
     #[test]
     fn the_step_is_found_among_lengths_that_match_by_chance() {
-        let ops = chance_matches(97, 6);
+        let ops = chance_matches(97, 6, 0);
         assert_eq!(
             find_last_step(&ops),
             Some(Step {
@@ -533,13 +539,9 @@ mod tests {
     /// step: ten copies of a 16-op step, then three of a 40-op one.
     #[test]
     fn the_longest_repeated_stretch_decides_the_step() {
-        let mut ops = chance_matches(16, 10);
-        let mut next = ops.len() as u64;
-        for _ in 0..3 {
-            for k in 0..40 {
-                ops.push(alloc(next, 100_000 + k));
-                next += 1;
-            }
+        let mut ops = chance_matches(16, 10, 0);
+        for copy in 0..3 {
+            ops.extend(unrepeated(40, 160 + 40 * copy));
         }
         assert_eq!(
             find_last_step(&ops),
@@ -554,22 +556,9 @@ mod tests {
     /// last step is, though a shorter one comes after it.
     #[test]
     fn a_shorter_repeat_later_does_not_move_the_step() {
-        let mut ops = chance_matches(16, 5);
-        let mut next = ops.len() as u64;
-        for k in 0..40 {
-            ops.push(alloc(next, 100_000 + k));
-            next += 1;
-        }
-        for k in 0..32 {
-            ops.push(alloc(
-                next,
-                match ops[k] {
-                    Op::Alloc { size, .. } => size,
-                    _ => unreachable!(),
-                },
-            ));
-            next += 1;
-        }
+        let mut ops = chance_matches(16, 5, 0);
+        ops.extend(unrepeated(40, 80));
+        ops.extend(chance_matches(16, 2, 120));
         assert_eq!(find_last_step(&ops), Some(Step { start: 64, len: 16 }));
     }
 
@@ -582,7 +571,7 @@ mod tests {
         let ops: Vec<Op> = (0..80).map(|i| alloc(i, sizes[i as usize])).collect();
         assert_eq!(find_last_step(&ops), None);
         // Nor are two copies of 15 ops: a step has `MIN_STEP_OPS` or more.
-        assert_eq!(find_last_step(&chance_matches(15, 2)), None);
+        assert_eq!(find_last_step(&chance_matches(15, 2, 0)), None);
 
         let ops: Vec<Op> = (0..100).map(|i| alloc(i, 512 * (i + 1))).collect();
         let trace = DeviceTrace {
