@@ -177,10 +177,45 @@ fn push_json_string(out: &mut String, text: &str) {
 mod tests {
     use super::*;
 
+    /// The `allocator_settings` dict's value under `key`.
+    fn setting(settings: &str, key: &str) -> Option<PickleValue> {
+        let PickleValue::Dict(pairs) = allocator_settings_value(settings) else {
+            panic!("allocator_settings is a dict");
+        };
+        pairs
+            .into_iter()
+            .find(|(k, _)| *k == PickleValue::str(key))
+            .map(|(_, v)| v)
+    }
+
+    #[test]
+    fn allocator_settings_say_pytorch_s_keys_under_policy_pytorch_only() {
+        assert_eq!(
+            setting("policy:pytorch", "max_split_size"),
+            Some(PickleValue::Int(-1))
+        );
+        assert_eq!(
+            setting("policy:pytorch,max_split_size_mb:64", "max_split_size"),
+            Some(PickleValue::int(64u64 << 20))
+        );
+        assert_eq!(
+            setting(
+                "policy:pytorch,expandable_segments:True",
+                "expandable_segments"
+            ),
+            Some(PickleValue::Bool(true))
+        );
+        assert_eq!(
+            setting("policy:hbm", "hbmalloc_settings"),
+            Some(PickleValue::str("policy:hbm"))
+        );
+        assert_eq!(setting("policy:hbm", "max_split_size"), None);
+    }
+
     #[test]
     fn json_strings_are_escaped() {
         let mut out = String::new();
-        push_json_string(&mut out, "a\"b\\c\n");
-        assert_eq!(out, r#""a\"b\\c\u000a""#);
+        push_json_string(&mut out, "a\"b\\c\n \u{1f}");
+        assert_eq!(out, r#""a\"b\\c\u000a \u001f""#);
     }
 }

@@ -199,4 +199,13 @@ mod tests {
         let expected: &[u8] = b"\x80\x02}(X\x01\x00\x00\x00a](K\x01\x88Neu.";
         assert_eq!(to_pickle(&value), expected);
     }
+
+    #[test]
+    fn tuples_are_empty_or_marked() {
+        // pickle.dumps((), protocol=2); a non-empty tuple is MARK ... TUPLE,
+        // which pickle.loads reads as (1, 2).
+        assert_eq!(to_pickle(&PickleValue::Tuple(Vec::new())), b"\x80\x02).");
+        let pair = PickleValue::Tuple(vec![PickleValue::int(1), PickleValue::int(2)]);
+        assert_eq!(to_pickle(&pair), b"\x80\x02(K\x01K\x02t.");
+    }
 }
