@@ -367,7 +367,7 @@ fn signed(bytes: i128) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{environment_line, noticeable_driver_time, rank, wrap, Row, SWEEP};
+    use super::{advice_text, environment_line, noticeable_driver_time, rank, wrap, Row, SWEEP};
 
     fn row(settings: &str, fits: usize, min: Option<u64>, reserved: u64, driver: f64) -> Row {
         Row {
@@ -451,8 +451,39 @@ mod tests {
     }
 
     #[test]
+    fn the_saving_is_against_pytorch_s_defaults_and_none_against_nothing() {
+        const GIB: u64 = 1 << 30;
+        let best = row("policy:hbm", 1, Some(3 * GIB), 3 * GIB, 0.01);
+        let baseline = row("policy:pytorch", 1, Some(4 * GIB), 5 * GIB, 0.01);
+        let text = advice_text(&[best.clone(), baseline.clone()], &baseline, 1, false);
+        assert!(
+            text.contains("it saves 1.00 GiB (25.0%) of device")
+                && text.contains("and 2.00 GiB (40.0%) of peak reserved"),
+            "{text}"
+        );
+        // A setting that holds more, or as much: a negative saving, or none.
+        let worse = row("policy:hbm", 1, Some(5 * GIB), 5 * GIB, 0.01);
+        let text = advice_text(&[worse.clone(), baseline.clone()], &baseline, 1, false);
+        assert!(
+            text.contains("it saves -1.00 GiB (-25.0%) of device"),
+            "{text}"
+        );
+        let text = advice_text(&[baseline.clone()], &baseline, 1, false);
+        assert!(text.contains("it saves 0 B (0.0%) of device"), "{text}");
+        // A baseline that held nothing: no share of it to state.
+        let empty = row("policy:pytorch", 1, Some(0), 0, 0.0);
+        let text = advice_text(&[best, empty.clone()], &empty, 1, false);
+        assert!(
+            text.contains("it saves - of device") && text.contains("and - of peak reserved"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn long_settings_wrap_at_commas() {
         assert_eq!(wrap("a:1,b:2,c:3", 7), ["a:1,b:2,", "c:3"]);
         assert_eq!(wrap("a:1", 1), ["a:1"]);
+        // The comma counts: two 3-character keys need 7.
+        assert_eq!(wrap("a:1,b:2", 6), ["a:1,", "b:2"]);
     }
 }

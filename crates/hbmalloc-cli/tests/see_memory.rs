@@ -71,21 +71,28 @@ fn summary_refuses_what_is_not_a_trace() {
 /// The table rows of `advise`'s output: (fits, min device, settings,
 /// driver time marked as one a program would notice).
 fn advise_rows(text: &str) -> Vec<(String, String, String, bool)> {
+    advise_cells(text)
+        .into_iter()
+        .map(|cells| {
+            // #, fits, min device (2 words), reserved (2 words), driver, calls, settings
+            (
+                cells[1].clone(),
+                format!("{} {}", cells[2], cells[3]),
+                cells[8].clone(),
+                cells[6].ends_with('!'),
+            )
+        })
+        .collect()
+}
+
+/// The cells of each table row of `advise`'s output, split at spaces.
+fn advise_cells(text: &str) -> Vec<Vec<String>> {
     text.lines()
         .skip_while(|l| !l.trim_start().starts_with("#  fits"))
         .skip(1)
         .take_while(|l| !l.is_empty())
         .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
-        .map(|l| {
-            let cells: Vec<&str> = l.split_whitespace().collect();
-            // #, fits, min device (2 words), reserved (2 words), driver, calls, settings
-            (
-                cells[1].to_string(),
-                format!("{} {}", cells[2], cells[3]),
-                cells[8].to_string(),
-                cells[6].ends_with('!'),
-            )
-        })
+        .map(|l| l.split_whitespace().map(str::to_string).collect())
         .collect()
 }
 
@@ -151,6 +158,34 @@ fn advise_recommends_the_smallest_device_and_says_what_it_saves() {
         text.lines().all(|l| l.chars().count() <= 100),
         "wider than 100:\n{text}"
     );
+}
+
+#[test]
+fn advise_marks_driver_time_over_twice_expandable_segments() {
+    // The bundled trace is a CPU's recording: the factor alone decides.
+    let text = succeed(&["advise"]);
+    let cells = advise_cells(&text);
+    let ms = |row: &Vec<String>| -> f64 {
+        row[6]
+            .trim_end_matches('!')
+            .trim_end_matches("ms")
+            .parse()
+            .unwrap()
+    };
+    let expandable = cells
+        .iter()
+        .find(|row| row[8] == "pytorch,expandable_segments:True")
+        .map(ms)
+        .expect("expandable segments are swept");
+    for row in &cells {
+        // Driver times are printed to the millisecond.
+        let (time, marked) = (ms(row), row[6].ends_with('!'));
+        if time > 2.0 * expandable + 1.0 {
+            assert!(marked, "{} not marked:\n{text}", row[8]);
+        } else if time < 2.0 * expandable - 1.0 {
+            assert!(!marked, "{} marked:\n{text}", row[8]);
+        }
+    }
 }
 
 #[test]
