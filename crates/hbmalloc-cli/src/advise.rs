@@ -468,7 +468,7 @@ mod tests {
             text.contains("it saves -1.00 GiB (-25.0%) of device"),
             "{text}"
         );
-        let text = advice_text(&[baseline.clone()], &baseline, 1, false);
+        let text = advice_text(std::slice::from_ref(&baseline), &baseline, 1, false);
         assert!(text.contains("it saves 0 B (0.0%) of device"), "{text}");
         // A baseline that held nothing: no share of it to state.
         let empty = row("policy:pytorch", 1, Some(0), 0, 0.0);

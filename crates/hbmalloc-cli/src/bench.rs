@@ -12,6 +12,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use hbmalloc::simtest::SplitMix64;
 use hbmalloc::{
     Allocator, AllocatorConfig, LatencyModel, PolicyConfig, SharedAllocator, SimConfig, SimDevice,
     StreamId, ThreadSafeAllocator,
@@ -229,14 +230,11 @@ fn small_block_churn(
     ops: u64,
     seed: u64,
 ) -> Result<u64, String> {
-    let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (seed + 1);
+    let mut rng = SplitMix64::new(seed);
     let mut live: Vec<u64> = Vec::with_capacity(512);
     let mut done = 0;
     while done < ops {
-        rng ^= rng >> 12;
-        rng ^= rng << 25;
-        rng ^= rng >> 27;
-        let r = rng.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        let r = rng.next_u64();
         if live.len() < 512 {
             let size = 512 + (r >> 16) % (64 << 10);
             live.push(allocator.malloc(size, stream).map_err(|e| e.to_string())?);
@@ -449,13 +447,7 @@ fn scaling_point(policy: &PolicyConfig, count: u64, churn: u64) -> Result<(f64, 
         history_entries: 0,
     };
     let mut allocator = Allocator::new(zero_latency_device(), config).map_err(|e| e.to_string())?;
-    let mut rng = 0x2545_F491_4F6C_DD1Du64 ^ count;
-    let mut next = move || {
-        rng ^= rng >> 12;
-        rng ^= rng << 25;
-        rng ^= rng >> 27;
-        rng.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    };
+    let mut rng = SplitMix64::new(count);
     // Mostly small tensors, some medium, a few large: a model's mix.
     let size = move |r: u64| match r % 100 {
         0 => (1 << 20) + (r >> 8) % (3 << 20),
@@ -465,7 +457,7 @@ fn scaling_point(policy: &PolicyConfig, count: u64, churn: u64) -> Result<(f64, 
     let stream = StreamId(0);
     let mut live = Vec::with_capacity(count as usize);
     for _ in 0..count {
-        let r = next();
+        let r = rng.next_u64();
         live.push(
             allocator
                 .malloc(size(r), stream)
@@ -475,7 +467,7 @@ fn scaling_point(policy: &PolicyConfig, count: u64, churn: u64) -> Result<(f64, 
     let calls_before = allocator.device().call_counts();
     let started = std::time::Instant::now();
     for _ in 0..churn {
-        let r = next();
+        let r = rng.next_u64();
         let victim = live.swap_remove((r % live.len() as u64) as usize);
         allocator.free(victim).map_err(|e| e.to_string())?;
         live.push(

@@ -347,7 +347,7 @@ enum Command {
         #[command(flatten)]
         engine: EngineBench,
         /// Thread counts to measure.
-        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8", value_parser = count(256))]
         threads: Vec<usize>,
         /// Engine shards of the sharded allocator.
         #[arg(long, default_value_t = 16, value_parser = count(4096))]
@@ -379,11 +379,16 @@ enum Command {
         #[arg(
             long,
             value_delimiter = ',',
-            default_value = "100,1000,10000,100000,1000000"
+            default_value = "100,1000,10000,100000,1000000",
+            value_parser = clap::value_parser!(u64).range(1..=10_000_000)
         )]
         live: Vec<u64>,
         /// Churn operations (free one, allocate one) per measurement.
-        #[arg(long, default_value_t = 200_000)]
+        #[arg(
+            long,
+            default_value_t = 200_000,
+            value_parser = clap::value_parser!(u64).range(1..=1_000_000_000)
+        )]
         churn: u64,
     },
     /// Print PyTorch's memory_summary() table for a trace, from a replay
@@ -431,9 +436,6 @@ fn run(command: Command) -> Result<(), String> {
         }
         Command::BenchScaling { runs, live, churn } => {
             let runs = parse_runs(&runs)?;
-            if live.iter().any(|&n| n == 0 || n > 10_000_000) || churn == 0 {
-                return Err("--live counts must be between 1 and 10^7, --churn positive".into());
-            }
             bench::scaling(&runs, &live, churn)
         }
         Command::BenchThreads {
@@ -443,9 +445,6 @@ fn run(command: Command) -> Result<(), String> {
             repeat,
         } => {
             let (traces, policy) = engine.load()?;
-            if threads.iter().any(|&t| t == 0 || t > 256) {
-                return Err("--threads: each count must be between 1 and 256".into());
-            }
             bench::threads(&traces, &policy, &threads, shards, repeat)
         }
         Command::BenchLog {
@@ -1037,5 +1036,10 @@ mod tests {
         assert!(parse_capacity("12 parsecs").is_err());
         assert!(parse_capacity("0").is_err());
         assert!(parse_capacity("99999999TiB").is_err());
+        // From 1 byte to 1 PiB, both ends included.
+        assert_eq!(parse_capacity("1"), Ok(Capacity::Bytes(1)));
+        assert_eq!(parse_capacity("1024TiB"), Ok(Capacity::Bytes(1 << 50)));
+        assert!(parse_capacity("0.5").is_err());
+        assert!(parse_capacity("1025TiB").is_err());
     }
 }

@@ -60,8 +60,20 @@ fn bench_hits_reports_the_cache_hits_apart() {
         panic!("{table}")
     };
     assert!((ratio - hbm / pytorch).abs() < 0.01, "{table}");
+    assert!(table.lines().next().unwrap().ends_with("ratio"), "{table}");
+    // The notes say what the ratio, a hit and `cpu` (the bundled trace's
+    // device) are, wrapped to the width.
+    let words = table.split_whitespace().collect::<Vec<_>>().join(" ");
+    for note in [
+        "ratio: last configuration's figure divided by the first's",
+        "hit ns/op: the mallocs and frees",
+        "cpu: a torch.profiler trace's CPU memory",
+    ] {
+        assert!(words.contains(note), "{note}:\n{table}");
+    }
     let table = succeed(&["bench", "--hits", "--repeat", "1", "--run", "policy:hbm"]);
     assert_eq!(figures(&table).len(), 1, "{table}");
+    assert!(!table.contains("ratio"), "{table}");
 }
 
 #[test]
@@ -227,6 +239,82 @@ fn bad_configuration() {
     );
 }
 
+/// The last `count` figures of each row of a benchmark table (after its
+/// header, up to its first blank line; a row's name comes before them).
+fn table_figures(table: &str, count: usize) -> Vec<Vec<f64>> {
+    table
+        .lines()
+        .skip(1)
+        .take_while(|l| !l.is_empty())
+        .map(|l| {
+            let cells: Vec<&str> = l.split_whitespace().collect();
+            cells[cells.len().saturating_sub(count)..]
+                .iter()
+                .map(|c| c.parse().unwrap_or_else(|_| panic!("{c} in {table}")))
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn bench_threads_reports_operations_per_second_for_each_count() {
+    let table = succeed(&["bench-threads", "--threads", "1,2", "--repeat", "1"]);
+    // The workload's name has one or two words; the figures end the row.
+    let rows = table_figures(&table, 4);
+    assert_eq!(
+        rows.len(),
+        4,
+        "two workloads at two thread counts:\n{table}"
+    );
+    for row in &rows {
+        let [threads, mutex, sharded, ratio] = row[..] else {
+            panic!("{table}")
+        };
+        assert!(threads == 1.0 || threads == 2.0, "{table}");
+        assert!(mutex > 0.0 && sharded > 0.0 && mutex.is_finite(), "{table}");
+        assert!((ratio - sharded / mutex).abs() < 0.01, "{table}");
+    }
+}
+
+#[test]
+fn bench_scaling_reports_time_and_calls_for_each_live_count() {
+    let args = ["bench-scaling", "--live", "100,1000", "--churn", "2000"];
+    let table = succeed(&args);
+    let rows = table_figures(&table, 7);
+    assert_eq!(rows.len(), 2, "{table}");
+    for (row, live) in rows.iter().zip([100.0, 1000.0]) {
+        // live, then ns/op and calls for each of the three configurations.
+        assert_eq!(row.len(), 7, "{table}");
+        assert_eq!(row[0], live, "{table}");
+        assert!(
+            row[1..].chunks(2).all(|c| c[0] > 0.0 && c[0].is_finite()),
+            "{table}"
+        );
+    }
+    // The calls are the engine's, the same in every run.
+    let calls =
+        |rows: &[Vec<f64>]| -> Vec<f64> { rows.iter().flat_map(|r| [r[2], r[4], r[6]]).collect() };
+    assert_eq!(
+        calls(&rows),
+        calls(&table_figures(&succeed(&args), 7)),
+        "{table}"
+    );
+}
+
+#[test]
+fn bench_log_reports_the_log_s_cost_beside_none() {
+    let table = succeed(&["bench-log", "--repeat", "1", "--entries", "1000"]);
+    let rows = table_figures(&table, 3);
+    assert_eq!(rows.len(), 2, "traces and small-block churn:\n{table}");
+    for row in &rows {
+        let [off, log, ratio] = row[..] else {
+            panic!("{table}")
+        };
+        assert!(off > 0.0 && log > 0.0 && log.is_finite(), "{table}");
+        assert!((ratio - log / off).abs() < 0.01, "{table}");
+    }
+}
+
 /// Counts of zero (or absurd ones) are refused with the range allowed,
 /// never clamped to something that was not asked for.
 #[test]
@@ -238,9 +326,19 @@ fn bench_counts_out_of_range() {
         "1..=1000",
     );
     assert_clear_error(&hbmalloc(&["bench-log", "--entries", "0"]), "1..=");
+    assert_clear_error(&hbmalloc(&["bench-scaling", "--live", "0"]), "1..=10000000");
     assert_clear_error(
-        &hbmalloc(&["bench-scaling", "--live", "0"]),
-        "between 1 and 10^7",
+        &hbmalloc(&["bench-scaling", "--live", "100,10000001"]),
+        "1..=10000000",
+    );
+    assert_clear_error(
+        &hbmalloc(&["bench-scaling", "--churn", "0"]),
+        "1..=1000000000",
+    );
+    assert_clear_error(&hbmalloc(&["bench-threads", "--threads", "0"]), "1..=256");
+    assert_clear_error(
+        &hbmalloc(&["bench-threads", "--threads", "2,257"]),
+        "1..=256",
     );
 }
 
@@ -306,7 +404,71 @@ fn a_replay_that_runs_out_of_memory_prints_the_whole_report() {
             && stdout.contains("what would help: "),
         "{stdout}"
     );
-    assert!(stdout.contains("smallest device on which"), "{stdout}");
+    // Each policy once, on an unbounded device (the 80 MiB asked for is
+    // what ran out): the trace's 96 MiB peak.
+    let helps: Vec<(&str, &str)> = stdout
+        .lines()
+        .skip_while(|l| !l.contains("smallest device on which"))
+        .skip(1)
+        .map(|l| l.trim().split_once(' ').unwrap())
+        .collect();
+    let policies: Vec<&str> = helps.iter().map(|h| h.0).collect();
+    assert_eq!(
+        policies,
+        [
+            "policy:hbm",
+            "policy:pytorch",
+            "policy:pytorch,expandable_segments:True"
+        ],
+        "{stdout}"
+    );
+    for (policy, needed) in &helps[..2] {
+        assert_eq!(needed.trim(), "96.00 MiB (peak live 96.00 MiB)", "{policy}");
+    }
+}
+
+/// One replay's JSON object (the first line of `replay ARGS --json`).
+fn replay_json(args: &[&str]) -> serde_json::Value {
+    let stdout = succeed(&[&["replay"], args, &["--json"]].concat());
+    serde_json::from_str(stdout.lines().next().unwrap()).unwrap()
+}
+
+#[test]
+fn a_capacity_as_a_multiple_is_of_the_trace_s_peak_live_memory() {
+    let trace = temp_file(PEAK_IN_THE_MIDDLE);
+    let path = trace.path().to_str().unwrap();
+    // 96 MiB live at the peak, in two segments PyTorch's policy fits exactly.
+    let at = |capacity| replay_json(&[path, "--policy", "pytorch", "--capacity", capacity]);
+    assert_eq!(at("0.99x")["out_of_memory_at_op"], 1);
+    assert!(at("1x")["out_of_memory_at_op"].is_null());
+}
+
+#[test]
+fn replay_finds_the_smallest_device_only_when_asked() {
+    let trace = temp_file(PEAK_IN_THE_MIDDLE);
+    let path = trace.path().to_str().unwrap();
+    assert!(replay_json(&[path])["min_capacity_bytes"].is_null());
+    assert_eq!(
+        replay_json(&[path, "--min-capacity"])["min_capacity_bytes"],
+        100_663_296
+    );
+}
+
+#[test]
+fn a_replay_in_json_that_runs_out_of_memory_prints_json_only() {
+    let trace = temp_file(PEAK_IN_THE_MIDDLE);
+    let stdout = succeed(&[
+        "replay",
+        trace.path().to_str().unwrap(),
+        "--capacity",
+        "80MiB",
+        "--json",
+    ]);
+    for line in stdout.lines() {
+        let row: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        assert_eq!(row["out_of_memory_at_op"], 1, "{line}");
+    }
 }
 
 #[test]

@@ -35,6 +35,44 @@ fn summary_of_a_snapshot_replays_its_recorded_peak() {
     );
 }
 
+/// `replay` reproduces the error a snapshot recorded (device 1 of this
+/// one, at op 288), and says on which device each policy would have run;
+/// asked to ignore it, it runs on.
+#[test]
+fn replay_reproduces_a_recorded_oom_unless_asked_not_to() {
+    let Some(path) = shared("pytorch-snapshots/Constructor-Sun__memory_snapshot.pickle") else {
+        return;
+    };
+    let reproduced = "recorded out-of-memory error reproduced at op 288";
+    let text = succeed(&["replay", &path, "--policy", "pytorch"]);
+    assert!(text.contains(reproduced), "{text}");
+    let needed: Vec<f64> = text
+        .lines()
+        .skip_while(|l| !l.contains("smallest device on which"))
+        .skip(1)
+        .take(3)
+        .map(|l| {
+            let words: Vec<&str> = l.split_whitespace().collect();
+            bytes_of(&format!("{} {}", words[1], words[2]))
+        })
+        .collect();
+    // PyTorch's defaults need the most; each policy's own figure.
+    assert_eq!(needed.len(), 3, "{text}");
+    assert!(needed[0] > needed[1] && needed[0] > needed[2], "{text}");
+    assert_ne!(needed[1], needed[2], "{text}");
+    let text = succeed(&[
+        "replay",
+        &path,
+        "--policy",
+        "pytorch",
+        "--ignore-recorded-ooms",
+    ]);
+    assert!(
+        !text.contains("reproduced") && !text.contains("smallest device on which"),
+        "{text}"
+    );
+}
+
 /// The recorded out-of-memory error on device 1 is counted, and each
 /// device's peak reserved is the MANIFEST's recorded max reserved.
 #[test]
