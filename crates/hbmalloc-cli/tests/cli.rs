@@ -416,16 +416,17 @@ const PEAK_IN_THE_MIDDLE: &[u8] = b"Thread,Time,Action,Pointer,Size,Stream\n\
 /// A replay that runs out of memory at the capacity asked for prints the
 /// allocator's whole report (the numbers, the verdict, what would help), as
 /// it does for a recorded out-of-memory error, then the smallest device on
-/// which each policy completes the trace.
+/// which each policy completes the trace (in JSON, the object alone).
 #[test]
 fn a_replay_that_runs_out_of_memory_prints_the_whole_report() {
     let trace = temp_file(PEAK_IN_THE_MIDDLE);
-    let stdout = succeed(&[
+    let args = [
         "replay",
         trace.path().to_str().unwrap(),
         "--capacity",
         "80MiB",
-    ]);
+    ];
+    let stdout = succeed(&args);
     assert!(stdout.contains("out of memory at op 1:"), "{stdout}");
     assert!(
         stdout.contains("tried to allocate 32.00 MiB")
@@ -455,6 +456,13 @@ fn a_replay_that_runs_out_of_memory_prints_the_whole_report() {
     for (policy, needed) in &helps[..2] {
         assert_eq!(needed.trim(), "96.00 MiB (peak live 96.00 MiB)", "{policy}");
     }
+    // In JSON the report is the object's: nothing else is printed.
+    let stdout = succeed(&[&args[..], &["--json"]].concat());
+    for line in stdout.lines() {
+        let row: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        assert_eq!(row["out_of_memory_at_op"], 1, "{line}");
+    }
 }
 
 /// One replay's JSON object (the first line of `replay ARGS --json`).
@@ -482,23 +490,6 @@ fn replay_finds_the_smallest_device_only_when_asked() {
         replay_json(&[path, "--min-capacity"])["min_capacity_bytes"],
         100_663_296
     );
-}
-
-#[test]
-fn a_replay_in_json_that_runs_out_of_memory_prints_json_only() {
-    let trace = temp_file(PEAK_IN_THE_MIDDLE);
-    let stdout = succeed(&[
-        "replay",
-        trace.path().to_str().unwrap(),
-        "--capacity",
-        "80MiB",
-        "--json",
-    ]);
-    for line in stdout.lines() {
-        let row: serde_json::Value =
-            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
-        assert_eq!(row["out_of_memory_at_op"], 1, "{line}");
-    }
 }
 
 #[test]
