@@ -744,6 +744,41 @@ mod tests {
     use super::*;
 
     #[test]
+    fn cells_say_seconds_in_ms_below_one_and_keep_both_ends_of_long_names() {
+        assert_eq!(seconds(0.0123), "12.3ms");
+        assert_eq!(seconds(1.244), "1.24s");
+        let long = "abcdefghijklmnopqrstuvwxyz0123456789.pickle";
+        assert_eq!(trace_name(long), "abcdefghijklmnop…tuvwxyz0123456789");
+        assert_eq!(trace_name(&long[2..]), "cdefghijklmnopqrstuvwxyz0123456789");
+        // A word that fills the line exactly stays on it.
+        assert_eq!(wrap("ab cd ef", 5), "ab cd\nef\n");
+    }
+
+    #[test]
+    fn the_fidelity_summary_tells_torch_npu_apart() {
+        let report = |foreign_allocator| FidelityReport {
+            device: 0,
+            config: String::new(),
+            recorded: 2,
+            replayed: 2,
+            matching_prefix: 2,
+            first_divergence: None,
+            foreign_allocator,
+            replay_note: None,
+        };
+        let ours = fidelity_summary(1, &[report(false)]);
+        assert!(ours.starts_with("fidelity: 1 device(s) of 1 snapshot(s): 1 exact"));
+        assert!(!ours.contains("torch_npu"), "{ours}");
+        let both = fidelity_summary(2, &[report(false), report(true)]);
+        assert!(
+            both.contains(": 1 exact,")
+                && both
+                    .ends_with("; and 1 from torch_npu, not held to fidelity (1 exact, 0 diverge)"),
+            "{both}"
+        );
+    }
+
+    #[test]
     fn the_calls_log_names_each_op_and_the_size_a_free_gives_back() {
         use hbmalloc::CallCounts;
         use hbmalloc_trace::{InitialBlock, InitialSegment};

@@ -105,8 +105,71 @@ fn replay_json_has_the_design_metric_names() {
     }
 }
 
-/// `compare`'s table fills `COLUMNS` where standard output is no terminal;
-/// a width of 0 (or none) means the default, 100.
+/// Several trace devices get a total row per configuration, summing theirs;
+/// one gets none.
+#[test]
+fn compare_totals_the_rows_of_several_traces() {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../traces/");
+    let traces = [
+        format!("{root}gpt2_train_start.csv"),
+        format!("{root}gpt2_train_op3000.pickle.gz"),
+    ];
+    let args = ["compare", &traces[0], &traces[1], "--no-min-capacity"];
+    let table = succeed(&args);
+    let json = succeed(&[&args[..], &["--json"]].concat());
+    let rows: Vec<serde_json::Value> = json
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let totals: Vec<&str> = table
+        .lines()
+        .skip_while(|l| !l.starts_with("total of the 2 rows above"))
+        .skip(1)
+        .take(3)
+        .collect();
+    assert_eq!(totals.len(), 3, "{table}");
+    for total in totals {
+        let cells: Vec<&str> = total.split_whitespace().collect();
+        let label = cells[0];
+        let settings: Vec<&serde_json::Value> = rows
+            .iter()
+            .filter(|r| {
+                let s = r["settings"]
+                    .as_str()
+                    .unwrap()
+                    .trim_start_matches("policy:");
+                s.replace(",expandable_segments:True", "+expandable") == label
+            })
+            .collect();
+        assert_eq!(settings.len(), 2, "{label}: {json}");
+        let calls: u64 = settings
+            .iter()
+            .map(|r| r["memory_device_calls"].as_u64().unwrap())
+            .sum();
+        let ms: f64 = settings
+            .iter()
+            .map(|r| r["simulated_driver_seconds"].as_f64().unwrap() * 1e3)
+            .sum();
+        assert_eq!(cells[cells.len() - 2], calls.to_string(), "{total}");
+        assert_eq!(cells[cells.len() - 1], format!("{ms:.1}ms"), "{total}");
+    }
+    let one = succeed(&["compare", &traces[0], "--no-min-capacity"]);
+    assert!(!one.contains("total of the"), "{one}");
+    // Side by side, the offline plan's column is totalled too.
+    let wide = succeed(&[&args[..], &["--wide", "--planned", "--run", "policy:hbm"]].concat());
+    let planned = |line: &str| -> f64 {
+        let column = line.split('|').nth(1).unwrap();
+        let cell = column.split_whitespace().next().unwrap();
+        cell.trim_end_matches('G').parse().unwrap()
+    };
+    let lines: Vec<&str> = wide.lines().filter(|l| l.contains('|')).collect();
+    let rows: f64 = lines[2..4].iter().map(|l| planned(l)).sum();
+    let total = lines.iter().find(|l| l.starts_with("total")).unwrap();
+    assert!((planned(total) - rows).abs() <= 0.011, "{wide}");
+}
+
+/// `compare`'s table fills `COLUMNS` where standard output is no terminal
+/// (0, or none: the default, 100), and no less than its figures need.
 #[test]
 fn compare_fits_the_columns_it_is_given() {
     let table = |columns: &str| {
@@ -122,6 +185,31 @@ fn compare_fits_the_columns_it_is_given() {
     assert!(narrow.lines().all(|l| l.chars().count() <= 60), "{narrow}");
     assert_ne!(narrow, table("100"));
     assert_eq!(table("0"), table("100"));
+    // Narrower than the figures: a replay that ran out says so in a line
+    // cut to the rows' width, not to the terminal's.
+    let trace = temp_file(PEAK_IN_THE_MIDDLE);
+    let out = Command::new(env!("CARGO_BIN_EXE_hbmalloc"))
+        .args([
+            "compare",
+            trace.path().to_str().unwrap(),
+            "--capacity",
+            "80MiB",
+        ])
+        .env("COLUMNS", "40")
+        .output()
+        .unwrap();
+    let text = stdout_of_success(out);
+    let header = text.lines().next().unwrap().chars().count();
+    assert!(header > 40, "{text}");
+    let stopped: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("out of memory at op"))
+        .collect();
+    assert_eq!(stopped.len(), 3, "{text}");
+    assert!(
+        stopped.iter().all(|l| l.chars().count() == header),
+        "{text}"
+    );
 }
 
 #[test]
