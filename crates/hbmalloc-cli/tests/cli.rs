@@ -4,7 +4,7 @@
 use std::process::{Command, Stdio};
 
 mod common;
-use common::{assert_clear_error, hbmalloc, stdout_of_success, succeed};
+use common::{assert_clear_error, hbmalloc, smallest_devices, stdout_of_success, succeed};
 
 fn temp_file(bytes: &[u8]) -> tempfile::NamedTempFile {
     let mut f = tempfile::NamedTempFile::new().unwrap();
@@ -76,16 +76,18 @@ fn bench_hits_reports_the_cache_hits_apart() {
     assert!(!table.contains("ratio"), "{table}");
 }
 
+/// The first line of a successful run's output, a JSON object.
+fn first_json(args: &[&str]) -> serde_json::Value {
+    let stdout = succeed(args);
+    serde_json::from_str(stdout.lines().next().unwrap()).unwrap()
+}
+
 #[test]
 fn replay_json_has_the_design_metric_names() {
-    let out = hbmalloc(&["compare", "--json", "--no-min-capacity"]);
-    assert!(out.status.success());
-    let line = String::from_utf8_lossy(&out.stdout);
-    let first: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
+    let first = first_json(&["compare", "--json", "--no-min-capacity"]);
     // Not asked for: no bisection for the smallest device; by default, one.
     assert!(first["min_capacity_bytes"].is_null(), "{first}");
-    let line = succeed(&["compare", "--json", "--run", "policy:pytorch"]);
-    let row: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
+    let row = first_json(&["compare", "--json", "--run", "policy:pytorch"]);
     assert!(row["min_capacity_bytes"].as_u64().is_some(), "{row}");
     for key in [
         "peak_live_bytes",
@@ -127,29 +129,28 @@ fn compare_totals_the_rows_of_several_traces() {
         .skip(1)
         .take(3)
         .collect();
-    assert_eq!(totals.len(), 3, "{table}");
-    for total in totals {
-        let cells: Vec<&str> = total.split_whitespace().collect();
-        let label = cells[0];
-        let settings: Vec<&serde_json::Value> = rows
-            .iter()
-            .filter(|r| {
-                let s = r["settings"]
-                    .as_str()
-                    .unwrap()
-                    .trim_start_matches("policy:");
-                s.replace(",expandable_segments:True", "+expandable") == label
-            })
-            .collect();
-        assert_eq!(settings.len(), 2, "{label}: {json}");
-        let calls: u64 = settings
+    // One total per configuration, in the order the rows give them.
+    let mut settings: Vec<&str> = Vec::new();
+    for r in &rows {
+        let s = r["settings"].as_str().unwrap();
+        if !settings.contains(&s) {
+            settings.push(s);
+        }
+    }
+    assert_eq!((totals.len(), settings.len()), (3, 3), "{table}");
+    for (total, settings) in totals.iter().zip(settings) {
+        let of: Vec<&serde_json::Value> =
+            rows.iter().filter(|r| r["settings"] == settings).collect();
+        assert_eq!(of.len(), 2, "{settings}: {json}");
+        let calls: u64 = of
             .iter()
             .map(|r| r["memory_device_calls"].as_u64().unwrap())
             .sum();
-        let ms: f64 = settings
+        let ms: f64 = of
             .iter()
             .map(|r| r["simulated_driver_seconds"].as_f64().unwrap() * 1e3)
             .sum();
+        let cells: Vec<&str> = total.split_whitespace().collect();
         assert_eq!(cells[cells.len() - 2], calls.to_string(), "{total}");
         assert_eq!(cells[cells.len() - 1], format!("{ms:.1}ms"), "{total}");
     }
@@ -172,15 +173,16 @@ fn compare_totals_the_rows_of_several_traces() {
 /// (0, or none: the default, 100), and no less than its figures need.
 #[test]
 fn compare_fits_the_columns_it_is_given() {
-    let table = |columns: &str| {
+    let with_columns = |args: &[&str], columns: &str| {
         stdout_of_success(
             Command::new(env!("CARGO_BIN_EXE_hbmalloc"))
-                .args(["compare", "--no-min-capacity"])
+                .args(args)
                 .env("COLUMNS", columns)
                 .output()
                 .unwrap(),
         )
     };
+    let table = |columns| with_columns(&["compare", "--no-min-capacity"], columns);
     let narrow = table("60");
     assert!(narrow.lines().all(|l| l.chars().count() <= 60), "{narrow}");
     assert_ne!(narrow, table("100"));
@@ -188,17 +190,8 @@ fn compare_fits_the_columns_it_is_given() {
     // Narrower than the figures: a replay that ran out says so in a line
     // cut to the rows' width, not to the terminal's.
     let trace = temp_file(PEAK_IN_THE_MIDDLE);
-    let out = Command::new(env!("CARGO_BIN_EXE_hbmalloc"))
-        .args([
-            "compare",
-            trace.path().to_str().unwrap(),
-            "--capacity",
-            "80MiB",
-        ])
-        .env("COLUMNS", "40")
-        .output()
-        .unwrap();
-    let text = stdout_of_success(out);
+    let path = trace.path().to_str().unwrap();
+    let text = with_columns(&["compare", path, "--capacity", "80MiB"], "40");
     let header = text.lines().next().unwrap().chars().count();
     assert!(header > 40, "{text}");
     let stopped: Vec<&str> = text
@@ -525,12 +518,7 @@ fn a_replay_that_runs_out_of_memory_prints_the_whole_report() {
     );
     // Each policy once, on an unbounded device (the 80 MiB asked for is
     // what ran out): the trace's 96 MiB peak.
-    let helps: Vec<(&str, &str)> = stdout
-        .lines()
-        .skip_while(|l| !l.contains("smallest device on which"))
-        .skip(1)
-        .map(|l| l.trim().split_once(' ').unwrap())
-        .collect();
+    let helps = smallest_devices(&stdout);
     let policies: Vec<&str> = helps.iter().map(|h| h.0).collect();
     assert_eq!(
         policies,
@@ -542,7 +530,7 @@ fn a_replay_that_runs_out_of_memory_prints_the_whole_report() {
         "{stdout}"
     );
     for (policy, needed) in &helps[..2] {
-        assert_eq!(needed.trim(), "96.00 MiB (peak live 96.00 MiB)", "{policy}");
+        assert_eq!(*needed, "96.00 MiB (peak live 96.00 MiB)", "{policy}");
     }
     // In JSON the report is the object's: nothing else is printed.
     let stdout = succeed(&[&args[..], &["--json"]].concat());
@@ -555,8 +543,7 @@ fn a_replay_that_runs_out_of_memory_prints_the_whole_report() {
 
 /// One replay's JSON object (the first line of `replay ARGS --json`).
 fn replay_json(args: &[&str]) -> serde_json::Value {
-    let stdout = succeed(&[&["replay"], args, &["--json"]].concat());
-    serde_json::from_str(stdout.lines().next().unwrap()).unwrap()
+    first_json(&[&["replay"], args, &["--json"]].concat())
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! which setting to use, and what a model needs.
 
 mod common;
-use common::{assert_clear_error, hbmalloc, stdout_of_success, succeed};
+use common::{assert_clear_error, hbmalloc, smallest_devices, stdout_of_success, succeed};
 
 #[path = "../../hbmalloc-trace/tests/common/shared.rs"]
 mod common_shared;
@@ -46,15 +46,10 @@ fn replay_reproduces_a_recorded_oom_unless_asked_not_to() {
     let reproduced = "recorded out-of-memory error reproduced at op 288";
     let text = succeed(&["replay", &path, "--policy", "pytorch"]);
     assert!(text.contains(reproduced), "{text}");
-    let needed: Vec<f64> = text
-        .lines()
-        .skip_while(|l| !l.contains("smallest device on which"))
-        .skip(1)
-        .take(3)
-        .map(|l| {
-            let words: Vec<&str> = l.split_whitespace().collect();
-            bytes_of(&format!("{} {}", words[1], words[2]))
-        })
+    // `83.37 GiB (peak live 78.29 GiB)`: the size before the parenthesis.
+    let needed: Vec<f64> = smallest_devices(&text)
+        .iter()
+        .map(|(_, needed)| bytes_of(needed.split(" (").next().unwrap()))
         .collect();
     // PyTorch's defaults need the most; each policy's own figure.
     assert_eq!(needed.len(), 3, "{text}");
@@ -196,12 +191,8 @@ fn advise_recommends_the_smallest_device_and_says_what_it_saves() {
         text.lines().all(|l| l.chars().count() <= 100),
         "wider than 100:\n{text}"
     );
-}
-
-#[test]
-fn advise_marks_driver_time_over_twice_expandable_segments() {
-    // The bundled trace is a CPU's recording: the factor alone decides.
-    let text = succeed(&["advise"]);
+    // `!` marks driver time over twice expandable segments' (the bundled
+    // trace is a CPU's recording: the factor alone decides).
     let cells = advise_cells(&text);
     let ms = |row: &Vec<String>| -> f64 {
         row[6]

@@ -43,3 +43,17 @@ pub fn assert_clear_error(output: &Output, needle: &str) {
         "{stderr}"
     );
 }
+
+/// The lines after a replay's "smallest device on which ..." heading (its
+/// report after an out-of-memory error), as (settings, what follows them).
+pub fn smallest_devices(text: &str) -> Vec<(&str, &str)> {
+    text.lines()
+        .skip_while(|l| !l.contains("smallest device on which"))
+        .skip(1)
+        .take_while(|l| l.starts_with("    "))
+        .map(|l| {
+            let (settings, needed) = l.trim().split_once(' ').unwrap();
+            (settings, needed.trim())
+        })
+        .collect()
+}
