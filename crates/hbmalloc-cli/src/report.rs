@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Args;
-use hbmalloc::{BlockState, PolicyConfig, SegmentSnapshot, SimConfig, Snapshot};
+use hbmalloc::{BlockState, PolicyConfig, SegmentSnapshot, SimConfig};
 use hbmalloc_replay::{
     evaluate, live_bytes_after_ops, snapshot, EvalOptions, FreeBreakdown, Metrics, Outcome,
     PreparedTrace, ReplayOptions, ReplaySnapshot, SnapshotMoment,
@@ -57,8 +57,8 @@ const TOP_ALLOCATIONS: usize = 15;
 const FRAMES_SHOWN: usize = 6;
 /// Rows of the memory map.
 const MAP_ROWS: u64 = 40;
-/// Rectangles one memory map draws at most; past it, the rest of the map
-/// is left out and the page says so.
+/// Rectangles one memory map draws before it stops: the segments after
+/// the one that passes it are left out, and the page says so.
 const MAP_RECTS: usize = 20_000;
 /// Plot size in CSS pixels.
 const PLOT_W: f64 = 960.0;
@@ -108,7 +108,7 @@ pub fn run(args: ReportArgs) -> Result<(), String> {
 }
 
 /// What a PyTorch snapshot says of its allocations' stack frames.
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct SnapshotFrames {
     /// Each device's `alloc` entries in order: size and frames.
     allocs: HashMap<i64, Vec<(u64, Vec<String>)>>,
@@ -471,11 +471,9 @@ fn min_max_points(values: &[u64], buckets: usize) -> Vec<(f64, f64)> {
     let buckets = buckets.clamp(1, n);
     let mut points = Vec::with_capacity(2 * buckets);
     for b in 0..buckets {
-        let (start, end) = (
-            b * n / buckets,
-            ((b + 1) * n / buckets).max(b * n / buckets + 1),
-        );
-        let slice = &values[start..end.min(n)];
+        // Every bucket holds at least one value: buckets <= n.
+        let (start, end) = (b * n / buckets, (b + 1) * n / buckets);
+        let slice = &values[start..end];
         let (mut lo, mut hi) = (0, 0);
         for (i, v) in slice.iter().enumerate() {
             if *v < slice[lo] {
@@ -502,7 +500,8 @@ fn counts_per_bucket(ops: &[usize], total: usize, buckets: usize) -> Vec<(f64, f
     let buckets = buckets.clamp(1, total.max(1));
     let mut counts = vec![0u64; buckets];
     for &op in ops {
-        counts[(op.min(total - 1) * buckets / total).min(buckets - 1)] += 1;
+        // An event after the last op counts in the last bucket.
+        counts[(op * buckets / total).min(buckets - 1)] += 1;
     }
     counts
         .iter()
@@ -591,27 +590,6 @@ fn legend(series: &[Series]) -> String {
     s + "</p>"
 }
 
-/// The free bytes of block `index` of `segment` by class: FreeBreakdown's
-/// own rule, applied to that block alone (the segment's other free blocks
-/// counted as empty).
-fn classify(segment: &mut SegmentSnapshot, index: usize, granule: Option<u64>) -> FreeBreakdown {
-    let sizes: Vec<u64> = segment.blocks.iter().map(|b| b.size).collect();
-    for (i, block) in segment.blocks.iter_mut().enumerate() {
-        if i != index && block.state == BlockState::Inactive {
-            block.size = 0;
-        }
-    }
-    let one = Snapshot {
-        segments: vec![segment.clone()],
-        history: Vec::new(),
-        settings: String::new(),
-    };
-    for (block, size) in segment.blocks.iter_mut().zip(sizes) {
-        block.size = size;
-    }
-    FreeBreakdown::of(&one, granule)
-}
-
 /// The memory map of one configuration at its peak.
 fn memory_map(settings: &str, peak: &ReplaySnapshot) -> String {
     let granule = SimConfig::default().granularity;
@@ -622,13 +600,14 @@ fn memory_map(settings: &str, peak: &ReplaySnapshot) -> String {
     let px = |bytes: u64| PLOT_W * bytes as f64 / per_row as f64;
     let mut rects = 0usize;
     let mut body = String::new();
-    let mut segments: Vec<SegmentSnapshot> = peak.snapshot.segments.clone();
+    let mut segments: Vec<&SegmentSnapshot> = peak.snapshot.segments.iter().collect();
     segments.sort_by_key(|s| s.address);
     let mut cursor = 0u64;
     let mut left_out = 0usize;
     // Draws bytes [start, start + len) of the laid-out map in `colour`,
-    // split across rows.
+    // split across rows, and says how many rectangles that took.
     let draw = |start: u64, len: u64, colour: &str, title: Option<&str>, out: &mut String| {
+        let mut drawn = 0;
         let mut at = start;
         let end = start + len;
         while at < end {
@@ -645,22 +624,17 @@ fn memory_map(settings: &str, peak: &ReplaySnapshot) -> String {
                 let _ = write!(out, "<title>{}</title>", esc(title));
             }
             out.push_str("</rect>");
+            drawn += 1;
             at = row_end;
         }
+        drawn
     };
-    for segment in &mut segments {
+    for segment in &segments {
         if rects > MAP_RECTS {
             left_out += 1;
             continue;
         }
-        let breakdown = {
-            let one = Snapshot {
-                segments: vec![segment.clone()],
-                history: Vec::new(),
-                settings: String::new(),
-            };
-            FreeBreakdown::of(&one, granule)
-        };
+        let breakdown = FreeBreakdown::of_segment(segment, granule);
         let title = format!(
             "segment at {:#x}: {} ({} blocks), {} allocated; free: {} idle, {} at the edges, \
              {} between live blocks",
@@ -672,21 +646,20 @@ fn memory_map(settings: &str, peak: &ReplaySnapshot) -> String {
             human(breakdown.segment_edge_bytes),
             human(breakdown.between_blocks_bytes),
         );
-        draw(
+        rects += draw(
             cursor,
             segment.total_size,
             "#ffffff",
             Some(&title),
             &mut body,
         );
-        rects += 1;
         // Runs of blocks of one colour become one rectangle.
         let mut run: Option<(u64, u64, &str)> = None;
         let mut offset = cursor;
-        for index in 0..segment.blocks.len() {
-            let size = segment.blocks[index].size;
-            let colour = if segment.blocks[index].state == BlockState::Inactive {
-                let b = classify(segment, index, granule);
+        let classes = FreeBreakdown::of_blocks(segment, granule);
+        for (block, b) in segment.blocks.iter().zip(classes) {
+            let size = block.size;
+            let colour = if block.state == BlockState::Inactive {
                 if b.idle_bytes >= b.segment_edge_bytes.max(b.between_blocks_bytes) {
                     IDLE
                 } else if b.segment_edge_bytes >= b.between_blocks_bytes {
@@ -700,8 +673,7 @@ fn memory_map(settings: &str, peak: &ReplaySnapshot) -> String {
             run = match run {
                 Some((start, len, c)) if c == colour => Some((start, len + size, c)),
                 Some((start, len, c)) => {
-                    draw(start, len, c, None, &mut body);
-                    rects += 1;
+                    rects += draw(start, len, c, None, &mut body);
                     Some((offset, size, colour))
                 }
                 None => Some((offset, size, colour)),
@@ -709,8 +681,7 @@ fn memory_map(settings: &str, peak: &ReplaySnapshot) -> String {
             offset += size;
         }
         if let Some((start, len, c)) = run {
-            draw(start, len, c, None, &mut body);
-            rects += 1;
+            rects += draw(start, len, c, None, &mut body);
         }
         cursor += segment.total_size;
     }
@@ -873,7 +844,20 @@ fn esc(text: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{counts_per_bucket, esc, min_max_points};
+    use std::collections::HashMap;
+
+    use hbmalloc::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot, StreamId};
+    use hbmalloc_export::{to_pickle, PickleValue};
+    use hbmalloc_replay::{FreeBreakdown, ReplaySnapshot};
+    use hbmalloc_trace::{DeviceTrace, InitialBlock, InitialBlockState, InitialSegment, Op};
+
+    use super::{
+        chart, counts_per_bucket, esc, frames_by_alloc, frames_of, largest_live, legend,
+        memory_map, min_max_points, Series, SnapshotFrames, ALLOCATED, BETWEEN, EDGE, IDLE,
+    };
+    use crate::human;
+
+    const MIB: u64 = 1 << 20;
 
     #[test]
     fn downsampling_keeps_each_buckets_extremes() {
@@ -899,5 +883,392 @@ mod tests {
     #[test]
     fn text_is_escaped() {
         assert_eq!(esc("<a href='x'>&"), "&lt;a href=&#39;x&#39;&gt;&amp;");
+    }
+
+    #[test]
+    fn a_flat_bucket_gives_one_point() {
+        let points = min_max_points(&[5; 100], 10);
+        let xs: Vec<f64> = points.iter().map(|p| p.0).collect();
+        assert_eq!(xs, (0..10).map(|b| f64::from(b * 10)).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn an_event_after_the_last_op_counts_in_the_last_bucket() {
+        let points = counts_per_bucket(&[100, 250], 100, 4);
+        assert_eq!(points[3], (75.0, 2.0));
+    }
+
+    /// The plot area is 870 x 220 pixels from (80, 10): op 0 and the value
+    /// 0 at its bottom left, the last op and the largest value at its top
+    /// right; five labels on each axis, markers as vertical lines.
+    #[test]
+    fn a_chart_maps_ops_and_values_onto_its_plot_area() {
+        let series = [Series {
+            name: "a & b".into(),
+            colour: "#123456",
+            points: vec![(0.0, 0.0), (50.0, 200.0), (100.0, 400.0)],
+        }];
+        let svg = chart(&series, 100, &[(50, "OOM <x>".into())], "count");
+        for part in [
+            "<rect x='80' y='10' width='870' height='220' class='frame'/>",
+            "<polyline points='80.0,230.0 515.0,120.0 950.0,10.0' stroke='#123456' \
+             class='line'><title>a &amp; b</title></polyline>",
+            "<line x1='80' x2='950' y1='230.0' y2='230.0' class='grid'/>\
+             <text x='76' y='234.0' class='ylab'>0</text>",
+            "<line x1='80' x2='950' y1='65.0' y2='65.0' class='grid'/>\
+             <text x='76' y='69.0' class='ylab'>300</text>",
+            "<text x='80.0' y='252' class='xlab' text-anchor='start'>op 0</text>",
+            "<text x='297.5' y='252' class='xlab' text-anchor='middle'>op 25</text>",
+            "<text x='950.0' y='252' class='xlab' text-anchor='end'>op 100</text>",
+            "<line x1='515.0' x2='515.0' y1='10' y2='230' class='oom'>\
+             <title>OOM &lt;x&gt;</title></line>",
+        ] {
+            assert!(svg.contains(part), "{part}\nnot in\n{svg}");
+        }
+        // A byte axis labels its values as sizes.
+        let svg = chart(&series, 100, &[], "bytes");
+        assert!(svg.contains(&format!("class='ylab'>{}</text>", human(400))));
+    }
+
+    #[test]
+    fn a_legend_names_each_series_in_its_colour() {
+        let series = [Series {
+            name: "a & b".into(),
+            colour: "#123456",
+            points: Vec::new(),
+        }];
+        assert_eq!(
+            legend(&series),
+            "<p class='legend'><span><span class='sw' style='background:#123456'></span>\
+             a &amp; b</span> </p>"
+        );
+    }
+
+    fn block(address: u64, size: u64, allocated: bool) -> BlockSnapshot {
+        BlockSnapshot {
+            address,
+            size,
+            requested_size: if allocated { size } else { 0 },
+            state: if allocated {
+                BlockState::ActiveAllocated
+            } else {
+                BlockState::Inactive
+            },
+        }
+    }
+
+    /// A virtual-memory segment of `(MiB, allocated)` blocks at `address`.
+    fn segment(address: u64, blocks: &[(f64, bool)]) -> SegmentSnapshot {
+        let mut at = address;
+        let blocks: Vec<BlockSnapshot> = blocks
+            .iter()
+            .map(|&(mib, allocated)| {
+                let size = (mib * MIB as f64) as u64;
+                at += size;
+                block(at - size, size, allocated)
+            })
+            .collect();
+        SegmentSnapshot {
+            address,
+            total_size: at - address,
+            stream: StreamId(0),
+            small_pool: false,
+            expandable: true,
+            blocks,
+        }
+    }
+
+    fn peak_of(segments: Vec<SegmentSnapshot>) -> ReplaySnapshot {
+        let snapshot = Snapshot {
+            segments,
+            history: Vec::new(),
+            settings: String::new(),
+        };
+        let free_breakdown = FreeBreakdown::of(&snapshot, Some(2 * MIB));
+        let reserved_bytes = snapshot.segments.iter().map(|s| s.total_size).sum();
+        ReplaySnapshot {
+            ops_replayed: 10,
+            out_of_memory_op: None,
+            ops: 20,
+            reserved_bytes,
+            segments: snapshot.segments.len(),
+            active_bytes: 0,
+            free_blocks: 0,
+            free_bytes: 0,
+            largest_free_block_bytes: 0,
+            free_breakdown,
+            peak_reserved_bytes: reserved_bytes,
+            snapshot,
+        }
+    }
+
+    /// 40 MiB in 40 rows of 1 MiB: a free 2 MiB segment at the lower
+    /// address first (idle), then a 38 MiB one whose free blocks are a hole
+    /// between live blocks, two whole idle granules and a free end.
+    #[test]
+    fn the_memory_map_lays_segments_end_to_end_and_colours_free_memory_by_class() {
+        let free = segment(0x2000_0000, &[(2.0, false)]);
+        let used = segment(
+            0x4000_0000,
+            &[
+                (1.5, true),
+                (1.0, false),
+                (3.5, true),
+                (4.0, false),
+                (27.0, true),
+                (1.0, false),
+            ],
+        );
+        let html = memory_map("policy:hbm", &peak_of(vec![used, free]));
+        let rect = |x: &str, row: u32, width: &str, fill: &str| {
+            format!(
+                "<rect x='{x}' y='{}' width='{width}' height='10' fill='{fill}'></rect>",
+                row * 12
+            )
+        };
+        for part in [
+            rect("0.00", 0, "960.00", IDLE),
+            rect("0.00", 1, "960.00", IDLE),
+            rect("0.00", 2, "960.00", ALLOCATED),
+            rect("0.00", 3, "480.00", ALLOCATED),
+            rect("480.00", 3, "480.00", BETWEEN),
+            rect("0.00", 4, "480.00", BETWEEN),
+            rect("480.00", 4, "480.00", ALLOCATED),
+            rect("0.00", 8, "960.00", IDLE),
+            rect("0.00", 11, "960.00", IDLE),
+            rect("0.00", 12, "960.00", ALLOCATED),
+            rect("0.00", 39, "960.00", EDGE),
+            format!(
+                "<rect x='0.00' y='24' width='960.00' height='10' fill='#ffffff'><title>segment at \
+                 0x40000000: {} (6 blocks), {} allocated; free: {} idle, {} at the edges, {} \
+                 between live blocks</title></rect>",
+                human(38 * MIB),
+                human(32 * MIB),
+                human(4 * MIB),
+                human(MIB),
+                human(MIB)
+            ),
+        ] {
+            assert!(html.contains(&part), "{part}\nnot in\n{html}");
+        }
+        assert!(!html.contains(&rect("0.00", 12, "960.00", IDLE)));
+        // A background per row a segment covers (40), and the runs: idle
+        // (2 rows), allocated (2), the hole (2), allocated (4), idle (4),
+        // allocated (27) and the free end (1).
+        assert_eq!(
+            html.matches("<rect").count(),
+            40 + 2 + 2 + 2 + 4 + 4 + 27 + 1
+        );
+        assert!(html.contains(&format!(
+            "at its peak (after op 10 of 20): {} reserved in 2 segments",
+            human(40 * MIB)
+        )));
+        assert!(html.contains(&format!("One row is {}.", human(MIB))));
+        assert!(!html.contains("left out"));
+    }
+
+    /// 20,040 one-block segments of 512 bytes, 501 to a row: two
+    /// rectangles each, so the map stops after the segment that passes
+    /// 20,000 (the 10,001st) and says how many it left out.
+    #[test]
+    fn the_memory_map_stops_at_its_rectangle_bound() {
+        let segments = (0..20_040u64)
+            .map(|i| SegmentSnapshot {
+                address: i * 512,
+                total_size: 512,
+                stream: StreamId(0),
+                small_pool: false,
+                expandable: false,
+                blocks: vec![block(i * 512, 512, false)],
+            })
+            .collect();
+        let html = memory_map("policy:pytorch", &peak_of(segments));
+        assert!(
+            html.contains(
+                "The last 10039 segments are left out: the map stops at 20000 rectangles."
+            ),
+            "{}",
+            &html[..html.find("<svg").unwrap()]
+        );
+        assert_eq!(html.matches("<rect").count(), 2 * 10_001);
+    }
+
+    /// The largest allocations live at live memory's first peak, when each
+    /// was made (after which op), nothing freed before it.
+    #[test]
+    fn the_largest_live_allocations_are_those_of_the_peak() {
+        let device = DeviceTrace {
+            ops: vec![
+                Op::Alloc {
+                    id: 1,
+                    size: 300,
+                    stream: 0,
+                },
+                Op::Free { id: 1 },
+                Op::Alloc {
+                    id: 2,
+                    size: 100,
+                    stream: 0,
+                },
+                Op::Alloc {
+                    id: 3,
+                    size: 250,
+                    stream: 0,
+                },
+                Op::Free { id: 2 },
+                Op::Free { id: 3 },
+            ],
+            ..DeviceTrace::default()
+        };
+        let live = hbmalloc_replay::live_bytes_after_ops(&device);
+        let html = largest_live(&device, &live, Err("none recorded".into()));
+        assert!(html.contains(&format!(
+            "Live memory first peaked after op 4: {} in 2 allocations",
+            human(350)
+        )));
+        assert!(html.contains("No stack frames: none recorded."));
+        assert!(html.contains(&format!(
+            "<tr><td>{}</td><td>op 4</td><td class='frames'></td></tr>\
+             <tr><td>{}</td><td>op 3</td><td class='frames'></td></tr></table>",
+            human(250),
+            human(100)
+        )));
+    }
+
+    fn frame(file: &str, name: &str, line: i64) -> PickleValue {
+        PickleValue::dict([
+            ("filename", PickleValue::str(file)),
+            ("name", PickleValue::str(name)),
+            ("line", PickleValue::int(line)),
+        ])
+    }
+
+    fn snapshot_file(snapshot: &PickleValue) -> tempfile::NamedTempFile {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), to_pickle(snapshot)).unwrap();
+        file
+    }
+
+    /// A dumped block without an address lies where the one before it
+    /// ends; Python's frames are kept where there are any, C++'s only
+    /// where there are none, unwinder frames (`??`) never.
+    #[test]
+    fn a_snapshots_frames_are_read_by_allocation_and_by_dumped_block() {
+        let python = PickleValue::List(vec![
+            frame("??", "unwind", 0),
+            frame("model.py", "forward", 42),
+            frame("ops.cpp", "launch", 7),
+        ]);
+        let native = PickleValue::List(vec![
+            frame("??", "unwind", 0),
+            frame("ops.cpp", "launch", 7),
+        ]);
+        let dumped = |state: &str, size: i64, frames: PickleValue| {
+            PickleValue::dict([
+                ("size", PickleValue::int(size)),
+                ("state", PickleValue::str(state)),
+                ("frames", frames),
+            ])
+        };
+        let segments = PickleValue::List(vec![PickleValue::dict([
+            ("device", PickleValue::int(0)),
+            ("address", PickleValue::int(0x1000)),
+            (
+                "blocks",
+                PickleValue::List(vec![
+                    dumped("inactive", 512, PickleValue::List(Vec::new())),
+                    dumped("active_allocated", 1024, python),
+                ]),
+            ),
+        ])]);
+        let traces = PickleValue::List(vec![PickleValue::List(vec![
+            PickleValue::dict([
+                ("action", PickleValue::str("alloc")),
+                ("size", PickleValue::int(1024)),
+                ("frames", native),
+            ]),
+            PickleValue::dict([
+                ("action", PickleValue::str("free_requested")),
+                ("size", PickleValue::int(1024)),
+            ]),
+        ])]);
+        let file = snapshot_file(&PickleValue::dict([
+            ("segments", segments.clone()),
+            ("device_traces", traces),
+        ]));
+        let found = frames_of(file.path()).unwrap();
+        assert_eq!(
+            found.at_dump[&0],
+            HashMap::from([(0x1200, vec!["forward (model.py:42)".to_string()])])
+        );
+        assert_eq!(
+            found.allocs[&0],
+            [(1024, vec!["launch (ops.cpp:7)".to_string()])]
+        );
+        // Dumped blocks alone are frames enough; neither is none.
+        let file = snapshot_file(&PickleValue::dict([("segments", segments)]));
+        assert!(frames_of(file.path()).unwrap().allocs.is_empty());
+        let file = snapshot_file(&PickleValue::dict([(
+            "segments",
+            PickleValue::List(Vec::new()),
+        )]));
+        assert!(frames_of(file.path()).unwrap_err().contains("no history"));
+    }
+
+    /// Allocations take their history entry's frames in order; a block
+    /// live since before the window takes the dumped block's at its
+    /// address, unless the window frees it (the dumped block is another).
+    #[test]
+    fn frames_go_to_allocations_by_order_and_to_older_blocks_by_address() {
+        let text = |t: &str| vec![t.to_string()];
+        let snapshot = SnapshotFrames {
+            allocs: HashMap::from([(0, vec![(1024, text("a")), (2048, text("b"))])]),
+            at_dump: HashMap::from([(
+                0,
+                HashMap::from([(0x1000, text("later")), (0x1200, text("old"))]),
+            )]),
+        };
+        let older = |id, size| InitialBlock {
+            size,
+            requested_size: size,
+            state: InitialBlockState::Allocated(id),
+        };
+        let mut device = DeviceTrace {
+            initial_segments: vec![InitialSegment {
+                address: 0x1000,
+                stream: 0,
+                small_pool: false,
+                expandable: false,
+                blocks: vec![older(7, 512), older(8, 256)],
+            }],
+            ops: vec![
+                Op::Alloc {
+                    id: 1,
+                    size: 1024,
+                    stream: 0,
+                },
+                Op::Free { id: 7 },
+                Op::Alloc {
+                    id: 2,
+                    size: 2048,
+                    stream: 0,
+                },
+            ],
+            ..DeviceTrace::default()
+        };
+        let by_id = frames_by_alloc(&device, &snapshot).unwrap();
+        assert_eq!(
+            by_id,
+            HashMap::from([(1, text("a")), (2, text("b")), (8, text("old"))])
+        );
+        // The same number of allocations, one of another size: none.
+        device.ops[2] = Op::Alloc {
+            id: 2,
+            size: 4096,
+            stream: 0,
+        };
+        assert!(frames_by_alloc(&device, &snapshot)
+            .unwrap_err()
+            .contains("do not line up"));
     }
 }

@@ -289,6 +289,12 @@ fn report_is_one_page_with_every_part_and_nothing_fetched() {
             "{settings}"
         );
     }
+    // Each configuration in a colour of its own; every cell filled (the
+    // smallest device bisected, nothing out of memory).
+    for colour in ["#d62728", "#ff7f0e", "#2ca02c"] {
+        assert!(page.contains(&format!("background:{colour}")), "{colour}");
+    }
+    assert!(!page.contains("<td>-</td>"));
     assert!(page.contains("Largest live allocations at the peak"));
     assert!(
         page.contains("No stack frames"),
@@ -320,6 +326,10 @@ fn report_shows_where_a_small_device_runs_out() {
         "no OOM report"
     );
     assert!(page.contains("class='oom'"), "no OOM marker on the plots");
+    assert!(
+        page.contains("where it ran out of memory (op "),
+        "the map is not of the failure"
+    );
 }
 
 #[test]

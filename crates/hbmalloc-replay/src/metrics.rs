@@ -2,7 +2,10 @@
 
 use std::collections::BTreeMap;
 
-use hbmalloc::{BlockState, CallCounts, CallKind, LatencyModel, PolicyConfig, SimConfig, Snapshot};
+use hbmalloc::{
+    BlockState, CallCounts, CallKind, LatencyModel, PolicyConfig, SegmentSnapshot, SimConfig,
+    Snapshot,
+};
 use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op};
 use serde::Serialize;
 
@@ -482,36 +485,58 @@ impl FreeBreakdown {
     /// virtual-memory granularity (whole granules of a virtual-memory
     /// segment are idle).
     pub fn of(snapshot: &Snapshot, granule: Option<u64>) -> Self {
-        let mut breakdown = FreeBreakdown::default();
-        for segment in &snapshot.segments {
-            let active = segment
-                .blocks
-                .iter()
-                .any(|b| b.state != BlockState::Inactive);
-            let last = segment.blocks.len().saturating_sub(1);
-            for (i, block) in segment.blocks.iter().enumerate() {
-                if block.state != BlockState::Inactive {
-                    continue;
-                }
-                let idle = match granule {
-                    _ if !active => block.size,
-                    Some(g) if segment.expandable => {
-                        let first = block.address.div_ceil(g);
-                        let end = (block.address + block.size) / g;
-                        end.saturating_sub(first) * g
-                    }
-                    _ => 0,
-                };
-                breakdown.idle_bytes += idle;
-                let rest = block.size - idle;
-                if i == 0 || i == last {
-                    breakdown.segment_edge_bytes += rest;
-                } else {
-                    breakdown.between_blocks_bytes += rest;
-                }
+        snapshot
+            .segments
+            .iter()
+            .map(|segment| Self::of_segment(segment, granule))
+            .fold(Self::default(), Self::plus)
+    }
+
+    /// Classifies the free blocks of one segment.
+    pub fn of_segment(segment: &SegmentSnapshot, granule: Option<u64>) -> Self {
+        Self::of_blocks(segment, granule).fold(Self::default(), Self::plus)
+    }
+
+    /// Each block of `segment` in address order, classified on its own (an
+    /// active block has no free bytes): where a memory map colours it.
+    pub fn of_blocks(
+        segment: &SegmentSnapshot,
+        granule: Option<u64>,
+    ) -> impl Iterator<Item = Self> + '_ {
+        let active = segment
+            .blocks
+            .iter()
+            .any(|b| b.state != BlockState::Inactive);
+        let last = segment.blocks.len().saturating_sub(1);
+        segment.blocks.iter().enumerate().map(move |(i, block)| {
+            if block.state != BlockState::Inactive {
+                return Self::default();
             }
+            let idle = match granule {
+                _ if !active => block.size,
+                Some(g) if segment.expandable => {
+                    let first = block.address.div_ceil(g);
+                    let end = (block.address + block.size) / g;
+                    end.saturating_sub(first) * g
+                }
+                _ => 0,
+            };
+            let rest = block.size - idle;
+            let edge = i == 0 || i == last;
+            FreeBreakdown {
+                idle_bytes: idle,
+                segment_edge_bytes: if edge { rest } else { 0 },
+                between_blocks_bytes: if edge { 0 } else { rest },
+            }
+        })
+    }
+
+    fn plus(self, other: Self) -> Self {
+        FreeBreakdown {
+            idle_bytes: self.idle_bytes + other.idle_bytes,
+            segment_edge_bytes: self.segment_edge_bytes + other.segment_edge_bytes,
+            between_blocks_bytes: self.between_blocks_bytes + other.between_blocks_bytes,
         }
-        breakdown
     }
 }
 
