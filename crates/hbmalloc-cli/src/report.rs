@@ -1002,9 +1002,10 @@ mod tests {
         }
     }
 
-    /// 40 MiB in 40 rows of 1 MiB: a free 2 MiB segment at the lower
-    /// address first (idle), then a 38 MiB one whose free blocks are a hole
-    /// between live blocks, two whole idle granules and a free end.
+    /// 40 MiB in 40 rows of 1 MiB (12 pixels apart): a free 2 MiB segment
+    /// at the lower address first (idle), then a 38 MiB one whose free
+    /// blocks are a hole between live blocks, two whole idle granules and a
+    /// free end.
     #[test]
     fn the_memory_map_lays_segments_end_to_end_and_colours_free_memory_by_class() {
         let free = segment(0x2000_0000, &[(2.0, false)]);
@@ -1015,7 +1016,8 @@ mod tests {
                 (1.0, false),
                 (3.5, true),
                 (4.0, false),
-                (27.0, true),
+                (13.5, true),
+                (13.5, true),
                 (1.0, false),
             ],
         );
@@ -1040,7 +1042,7 @@ mod tests {
             rect("0.00", 39, "960.00", EDGE),
             format!(
                 "<rect x='0.00' y='24' width='960.00' height='10' fill='#ffffff'><title>segment at \
-                 0x40000000: {} (6 blocks), {} allocated; free: {} idle, {} at the edges, {} \
+                 0x40000000: {} (7 blocks), {} allocated; free: {} idle, {} at the edges, {} \
                  between live blocks</title></rect>",
                 human(38 * MIB),
                 human(32 * MIB),
@@ -1054,7 +1056,7 @@ mod tests {
         assert!(!html.contains(&rect("0.00", 12, "960.00", IDLE)));
         // A background per row a segment covers (40), and the runs: idle
         // (2 rows), allocated (2), the hole (2), allocated (4), idle (4),
-        // allocated (27) and the free end (1).
+        // allocated (27: two blocks, one run) and the free end (1).
         assert_eq!(
             html.matches("<rect").count(),
             40 + 2 + 2 + 2 + 4 + 4 + 27 + 1
@@ -1064,6 +1066,7 @@ mod tests {
             human(40 * MIB)
         )));
         assert!(html.contains(&format!("One row is {}.", human(MIB))));
+        assert!(html.contains("<svg class='map' viewBox='0 0 960 480' width='960' height='480'"));
         assert!(!html.contains("left out"));
     }
 
