@@ -18,6 +18,21 @@ use serde_json::Value;
 
 use crate::human;
 
+/// The most layers, hidden size, heads and key/value heads a model may have.
+const MAX_DIMENSION: u64 = 1 << 20;
+/// The most feed-forward size, vocabulary and positions (and any count a
+/// `config.json` gives): with the other bounds, every product of the budget
+/// fits in a `u128`.
+const MAX_WIDTH: u64 = 1 << 32;
+/// The largest ViT image side in pixels.
+const MAX_IMAGE: u64 = 1 << 15;
+/// The longest sequence.
+const MAX_SEQ: u64 = 1 << 24;
+/// The most samples per device.
+const MAX_BATCH: u64 = 1 << 20;
+/// The most data-parallel devices.
+const MAX_DEVICES: u64 = 1 << 20;
+
 /// Arguments of `hbmalloc plan`.
 #[derive(Args, Debug, Clone)]
 pub struct PlanArgs {
@@ -64,8 +79,8 @@ pub struct PlanArgs {
     /// Sequence length (tokens per sample; for ViT, patches + 1).
     #[arg(long)]
     seq: Option<u64>,
-    /// Samples per device per step.
-    #[arg(long, default_value_t = 1)]
+    /// Samples per device per step (up to 2^20).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=MAX_BATCH))]
     batch: u64,
     /// Parameter dtype.
     #[arg(long, value_enum, default_value_t = Dtype::Fp32)]
@@ -92,8 +107,8 @@ pub struct PlanArgs {
     /// weights, over --dp devices.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     zero: u8,
-    /// Data-parallel devices the ZeRO stage shards over.
-    #[arg(long, default_value_t = 1)]
+    /// Data-parallel devices the ZeRO stage shards over (up to 2^20).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=MAX_DEVICES))]
     dp: u64,
     /// Print the budget as one JSON object.
     #[arg(long)]
@@ -175,12 +190,22 @@ pub struct Model {
 }
 
 impl Model {
-    /// Parameters.
-    pub fn params(&self) -> u64 {
-        let (h, f) = (self.hidden, self.ffn);
-        let head_dim = h / self.heads.max(1);
-        let kv = self.kv_heads * head_dim;
-        let b = u64::from(self.bias);
+    /// Parameters (in `u128`: the product of the largest dimensions
+    /// `model_of` accepts does not fit in 64 bits).
+    pub fn params(&self) -> u128 {
+        let [h, f, heads, kv_heads, vocab, positions, layers, extra] = [
+            self.hidden,
+            self.ffn,
+            self.heads,
+            self.kv_heads,
+            self.vocab,
+            self.positions,
+            self.layers,
+            self.extra_params,
+        ]
+        .map(u128::from);
+        let kv = kv_heads * (h / heads.max(1));
+        let b = u128::from(self.bias);
         let attention = h * (h + 2 * kv) + b * (h + 2 * kv) + h * h + b * h;
         let mlp = if self.gated_mlp {
             3 * h * f + b * (2 * f + h)
@@ -189,9 +214,9 @@ impl Model {
         };
         let norms = 2 * (h + b * h);
         let layer = attention + mlp + norms;
-        let embed = self.vocab * h + self.positions * h;
-        let head = if self.untied { self.vocab * h } else { 0 };
-        self.layers * layer + embed + head + (h + b * h) + self.extra_params
+        let embed = vocab * h + positions * h;
+        let head = if self.untied { vocab * h } else { 0 };
+        layers * layer + embed + head + (h + b * h) + extra
     }
 
     /// A known model by name.
@@ -238,21 +263,40 @@ impl Model {
 
     /// A model from a Hugging Face `config.json`.
     pub fn from_hf_config(config: &Value) -> Result<Model, String> {
-        let get = |keys: &[&str]| keys.iter().find_map(|k| config.get(*k)?.as_u64());
+        // Every count read is at most `MAX_WIDTH`, so that the sums below
+        // cannot overflow; `model_of` bounds the model's dimensions further.
+        let get = |keys: &[&str]| -> Result<Option<u64>, String> {
+            match keys
+                .iter()
+                .find_map(|k| Some((*k, config.get(*k)?.as_u64()?)))
+            {
+                Some((key, value)) if value > MAX_WIDTH => {
+                    Err(format!("{key} is {value}, more than 2^32"))
+                }
+                found => Ok(found.map(|(_, value)| value)),
+            }
+        };
         let kind = config
             .get("model_type")
             .and_then(Value::as_str)
             .unwrap_or("");
         let need = |keys: &[&str]| {
-            get(keys).ok_or_else(|| format!("config.json has none of the keys {}", keys.join(", ")))
+            get(keys)?
+                .ok_or_else(|| format!("config.json has none of the keys {}", keys.join(", ")))
         };
         let hidden = need(&["hidden_size", "n_embd", "d_model", "dim"])?;
         let heads = need(&["num_attention_heads", "n_head", "num_heads", "n_heads"])?;
         let layers = need(&["num_hidden_layers", "n_layer", "num_layers", "n_layers"])?;
-        let ffn = get(&["intermediate_size", "n_inner", "d_ff", "ffn_dim"]).unwrap_or(4 * hidden);
+        let ffn = get(&["intermediate_size", "n_inner", "d_ff", "ffn_dim"])?.unwrap_or(4 * hidden);
         if kind == "vit" {
-            let image = get(&["image_size"]).unwrap_or(224);
-            let patch = get(&["patch_size"]).unwrap_or(16);
+            let image = get(&["image_size"])?.unwrap_or(224);
+            let patch = get(&["patch_size"])?.unwrap_or(16);
+            if hidden > MAX_DIMENSION || image > MAX_IMAGE || patch == 0 || patch > image {
+                return Err(format!(
+                    "a ViT of hidden size {hidden} (at most 2^20), image size {image} \
+                     (at most 2^15) and patch size {patch} (1 to the image size)"
+                ));
+            }
             let labels = config
                 .get("id2label")
                 .and_then(Value::as_object)
@@ -270,13 +314,13 @@ impl Model {
             layers,
             hidden,
             heads,
-            kv_heads: get(&["num_key_value_heads"]).unwrap_or(heads),
+            kv_heads: get(&["num_key_value_heads"])?.unwrap_or(heads),
             ffn,
             vocab: need(&["vocab_size"])?,
             positions: if rotary {
                 0
             } else {
-                get(&["n_positions", "max_position_embeddings"]).unwrap_or(0)
+                get(&["n_positions", "max_position_embeddings"])?.unwrap_or(0)
             },
             gated_mlp: gated,
             composed_gelu: act == "gelu_new",
@@ -349,29 +393,41 @@ pub struct Budget {
     pub peak_bytes: u64,
 }
 
-/// Computes the budget of one device.
-pub fn budget(model: &Model, args: &PlanArgs, seq: u64) -> Budget {
+/// Computes the budget of one device, or says that a figure is over 2^64
+/// bytes. The arithmetic is in `u128`: `model_of`'s and `run`'s bounds keep
+/// every product within it.
+pub fn budget(model: &Model, args: &PlanArgs, seq: u64) -> Result<Budget, String> {
     let params = model.params();
-    let (s, b, h, a, l) = (seq, args.batch, model.hidden, model.heads, model.layers);
+    let [s, b, h, a, l, kv_heads, ffn, vocab, dp] = [
+        seq,
+        args.batch,
+        model.hidden,
+        model.heads,
+        model.layers,
+        model.kv_heads,
+        model.ffn,
+        model.vocab,
+        args.dp,
+    ]
+    .map(u128::from);
     let p_bytes = if args.mixed_precision {
         4
     } else {
-        args.dtype.bytes()
+        u128::from(args.dtype.bytes())
     };
     let act = if args.mixed_precision {
         2
     } else {
-        args.dtype.bytes()
+        u128::from(args.dtype.bytes())
     };
-    let dp = args.dp.max(1);
-    let shard = |bytes: u64, stage: u8| {
+    let shard = |bytes: u128, stage: u8| {
         if args.zero >= stage {
             bytes.div_ceil(dp)
         } else {
             bytes
         }
     };
-    let layer_params = (params - model.vocab * h).div_ceil(l.max(1));
+    let layer_params = (params - vocab * h).div_ceil(l.max(1));
     // ZeRO-3 gathers one layer's weights at a time.
     let gathered = if args.zero >= 3 {
         layer_params * p_bytes
@@ -379,14 +435,14 @@ pub fn budget(model: &Model, args: &PlanArgs, seq: u64) -> Budget {
         0
     };
     let cast_copy = if args.mixed_precision { params * 2 } else { 0 };
-    let weights_bytes = shard(params * p_bytes, 3) + gathered + cast_copy;
+    let weights = shard(params * p_bytes, 3) + gathered + cast_copy;
     let states = match args.optimizer {
         Optimizer::Adamw | Optimizer::Adam => 2,
         Optimizer::SgdMomentum => 1,
         Optimizer::Sgd => 0,
     };
-    let temporaries = u64::from(states == 2);
-    let (gradients_bytes, optimizer_bytes, optimizer_temporaries_bytes) = if args.inference {
+    let temporaries = u128::from(states == 2);
+    let (gradients, optimizer, optimizer_temporaries) = if args.inference {
         (0, 0, 0)
     } else {
         (
@@ -399,12 +455,12 @@ pub fn budget(model: &Model, args: &PlanArgs, seq: u64) -> Budget {
     // eager attention adds scores, softmax and dropout per head and key.
     let composed = if model.composed_gelu { 3 } else { 0 };
     let per_layer = s * b * h * (16 * act + 2)
-        + composed * s * b * model.ffn * act
+        + composed * s * b * ffn * act
         + match args.attention {
             Attention::Eager => a * s * s * b * (2 * act + 1),
             Attention::Sdpa => 0,
         };
-    let activations_bytes = if args.inference {
+    let activations = if args.inference {
         // Without autograd only the layer at work holds its values.
         per_layer
     } else if args.checkpointing {
@@ -414,43 +470,42 @@ pub fn budget(model: &Model, args: &PlanArgs, seq: u64) -> Budget {
     };
     // Logits in the activation dtype, and the loss's fp32 log-softmax and
     // its gradient.
-    let classes = if model.vocab > 0 { model.vocab } else { 0 };
-    let logits_bytes = s * b * classes * (act + 4 + if args.inference { 0 } else { 4 });
-    let head_dim = h / a.max(1);
-    let kv_cache_bytes = if args.inference {
-        2 * l * b * s * model.kv_heads * head_dim * act
+    let logits = s * b * vocab * (act + 4 + if args.inference { 0 } else { 4 });
+    let kv_cache = if args.inference {
+        2 * l * b * s * kv_heads * (h / a.max(1)) * act
     } else {
         0
     };
-    let held = weights_bytes + optimizer_bytes;
-    let forward_peak_bytes = held + activations_bytes + logits_bytes + kv_cache_bytes;
-    let (backward_peak_bytes, optimizer_peak_bytes) = if args.inference {
+    let held = weights + optimizer;
+    let forward_peak = held + activations + logits + kv_cache;
+    let (backward_peak, optimizer_peak) = if args.inference {
         (0, 0)
     } else {
         // Backward starts with every activation, the logits' gradient and
         // the gradients of the (tied) embedding and LM head.
-        let embedding_gradient = shard(model.vocab * h * p_bytes, 2);
+        let embedding_gradient = shard(vocab * h * p_bytes, 2);
         (
-            held + activations_bytes + logits_bytes + embedding_gradient,
-            held - cast_copy + gradients_bytes + optimizer_temporaries_bytes,
+            held + activations + logits + embedding_gradient,
+            held - cast_copy + gradients + optimizer_temporaries,
         )
     };
-    Budget {
-        params,
-        weights_bytes,
-        gradients_bytes,
-        optimizer_bytes,
-        optimizer_temporaries_bytes,
-        activations_bytes,
-        logits_bytes,
-        kv_cache_bytes,
-        forward_peak_bytes,
-        backward_peak_bytes,
-        optimizer_peak_bytes,
-        peak_bytes: forward_peak_bytes
-            .max(backward_peak_bytes)
-            .max(optimizer_peak_bytes),
-    }
+    let fit = |x: u128| {
+        u64::try_from(x).map_err(|_| format!("the budget comes to {x} bytes, more than 2^64"))
+    };
+    Ok(Budget {
+        params: fit(params)?,
+        weights_bytes: fit(weights)?,
+        gradients_bytes: fit(gradients)?,
+        optimizer_bytes: fit(optimizer)?,
+        optimizer_temporaries_bytes: fit(optimizer_temporaries)?,
+        activations_bytes: fit(activations)?,
+        logits_bytes: fit(logits)?,
+        kv_cache_bytes: fit(kv_cache)?,
+        forward_peak_bytes: fit(forward_peak)?,
+        backward_peak_bytes: fit(backward_peak)?,
+        optimizer_peak_bytes: fit(optimizer_peak)?,
+        peak_bytes: fit(forward_peak.max(backward_peak).max(optimizer_peak))?,
+    })
 }
 
 /// The model the arguments describe.
@@ -514,8 +569,17 @@ pub fn model_of(args: &PlanArgs) -> Result<Model, String> {
         (model.heads, "heads"),
         (model.kv_heads, "kv-heads"),
     ] {
-        if value == 0 || value > 1 << 20 {
+        if value == 0 || value > MAX_DIMENSION {
             return Err(format!("--{what} must be between 1 and 2^20, not {value}"));
+        }
+    }
+    for (value, what) in [
+        (model.ffn, "ffn"),
+        (model.vocab, "vocab"),
+        (model.positions, "positions"),
+    ] {
+        if value > MAX_WIDTH {
+            return Err(format!("--{what} must be at most 2^32, not {value}"));
         }
     }
     if model.hidden % model.heads != 0 || model.heads % model.kv_heads != 0 {
@@ -534,13 +598,13 @@ pub fn run(args: PlanArgs) -> Result<(), String> {
         .seq
         .or(model.seq)
         .ok_or("--seq is needed (tokens per sample)")?;
-    if seq == 0 || args.batch == 0 || args.dp == 0 || seq > 1 << 24 || args.batch > 1 << 20 {
-        return Err("--seq, --batch and --dp must be positive (seq up to 2^24, batch 2^20)".into());
+    if seq == 0 || seq > MAX_SEQ {
+        return Err(format!("--seq must be between 1 and 2^24, not {seq}"));
     }
     if args.zero > 0 && args.dp == 1 {
         eprintln!("hbmalloc: --zero {} with --dp 1 shards nothing", args.zero);
     }
-    let budget = budget(&model, &args, seq);
+    let budget = budget(&model, &args, seq)?;
     if args.json {
         outln!(
             "{}",
@@ -636,7 +700,254 @@ mod tests {
     fn parameter_counts_match_the_published_ones() {
         assert_eq!(Model::named("gpt2").unwrap().params(), 124_439_808);
         assert_eq!(Model::named("gpt2-medium").unwrap().params(), 354_823_168);
+        assert_eq!(Model::named("gpt2-large").unwrap().params(), 774_030_080);
+        assert_eq!(Model::named("gpt2-xl").unwrap().params(), 1_557_611_200);
         assert_eq!(Model::named("llama-2-7b").unwrap().params(), 6_738_415_616);
+        // google/vit-base-patch16-224: 196 patches and a class token.
+        let vit = Model::named("vit-base-16").unwrap();
+        assert_eq!(
+            (vit.params(), vit.seq, vit.positions),
+            (86_567_656, Some(197), 197)
+        );
+    }
+
+    #[test]
+    fn a_described_model_takes_each_option() {
+        let plain = model_of(&args(&[
+            "--layers", "1", "--hidden", "4", "--heads", "2", "--vocab", "10",
+        ]))
+        .unwrap();
+        assert_eq!((plain.ffn, plain.kv_heads, plain.positions), (16, 2, 0));
+        assert!(plain.bias && !plain.gated_mlp && !plain.composed_gelu && !plain.untied);
+        let line = [
+            "--layers", "1", "--hidden", "4", "--heads", "2", "--vocab", "10", "--ffn", "8",
+        ];
+        let with = |extra: &[&str]| {
+            let mut all = line.to_vec();
+            all.extend_from_slice(extra);
+            model_of(&args(&all)).unwrap()
+        };
+        // q, k, v, o: 4 x 16 weights and 4 x 4 biases; gate, up: 2 x (32 + 8);
+        // down: 32 + 4; two norms: 2 x 8; the embedding 40; the final norm 8.
+        assert_eq!(with(&["--gated-mlp"]).params(), 80 + 80 + 36 + 16 + 40 + 8);
+        // Without the gate: one matrix and its bias fewer.
+        assert_eq!(with(&[]).params(), 260 - 40);
+        // An LM head of its own: vocab x hidden more.
+        assert_eq!(with(&["--untied"]).params(), 220 + 40);
+        assert!(with(&["--composed-gelu"]).composed_gelu);
+        assert_eq!(with(&["--kv-heads", "1"]).params(), 220 - 2 * (8 + 2));
+    }
+
+    #[test]
+    fn a_config_names_its_feed_forward_and_positions_by_its_keys() {
+        let config = |extra: &str| {
+            let text = format!(
+                r#"{{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                    "vocab_size": 100, "max_position_embeddings": 512 {extra}}}"#
+            );
+            Model::from_hf_config(&serde_json::from_str(&text).unwrap())
+        };
+        for gated in [
+            r#", "model_type": "mistral", "hidden_act": "silu""#,
+            r#", "hidden_act": "swiglu""#,
+            r#", "model_type": "llama""#,
+        ] {
+            let model = config(gated).unwrap();
+            assert!(model.gated_mlp && !model.bias, "{gated}");
+            assert_eq!(model.positions, 0, "rotary: {gated}");
+        }
+        let neox = config(r#", "hidden_act": "gelu", "rope_theta": 10000.0"#).unwrap();
+        assert!(!neox.gated_mlp && neox.bias && !neox.untied);
+        assert_eq!(neox.positions, 0);
+        let learned =
+            config(r#", "hidden_act": "gelu_new", "tie_word_embeddings": false"#).unwrap();
+        assert!(learned.composed_gelu && learned.untied);
+        assert_eq!(learned.positions, 512);
+        let huge = config(r#", "intermediate_size": 4294967297"#).unwrap_err();
+        assert!(huge.contains("intermediate_size is 4294967297"), "{huge}");
+        let vit = |extra: &str| config(&format!(r#", "model_type": "vit" {extra}"#));
+        assert_eq!(
+            vit(r#", "image_size": 32, "patch_size": 8"#).unwrap().seq,
+            Some(17)
+        );
+        for bad in [
+            r#", "patch_size": 0"#,
+            r#", "image_size": 8, "patch_size": 16"#,
+        ] {
+            assert!(vit(bad).unwrap_err().contains("patch size"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_model_out_of_bounds_is_refused_by_name() {
+        let refused = |line: &[&str], needle: &str| {
+            let mut all = vec!["--model", "gpt2"];
+            all.extend_from_slice(line);
+            let error = model_of(&args(&all)).unwrap_err();
+            assert!(error.contains(needle), "{line:?}: {error}");
+        };
+        refused(&["--layers", "0"], "--layers");
+        refused(&["--hidden", "1048577"], "--hidden");
+        refused(&["--kv-heads", "0"], "--kv-heads");
+        refused(&["--ffn", "4294967297"], "--ffn");
+        refused(&["--vocab", "4294967297"], "--vocab");
+        refused(&["--positions", "4294967297"], "--positions");
+        // Heads (of hidden 768) that divide the hidden size but not by the kv
+        // heads, and the other way round.
+        refused(&["--heads", "8", "--kv-heads", "3"], "kv heads");
+        refused(&["--heads", "7", "--kv-heads", "7"], "kv heads");
+        assert!(model_of(&args(&[
+            "--layers",
+            "1",
+            "--hidden",
+            "1048576",
+            "--heads",
+            "1",
+            "--vocab",
+            "4294967296",
+            "--ffn",
+            "4294967296",
+            "--positions",
+            "4294967296"
+        ]))
+        .is_ok());
+    }
+
+    /// A 2-layer model, hidden 64, 4 heads, vocabulary 100, 16 tokens x 2
+    /// samples, eager attention: 106,496 parameters (each layer 4 x 64^2 +
+    /// 4 x 64 attention, 2 x 64 x 256 + 256 + 64 feed-forward, 256 norms;
+    /// 6,400 embedding, 128 final norm).
+    const SMALL: [&str; 14] = [
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--heads",
+        "4",
+        "--vocab",
+        "100",
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--attention",
+        "eager",
+    ];
+    const SMALL_PARAMS: u64 = 106_496;
+
+    fn small(extra: &[&str]) -> super::Budget {
+        let mut all = SMALL.to_vec();
+        all.extend_from_slice(extra);
+        let a = args(&all);
+        budget(&model_of(&a).unwrap(), &a, 16).unwrap()
+    }
+
+    #[test]
+    fn each_part_of_a_training_budget_is_its_definition() {
+        let p = SMALL_PARAMS;
+        // fp16: Korthikanti et al.'s 34 sbh + 5 a s^2 b bytes per layer.
+        let layer = 34 * 16 * 2 * 64 + 5 * 4 * 16 * 16 * 2;
+        let half = small(&["--dtype", "fp16"]);
+        assert_eq!(half.params, p);
+        assert_eq!(
+            [
+                half.weights_bytes,
+                half.gradients_bytes,
+                half.optimizer_bytes
+            ],
+            [2 * p, 2 * p, 4 * p]
+        );
+        assert_eq!(half.optimizer_temporaries_bytes, 2 * p);
+        assert_eq!(half.activations_bytes, 2 * layer);
+        // fp16 logits, fp32 log-softmax and its gradient: 10 bytes a class.
+        assert_eq!(half.logits_bytes, 16 * 2 * 100 * 10);
+        let forward = 6 * p + 2 * layer + 32_000;
+        assert_eq!(half.forward_peak_bytes, forward);
+        // The embedding's gradient: 100 x 64 values of 2 bytes.
+        assert_eq!(half.backward_peak_bytes, forward + 12_800);
+        assert_eq!(half.optimizer_peak_bytes, 10 * p);
+        assert_eq!(half.peak_bytes, 10 * p);
+        assert_eq!(half.kv_cache_bytes, 0);
+
+        // Checkpointing keeps each layer's 2-byte input and one layer.
+        let ckpt = small(&["--dtype", "fp16", "--checkpointing"]);
+        assert_eq!(ckpt.activations_bytes, 2 * 16 * 2 * 64 * 2 + layer);
+        // A composed GELU keeps three more ffn-sized tensors a layer.
+        let composed = small(&["--dtype", "fp16", "--composed-gelu"]);
+        assert_eq!(
+            composed.activations_bytes,
+            2 * (layer + 3 * 16 * 2 * 256 * 2)
+        );
+
+        // Mixed precision: fp32 weights and a 16-bit copy, fp32 gradients,
+        // states and temporaries, 16-bit activations.
+        let mixed = small(&["--mixed-precision"]);
+        assert_eq!(mixed.weights_bytes, 6 * p);
+        assert_eq!(mixed.activations_bytes, 2 * layer);
+        assert_eq!(mixed.forward_peak_bytes, 14 * p + 2 * layer + 32_000);
+        assert_eq!(
+            mixed.backward_peak_bytes,
+            14 * p + 2 * layer + 32_000 + 25_600
+        );
+        assert_eq!(mixed.optimizer_peak_bytes, 20 * p);
+
+        // ZeRO-3 over 4 devices, SGD with momentum, fp32: a quarter of the
+        // weights, gradients and one state, and one layer's weights gathered.
+        let zero = small(&["--zero", "3", "--dp", "4", "--optimizer", "sgd-momentum"]);
+        let gathered = (p - 6_400).div_ceil(2) * 4;
+        assert_eq!(zero.weights_bytes, p + gathered);
+        assert_eq!([zero.gradients_bytes, zero.optimizer_bytes], [p, p]);
+        assert_eq!(zero.optimizer_temporaries_bytes, 0);
+        let fp32_layer = 16 * 2 * 64 * 66 + 4 * 16 * 16 * 2 * 9;
+        assert_eq!(zero.activations_bytes, 2 * fp32_layer);
+        assert_eq!(zero.logits_bytes, 16 * 2 * 100 * 12);
+        let held = 2 * p + gathered;
+        assert_eq!(
+            zero.backward_peak_bytes,
+            held + 2 * fp32_layer + 38_400 + 6_400
+        );
+        assert_eq!(zero.optimizer_peak_bytes, held + p);
+        assert_eq!(small(&["--optimizer", "sgd"]).optimizer_bytes, 0);
+    }
+
+    #[test]
+    fn inference_keeps_one_layer_and_a_kv_cache() {
+        let b = small(&["--dtype", "bf16", "--inference", "--kv-heads", "2"]);
+        // Two kv heads of 16 values: in each of the 2 layers, k and v lose
+        // 64 x 32 weights and 32 biases each.
+        let p = SMALL_PARAMS - 2 * (2 * 64 * 32 + 2 * 32);
+        assert_eq!(b.params, p);
+        let layer = 34 * 16 * 2 * 64 + 5 * 4 * 16 * 16 * 2;
+        assert_eq!(b.activations_bytes, layer);
+        assert_eq!(b.logits_bytes, 16 * 2 * 100 * 6);
+        // K and V, 2 layers, 2 samples, 16 tokens, 2 heads of 16, 2 bytes.
+        assert_eq!(b.kv_cache_bytes, 2 * 2 * 2 * 16 * 2 * 16 * 2);
+        assert_eq!(b.forward_peak_bytes, 2 * p + layer + 19_200 + 8_192);
+        assert_eq!([b.backward_peak_bytes, b.optimizer_peak_bytes], [0, 0]);
+        assert_eq!(b.peak_bytes, b.forward_peak_bytes);
+    }
+
+    #[test]
+    fn a_budget_over_two_to_the_sixty_four_bytes_is_an_error() {
+        let line = [
+            "--layers",
+            "1",
+            "--hidden",
+            "1048576",
+            "--heads",
+            "1048576",
+            "--vocab",
+            "1",
+            "--seq",
+            "16777216",
+            "--batch",
+            "1048576",
+            "--attention",
+            "eager",
+        ];
+        let a = args(&line);
+        let error = budget(&model_of(&a).unwrap(), &a, 1 << 24).unwrap_err();
+        assert!(error.contains("more than 2^64"), "{error}");
     }
 
     #[test]
@@ -677,12 +988,12 @@ mod tests {
     #[test]
     fn adamw_training_holds_twenty_bytes_a_parameter_at_its_step() {
         let a = args(&["--model", "gpt2", "--seq", "8", "--batch", "1"]);
-        let b = budget(&model_of(&a).unwrap(), &a, 8);
+        let b = budget(&model_of(&a).unwrap(), &a, 8).unwrap();
         // Weights, gradients, two states and the step's temporary, 4 bytes each.
         assert_eq!(b.optimizer_peak_bytes, 20 * b.params);
         // ZeRO-2 over 4 devices shards states and gradients, not weights.
         let z = args(&["--model", "gpt2", "--seq", "8", "--zero", "2", "--dp", "4"]);
-        let zb = budget(&model_of(&z).unwrap(), &z, 8);
+        let zb = budget(&model_of(&z).unwrap(), &z, 8).unwrap();
         assert_eq!(zb.weights_bytes, 4 * b.params);
         assert_eq!(zb.gradients_bytes, b.params);
         assert_eq!(zb.optimizer_bytes, 2 * b.params);
@@ -701,7 +1012,10 @@ mod tests {
             "--checkpointing",
         ]);
         let model = model_of(&full).unwrap();
-        let (f, c) = (budget(&model, &full, 1024), budget(&model, &ckpt, 1024));
+        let (f, c) = (
+            budget(&model, &full, 1024).unwrap(),
+            budget(&model, &ckpt, 1024).unwrap(),
+        );
         assert!(c.activations_bytes * 4 < f.activations_bytes);
         let inf = args(&[
             "--model",
@@ -712,7 +1026,7 @@ mod tests {
             "bf16",
             "--inference",
         ]);
-        let b = budget(&model_of(&inf).unwrap(), &inf, 4096);
+        let b = budget(&model_of(&inf).unwrap(), &inf, 4096).unwrap();
         // 2 (K and V) x 32 layers x 4096 tokens x 4096 values x 2 bytes.
         assert_eq!(b.kv_cache_bytes, 2 * 32 * 4096 * 4096 * 2);
         assert_eq!(b.gradients_bytes + b.optimizer_bytes, 0);

@@ -411,6 +411,40 @@ fn plan_refuses_what_it_cannot_plan() {
         &hbmalloc(&["plan", "--model", "gpt2", "--seq", "8", "--heads", "7"]),
         "heads",
     );
+    for (flag, value) in [
+        ("--seq", "0"),
+        ("--seq", "16777217"),
+        ("--batch", "0"),
+        ("--batch", "1048577"),
+        ("--dp", "0"),
+        ("--dp", "1048577"),
+    ] {
+        assert_clear_error(
+            &hbmalloc(&["plan", "--model", "gpt2", "--seq", "8", flag, value]),
+            flag,
+        );
+    }
+    // Dimensions each within bounds whose budget is not.
+    assert_clear_error(
+        &hbmalloc(&[
+            "plan",
+            "--layers",
+            "1",
+            "--hidden",
+            "1048576",
+            "--heads",
+            "1048576",
+            "--vocab",
+            "1",
+            "--seq",
+            "16777216",
+            "--batch",
+            "1048576",
+            "--attention",
+            "eager",
+        ]),
+        "more than 2^64",
+    );
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("config.json");
     std::fs::write(&config, "{not json").unwrap();
@@ -418,6 +452,37 @@ fn plan_refuses_what_it_cannot_plan() {
         &hbmalloc(&["plan", "--config", config.to_str().unwrap(), "--seq", "8"]),
         "not JSON",
     );
+}
+
+/// The table lists the parts a run holds and the moments it has: training
+/// three, inference one and its KV cache.
+#[test]
+fn plan_prints_the_parts_and_moments_of_a_run() {
+    let training = succeed(&["plan", "--model", "gpt2", "--seq", "8"]);
+    for line in [
+        "gradients",
+        "optimizer temporaries",
+        "start of backward",
+        "optimizer step",
+    ] {
+        assert!(training.contains(line), "{line}:\n{training}");
+    }
+    assert!(!training.contains("KV cache"), "{training}");
+    let inference = succeed(&["plan", "--model", "gpt2", "--seq", "8", "--inference"]);
+    assert!(inference.contains("KV cache"), "{inference}");
+    for line in ["gradients", "optimizer", "start of backward"] {
+        assert!(!inference.contains(line), "{line}:\n{inference}");
+    }
+    let warned = |dp: &str| {
+        let out = hbmalloc(&[
+            "plan", "--model", "gpt2", "--seq", "8", "--zero", "1", "--dp", dp,
+        ]);
+        String::from_utf8_lossy(&out.stderr).contains("shards nothing")
+    };
+    assert!(warned("1"));
+    assert!(!warned("2"));
+    let out = hbmalloc(&["plan", "--model", "gpt2", "--seq", "8", "--dp", "1"]);
+    assert!(out.stderr.is_empty(), "no ZeRO stage, no warning");
 }
 
 /// Blocks live since before the history's window take the frames of the
