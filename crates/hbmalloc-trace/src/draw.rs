@@ -14,7 +14,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use crate::model::{AllocId, DeviceTrace, InitialBlockState, Op};
-use crate::repeat::scale_by_ops;
+use crate::repeat::{scale_by_ops, MAX_ADDED_OPS};
 use crate::rng::SplitMix;
 
 /// The trace's ops up to its first steady step, then `steps` steps drawn
@@ -44,6 +44,19 @@ pub fn draw_steps(
         .filter(|&i| alive[i].len() == alive[first].len())
         .collect();
 
+    // Refused before drawing by the longest step, so that an absurd count is
+    // an error rather than an allocation that fails.
+    let longest = steady.iter().map(|&i| bounds[i + 1] - bounds[i]).max();
+    let longest = longest.unwrap_or(0);
+    if longest
+        .checked_mul(steps)
+        .is_none_or(|ops| ops > MAX_ADDED_OPS)
+    {
+        return Err(format!(
+            "{steps} steps of up to {longest} operations may be more than {MAX_ADDED_OPS} \
+             operations"
+        ));
+    }
     let prefix_end = bounds[first];
     let mut out = Builder::new(trace, prefix_end, &alive[first]);
     let mut rng = SplitMix::new(seed);
@@ -613,6 +626,22 @@ mod tests {
         // Two marks are enough: the second step is the steady one.
         let two = training(&[10, 20]);
         assert_eq!(draw_steps(&two, 3, 0).unwrap().1, 1);
+    }
+
+    #[test]
+    fn more_steps_than_a_replay_holds_are_refused_before_drawing() {
+        let trace = training(&[10, 20, 30]);
+        let steps = &trace.step_starts;
+        let longest = (steps[1] - steps[0])
+            .max(steps[2] - steps[1])
+            .max(trace.ops.len() - steps[2]);
+        for too_many in [super::MAX_ADDED_OPS / longest + 1, usize::MAX] {
+            let error = draw_steps(&trace, too_many, 0).unwrap_err();
+            assert!(
+                error.contains(&format!("of up to {longest} operations may be more than")),
+                "{error}"
+            );
+        }
     }
 
     #[test]

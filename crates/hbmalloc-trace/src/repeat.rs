@@ -29,8 +29,9 @@ const CANDIDATES: usize = 16;
 /// Positions sampled to rank every step length before the full check.
 const SAMPLES: usize = 64;
 
-/// Most operations the copies may add (a replay holds every operation).
-const MAX_ADDED_OPS: usize = 10_000_000;
+/// Most operations a what-if may add to a trace (repeated or drawn steps):
+/// a replay holds every operation in memory.
+pub(crate) const MAX_ADDED_OPS: usize = 50_000_000;
 
 /// A repeating stretch of operations: `ops[start..start + len]` equals, in
 /// shape, the `len` operations before it.
