@@ -770,9 +770,18 @@ mod tests {
             vit(r#", "image_size": 32, "patch_size": 8"#).unwrap().seq,
             Some(17)
         );
+        assert_eq!(
+            config(r#", "intermediate_size": 4294967296"#).unwrap().ffn,
+            1 << 32
+        );
+        // The largest image in one patch, at the largest hidden size.
+        let widest = r#", "image_size": 32768, "patch_size": 32768, "hidden_size": 1048576"#;
+        assert_eq!(vit(widest).unwrap().seq, Some(2));
         for bad in [
             r#", "patch_size": 0"#,
             r#", "image_size": 8, "patch_size": 16"#,
+            r#", "image_size": 32769"#,
+            r#", "hidden_size": 1048577"#,
         ] {
             assert!(vit(bad).unwrap_err().contains("patch size"), "{bad}");
         }

@@ -419,9 +419,15 @@ fn plan_refuses_what_it_cannot_plan() {
         ("--dp", "0"),
         ("--dp", "1048577"),
     ] {
-        assert_clear_error(
-            &hbmalloc(&["plan", "--model", "gpt2", "--seq", "8", flag, value]),
-            flag,
+        let mut line = vec!["plan", "--model", "gpt2", flag, value];
+        if flag != "--seq" {
+            line.extend(["--seq", "8"]);
+        }
+        let out = hbmalloc(&line);
+        assert_clear_error(&out, flag);
+        assert!(
+            !String::from_utf8_lossy(&out.stderr).contains("more than once"),
+            "{flag} given once"
         );
     }
     // Dimensions each within bounds whose budget is not.
