@@ -937,29 +937,6 @@ mod tests {
     }
 
     #[test]
-    fn a_budget_over_two_to_the_sixty_four_bytes_is_an_error() {
-        let line = [
-            "--layers",
-            "1",
-            "--hidden",
-            "1048576",
-            "--heads",
-            "1048576",
-            "--vocab",
-            "1",
-            "--seq",
-            "16777216",
-            "--batch",
-            "1048576",
-            "--attention",
-            "eager",
-        ];
-        let a = args(&line);
-        let error = budget(&model_of(&a).unwrap(), &a, 1 << 24).unwrap_err();
-        assert!(error.contains("more than 2^64"), "{error}");
-    }
-
-    #[test]
     fn a_hugging_face_config_gives_the_same_model() {
         let gpt2: serde_json::Value = serde_json::from_str(
             r#"{"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12,
