@@ -11,7 +11,6 @@ use hbmalloc_trace::{DeviceTrace, InitialBlockState, Op};
 
 use crate::human;
 
-/// A size in a narrow column: `2.53G`, `905M`, `12K`.
 /// Seconds as milliseconds below one, else seconds: `12.3ms`, `1.24s`.
 fn seconds(s: f64) -> String {
     if s < 1.0 {
@@ -21,6 +20,7 @@ fn seconds(s: f64) -> String {
     }
 }
 
+/// A size in a narrow column: `2.53G`, `905M`, `12K`.
 fn short(bytes: u64) -> String {
     const G: f64 = (1u64 << 30) as f64;
     const M: f64 = (1u64 << 20) as f64;
@@ -747,6 +747,17 @@ mod tests {
     fn cells_say_seconds_in_ms_below_one_and_keep_both_ends_of_long_names() {
         assert_eq!(seconds(0.0123), "12.3ms");
         assert_eq!(seconds(1.244), "1.24s");
+        assert_eq!(seconds(1.0), "1.00s");
+        assert_eq!(short(50 << 30), "50.00G");
+        assert_eq!(short(100 << 30), "100.0G");
+        // A plan that holds nothing for nothing live is as efficient as can be.
+        let empty = Plan {
+            arena_bytes: 0,
+            peak_live_rounded_bytes: 0,
+            peak_mapped_bytes: 0,
+            blocks: 0,
+        };
+        assert_eq!(plan_cells(empty, 0), (0, 0, 1.0));
         let long = "abcdefghijklmnopqrstuvwxyz0123456789.pickle";
         assert_eq!(trace_name(long), "abcdefghijklmnop…tuvwxyz0123456789");
         assert_eq!(trace_name(&long[2..]), "cdefghijklmnopqrstuvwxyz0123456789");

@@ -151,6 +151,20 @@ fn compare_totals_the_rows_of_several_traces() {
             .map(|r| r["simulated_driver_seconds"].as_f64().unwrap() * 1e3)
             .sum();
         let cells: Vec<&str> = total.split_whitespace().collect();
+        for (cell, key) in [(4, "peak_reserved_bytes"), (3, "waste_bytes")] {
+            let sum: u64 = of.iter().map(|r| r[key].as_u64().unwrap()).sum();
+            let cell = cells[cells.len() - cell];
+            let (figure, unit) = cell.split_at(cell.len() - 1);
+            let unit = match unit {
+                "G" => 1u64 << 30,
+                "M" => 1 << 20,
+                _ => 1 << 10,
+            };
+            // Within the cell's rounding: a hundredth of a GiB, or a unit.
+            let step = if unit == 1 << 30 { 0.005 } else { 0.5 };
+            let error = (sum as f64 / unit as f64 - figure.parse::<f64>().unwrap()).abs();
+            assert!(error <= step, "{key}: {sum} as {cell} in {total}");
+        }
         assert_eq!(cells[cells.len() - 2], calls.to_string(), "{total}");
         assert_eq!(cells[cells.len() - 1], format!("{ms:.1}ms"), "{total}");
     }
@@ -1019,6 +1033,11 @@ fn compare_fits_the_width_it_is_given() {
         assert!(stdout.contains("CPU memory"), "{stdout}");
         assert!(!stdout.contains(" -1 "), "{stdout}");
     }
+    // Narrower than the rows' figures: the trace's line still keeps to the
+    // narrowest label and 20 columns, its name cut short.
+    let narrow = succeed_in_columns(20, &["compare", "--no-min-capacity", "--run", "policy:hbm"]);
+    let name = narrow.lines().find(|l| l.contains("CPU memory")).unwrap();
+    assert_eq!(name.chars().count(), 32, "{narrow}");
     let wide = succeed_in_columns(100, &[&args[..], &["--wide"]].concat());
     let row = wide.lines().find(|l| l.contains("gpt2_train")).unwrap();
     assert!(row.chars().count() > 100, "{wide}");
