@@ -181,6 +181,20 @@ fn compare_totals_the_rows_of_several_traces() {
     let rows: f64 = lines[2..4].iter().map(|l| planned(l)).sum();
     let total = lines.iter().find(|l| l.starts_with("total")).unwrap();
     assert!((planned(total) - rows).abs() <= 0.011, "{wide}");
+    // The plan's waste in MiB, each row's rounded to one.
+    let waste = |line: &str| -> f64 {
+        let column = line.split('|').nth(1).unwrap();
+        let cell = column.split_whitespace().nth(1).unwrap();
+        cell.trim_end_matches('M').parse().unwrap()
+    };
+    let rows: f64 = lines[2..4].iter().map(|l| waste(l)).sum();
+    assert!((waste(total) - rows).abs() <= 1.5, "{wide}");
+    // Every replay completed: each configuration's total has its figures.
+    let hbm = total.split('|').nth(2).unwrap();
+    assert!(
+        hbm.split_whitespace().next().unwrap().ends_with('G'),
+        "{wide}"
+    );
 }
 
 /// `compare`'s table fills `COLUMNS` where standard output is no terminal
@@ -1042,6 +1056,22 @@ fn compare_fits_the_width_it_is_given() {
     let row = wide.lines().find(|l| l.contains("gpt2_train")).unwrap();
     assert!(row.chars().count() > 100, "{wide}");
     assert!(row.contains(" cpu "), "{wide}");
+}
+
+/// The text names `drift_within_reach` only where drift is out of reach.
+#[test]
+fn a_replay_says_drift_is_out_of_reach_only_where_it_is() {
+    let trace = temp_file(PEAK_IN_THE_MIDDLE);
+    let path = trace.path().to_str().unwrap();
+    let json = succeed(&["replay", path, "--json"]);
+    let row: serde_json::Value = serde_json::from_str(json.trim()).unwrap();
+    let within = row["drift_within_reach"].as_bool().unwrap();
+    let text = succeed(&["replay", path]);
+    assert_eq!(
+        text.contains("drift_within_reach         no"),
+        !within,
+        "{text}"
+    );
 }
 
 /// A replay that runs out of memory says at which op of how many, and shows
