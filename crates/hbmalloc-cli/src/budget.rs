@@ -394,8 +394,8 @@ pub struct Budget {
 }
 
 /// Computes the budget of one device, or says that a figure is over 2^64
-/// bytes. The arithmetic is in `u128`: `model_of`'s and `run`'s bounds keep
-/// every product within it.
+/// bytes. The arithmetic is in `u128`: the bounds on the arguments, the
+/// model (`model_of`) and the sequence (`run`) keep every product within it.
 pub fn budget(model: &Model, args: &PlanArgs, seq: u64) -> Result<Budget, String> {
     let params = model.params();
     let [s, b, h, a, l, kv_heads, ffn, vocab, dp] = [

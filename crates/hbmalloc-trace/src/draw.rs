@@ -46,8 +46,11 @@ pub fn draw_steps(
 
     // Refused before drawing by the longest step, so that an absurd count is
     // an error rather than an allocation that fails.
-    let longest = steady.iter().map(|&i| bounds[i + 1] - bounds[i]).max();
-    let longest = longest.unwrap_or(0);
+    let longest = steady
+        .iter()
+        .map(|&i| bounds[i + 1] - bounds[i])
+        .max()
+        .unwrap_or(0);
     if longest
         .checked_mul(steps)
         .is_none_or(|ops| ops > MAX_ADDED_OPS)
