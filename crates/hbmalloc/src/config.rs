@@ -84,9 +84,18 @@ impl ReserveSpec {
 
     /// The value as written in a configuration string; [`ReserveSpec::parse`] reads it back.
     fn to_conf_value(self) -> String {
+        // Both notations read back exactly; the shorter keeps `1e-300` short.
+        let shortest = |value: f64| {
+            let (plain, scientific) = (format!("{value}"), format!("{value:e}"));
+            if scientific.len() < plain.len() {
+                scientific
+            } else {
+                plain
+            }
+        };
         match self {
-            ReserveSpec::FractionOfDevice(value) => format!("{value}"),
-            ReserveSpec::Gib(value) => format!("{value}G"),
+            ReserveSpec::FractionOfDevice(value) => shortest(value),
+            ReserveSpec::Gib(value) => format!("{}G", shortest(value)),
         }
     }
 }
@@ -1336,6 +1345,10 @@ mod tests {
             parse("roundup_power2_divisions:4").to_conf_string(),
             "roundup_power2_divisions:4"
         );
+        for reserve in ["0.5", "40G", "1e-300", "1e300G"] {
+            let conf = format!("expandable_segments_reserve:{reserve}");
+            assert_eq!(parse(&conf).to_conf_string(), conf);
+        }
         for conf in [
             "backend:native",
             "large_segment_size_mb:64",

@@ -21,6 +21,9 @@ pub enum OomVerdict {
     PendingStreams,
     /// Enough memory is free in total, but not in one piece the request fits in.
     Fragmentation,
+    /// The request is larger than the address space of one expandable segment
+    /// (`expandable_segments_reserve`), and one allocation cannot span segments.
+    SegmentReserve,
 }
 
 impl OomVerdict {
@@ -38,6 +41,10 @@ impl OomVerdict {
             }
             OomVerdict::Fragmentation => {
                 "fragmentation: enough memory is free in total, but not in one usable piece"
+            }
+            OomVerdict::SegmentReserve => {
+                "the request exceeds one expandable-segment reserve \
+                 (expandable_segments_reserve), and an allocation cannot span segments"
             }
         }
     }
@@ -75,6 +82,9 @@ pub struct OomReport {
     /// Where the cached free memory lies, for a policy that maps granules
     /// (`hbm` on a virtual-memory driver); `None` otherwise.
     pub free_granules: Option<FreeGranules>,
+    /// The address space one expandable segment reserves, where the request is
+    /// larger than that (policy `pytorch` with expandable segments); `None` otherwise.
+    pub segment_reserve_bytes: Option<u64>,
     /// The verdict.
     pub verdict: OomVerdict,
 }
@@ -111,7 +121,18 @@ impl OomReport {
         let reachable = self.reserved_bytes.saturating_add(self.device_free_bytes);
         let needed = self.allocated_bytes.saturating_add(self.rounded_bytes);
         let available = self.limit_bytes.map_or(reachable, |l| l.min(reachable));
-        self.verdict = if needed > available {
+        // Only where the device (or limit) could hold the request on its own
+        // is the segment's reserve to blame.
+        let capacity = self
+            .limit_bytes
+            .map_or(self.device_total_bytes, |l| l.min(self.device_total_bytes));
+        self.verdict = if self
+            .segment_reserve_bytes
+            .is_some_and(|reserve| self.rounded_bytes > reserve)
+            && self.rounded_bytes <= capacity
+        {
+            OomVerdict::SegmentReserve
+        } else if needed > available {
             if self.limit_bytes.is_some_and(|l| l < reachable) && needed <= reachable {
                 OomVerdict::ConfiguredLimit
             } else {
@@ -184,6 +205,12 @@ impl OomReport {
         if let Some(limit) = self.limit_bytes {
             out += &format!("  limit: {} (memory fraction)\n", format_bytes(limit));
         }
+        if let Some(reserve) = self.segment_reserve_bytes {
+            out += &format!(
+                "  expandable segments: {} of address space each (expandable_segments_reserve)\n",
+                format_bytes(reserve)
+            );
+        }
         if let Some(free) = self.free_granules {
             out += &format!(
                 "  cached free: {} in whole granules that may move, {} in whole granules of \
@@ -200,6 +227,10 @@ impl OomReport {
             OomVerdict::ConfiguredLimit => "a larger per_process_memory_fraction",
             OomVerdict::PendingStreams => "synchronize the streams named in record_stream before allocating, or avoid record_stream",
             OomVerdict::Fragmentation => self.fragmentation_help(),
+            OomVerdict::SegmentReserve => {
+                "a larger expandable_segments_reserve (at least the request), or leave it unset \
+                 for the default of 9/8 of the device"
+            }
         };
         out
     }
@@ -346,6 +377,7 @@ mod tests {
             limit_bytes: None,
             policy: "pytorch",
             free_granules: None,
+            segment_reserve_bytes: None,
             verdict: OomVerdict::RealDemand,
         }
     }
@@ -402,6 +434,7 @@ mod tests {
             OomVerdict::ConfiguredLimit,
             OomVerdict::PendingStreams,
             OomVerdict::Fragmentation,
+            OomVerdict::SegmentReserve,
         ];
         let texts: std::collections::BTreeSet<&str> =
             verdicts.iter().map(|v| v.explain()).collect();

@@ -1346,6 +1346,7 @@ impl HbmPolicy {
             limit_bytes: self.state.limit_bytes,
             policy: "hbm",
             free_granules,
+            segment_reserve_bytes: None,
             verdict: OomVerdict::RealDemand,
         };
         report.judge();

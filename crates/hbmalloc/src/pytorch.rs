@@ -885,6 +885,11 @@ impl PytorchPolicy {
         stream: StreamId,
         size: u64,
     ) -> Result<Option<BlockId>, AllocError> {
+        // One allocation cannot span segments: a request larger than a
+        // segment's address space fails as out of memory, however much is free.
+        if size > self.expandable_reserve_bytes(small) {
+            return Ok(None);
+        }
         let mut candidate = self.find_expandable_block(dev, small, stream, size)?;
         if !self.b(candidate).mapped {
             let map_size = self.b(candidate).size.min(size);
@@ -906,6 +911,30 @@ impl PytorchPolicy {
         }
         self.pool_erase(candidate);
         Ok(Some(candidate))
+    }
+
+    fn expandable_page_size(&self, small: bool) -> u64 {
+        if small {
+            SMALL_BUFFER
+        } else {
+            self.config.large_segment_size
+        }
+    }
+
+    /// The address space one expandable segment of the pool reserves: by
+    /// default 9/8 of the device, so pages can be unmapped early and remapped
+    /// at the end, and never more than that whatever the setting asks, as
+    /// PyTorch clamps it. PyTorch computes `total + total / 8`; `total / 8 * 9`
+    /// can come out a page short.
+    fn expandable_reserve_bytes(&self, small: bool) -> u64 {
+        let total = self.state.device_total;
+        let full = total.saturating_add(total / 8);
+        let wanted = self
+            .config
+            .expandable_segments_reserve
+            .map_or(full, |spec| spec.bytes(total).min(full));
+        let page_size = self.expandable_page_size(small);
+        wanted.div_ceil(page_size).max(1).saturating_mul(page_size)
     }
 
     fn find_expandable_block(
@@ -945,20 +974,8 @@ impl PytorchPolicy {
                 return Ok(c);
             }
         }
-        let page_size = if small {
-            SMALL_BUFFER
-        } else {
-            self.config.large_segment_size
-        };
-        // By default address space for 9/8 of the device, as PyTorch reserves,
-        // so pages can be unmapped early and remapped at the end. PyTorch
-        // computes `total + total / 8`; `total / 8 * 9` can come out a page short.
-        let wanted = match self.config.expandable_segments_reserve {
-            Some(spec) => spec.bytes(self.state.device_total),
-            None => self.state.device_total + self.state.device_total / 8,
-        };
-        let pages = wanted.div_ceil(page_size).max(1);
-        let reserved_size = pages * page_size;
+        let page_size = self.expandable_page_size(small);
+        let reserved_size = self.expandable_reserve_bytes(small);
         let base = dev.address_reserve(reserved_size)?;
         let index = self.expandable_segments.len() as u32;
         self.expandable_segments.push(Some(ExpandableSegment {
@@ -1314,6 +1331,11 @@ impl PytorchPolicy {
             limit_bytes: self.state.limit_bytes,
             policy: "pytorch",
             free_granules: None,
+            segment_reserve_bytes: self
+                .config
+                .expandable_segments
+                .then(|| self.expandable_reserve_bytes(false))
+                .filter(|&reserve| rounded > reserve),
             verdict: OomVerdict::RealDemand,
         };
         report.judge();

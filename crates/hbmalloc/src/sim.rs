@@ -593,13 +593,29 @@ impl SimState {
             .saturating_sub(self.used_bytes + self.external_bytes)
     }
 
-    fn take_address(&mut self, size: u64) -> DevicePtr {
+    /// The next unused address range of `size` bytes. Addresses are never
+    /// reused; like a driver, it refuses a range past the end of the address
+    /// space, which ends where no address plus size can overflow.
+    fn take_address(&mut self, call: CallKind, size: u64) -> DeviceResult<DevicePtr> {
         const ALIGN: u64 = 2 * MIB;
+        const ADDRESS_SPACE_END: u64 = 1 << 63;
         let base = self.next_address;
         // Leave a gap after each range so that adjacent ranges are never
         // mistaken for one.
-        self.next_address += size.div_ceil(ALIGN) * ALIGN + ALIGN;
-        base
+        let next = size
+            .div_ceil(ALIGN)
+            .checked_mul(ALIGN)
+            .and_then(|aligned| base.checked_add(aligned)?.checked_add(ALIGN))
+            .filter(|&next| next <= ADDRESS_SPACE_END);
+        let Some(next) = next else {
+            return Err(DeviceError::new(
+                call,
+                DeviceErrorKind::OutOfMemory,
+                format!("no {size}-byte range left in the address space"),
+            ));
+        };
+        self.next_address = next;
+        Ok(base)
     }
 
     fn segment_range_free(&self, addr: DevicePtr, size: u64) -> bool {
@@ -705,7 +721,7 @@ impl Device for SimDevice {
             _ => {
                 // The plan no longer matches what the allocator does: drop it.
                 state.address_plan.clear();
-                state.take_address(size)
+                state.take_address(CallKind::SegmentAlloc, size)?
             }
         };
         state.segments.insert(ptr, size);
@@ -757,7 +773,7 @@ impl Device for SimDevice {
         let mut state = self.lock();
         state.enter(CallKind::AddressReserve, size)?;
         state.check_granular(CallKind::AddressReserve, size, "size")?;
-        let base = state.take_address(size);
+        let base = state.take_address(CallKind::AddressReserve, size)?;
         state.reserved_ranges.insert(base, size);
         Ok(base)
     }
@@ -1050,6 +1066,20 @@ mod tests {
         dev.physical_release(h).unwrap();
         dev.address_free(base, 8 * MIB).unwrap();
         assert_eq!(dev.used_bytes(), 0);
+        dev.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn an_address_range_past_the_address_space_is_refused_not_wrapped() {
+        let dev = SimDevice::with_capacity(8 * MIB);
+        let huge = (u64::MAX / (2 * MIB)) * (2 * MIB);
+        let err = dev.address_reserve(huge).unwrap_err();
+        assert!(err.is_out_of_memory(), "{err}");
+        let err = dev.address_reserve(1 << 63).unwrap_err();
+        assert!(err.is_out_of_memory(), "{err}");
+        // The refusals took nothing: a range still fits after them.
+        let base = dev.address_reserve(8 * MIB).unwrap();
+        dev.address_free(base, 8 * MIB).unwrap();
         dev.check_invariants().unwrap();
     }
 

@@ -49,6 +49,7 @@ fn pending_report() -> OomReport {
         limit_bytes: None,
         policy: "pytorch",
         free_granules: None,
+        segment_reserve_bytes: None,
         verdict: OomVerdict::RealDemand,
     }
 }

@@ -5,8 +5,8 @@
 
 use hbmalloc::{
     Action, AllocError, Allocator, AllocatorConfig, BlockImage, BlockSnapshot, BlockState,
-    CallKind, DeviceErrorKind, DevicePtr, Fault, PolicyConfig, SegmentImage, SimDevice, StreamId,
-    TraceEntry,
+    CallKind, DeviceErrorKind, DevicePtr, Fault, OomVerdict, PolicyConfig, SegmentImage, SimDevice,
+    StreamId, TraceEntry,
 };
 
 const MIB: u64 = 1 << 20;
@@ -982,8 +982,8 @@ fn expandable_segments_reserve_sets_each_segments_address_space() {
             26,
         ),
         (
-            "expandable_segments:True,expandable_segments_reserve:2G",
-            103,
+            "expandable_segments:True,expandable_segments_reserve:0.75G",
+            39,
         ),
     ] {
         let mut a = allocator(conf, GIB);
@@ -993,6 +993,52 @@ fn expandable_segments_reserve_sets_each_segments_address_space() {
         assert_eq!(q - p, pages * 20 * MIB + 2 * MIB, "{conf}");
         consistent(&a);
     }
+}
+
+/// However large the setting, a segment reserves at most the default 9/8 of
+/// the device, as PyTorch clamps it.
+#[test]
+fn expandable_segments_reserve_is_clamped_to_nine_eighths_of_the_device() {
+    for reserve in ["1.5", "1e30", "1e300G"] {
+        let conf = format!("expandable_segments:True,expandable_segments_reserve:{reserve}");
+        let mut a = allocator(&conf, GIB);
+        let p = a.malloc(2 * MIB, S0).unwrap();
+        let q = a.malloc(2 * MIB, S1).unwrap();
+        assert_eq!(q - p, 58 * 20 * MIB + 2 * MIB, "{conf}");
+        consistent(&a);
+    }
+}
+
+/// One allocation cannot span expandable segments: a request larger than a
+/// segment's reserve fails through the normal out-of-memory path, and the
+/// report names the setting; a request larger than the device does not.
+#[test]
+fn a_request_larger_than_a_segments_reserve_fails_as_out_of_memory() {
+    for (reserve, request) in [("1e-300", 30 * MIB), ("0.05", 200 * MIB)] {
+        let conf = format!("expandable_segments:True,expandable_segments_reserve:{reserve}");
+        let mut a = allocator(&conf, GIB);
+        let err = a.malloc(request, S0).unwrap_err();
+        let AllocError::OutOfMemory(report) = err else {
+            panic!("{conf}: expected OOM, got {err:?}");
+        };
+        assert_eq!(report.verdict, OomVerdict::SegmentReserve, "{conf}");
+        let text = report.render();
+        assert!(text.contains("expandable-segment"), "{text}");
+        assert!(text.contains("expandable_segments_reserve"), "{text}");
+        assert_eq!(stat(&a, "num_ooms"), 1, "{conf}");
+        assert_eq!(calls(&a, CallKind::PhysicalCreate), 0, "{conf}");
+        // A request within the reserve is served.
+        a.malloc(request / 10, S0).unwrap();
+        consistent(&a);
+    }
+    let mut a = allocator("expandable_segments:True", GIB);
+    let err = a.malloc(2 * GIB, S0).unwrap_err();
+    let AllocError::OutOfMemory(report) = err else {
+        panic!("expected OOM, got {err:?}");
+    };
+    assert_eq!(report.verdict, OomVerdict::RealDemand);
+    assert!(!report.render().contains("expandable-segment"));
+    consistent(&a);
 }
 
 #[test]
