@@ -1041,7 +1041,8 @@ impl HbmPolicy {
                     .device_total
                     .saturating_mul(REGION_CAPACITY_FACTOR))
                 .max(size);
-                let region_size = wanted.div_ceil(granule) * granule;
+                // Saturates on an absurd device, whose driver then refuses it.
+                let region_size = wanted.div_ceil(granule).saturating_mul(granule);
                 let base = dev.address_reserve(region_size)?;
                 Region::new(base, region_size, stream, size_index, region_size / granule)
             }

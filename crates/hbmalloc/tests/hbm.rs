@@ -1326,3 +1326,26 @@ fn restored_segments_count_as_demand_once() {
         [2, 2]
     );
 }
+
+/// On a device too large for any address space, every policy answers with an
+/// error or an allocation; none overflows its arithmetic.
+#[test]
+fn an_absurdly_large_device_gets_errors_not_overflows() {
+    for (policy, conf) in [
+        ("hbm", ""),
+        ("pytorch", ""),
+        ("pytorch", "expandable_segments:True"),
+    ] {
+        let config = AllocatorConfig {
+            policy: PolicyConfig::parse(policy, conf).unwrap(),
+            history_entries: 0,
+        };
+        let mut a = Allocator::new(SimDevice::with_capacity(u64::MAX), config).unwrap();
+        for size in [MIB, 100 * MIB] {
+            if let Ok(ptr) = a.malloc(size, StreamId(0)) {
+                a.free(ptr).unwrap();
+            }
+        }
+        a.check_invariants().unwrap();
+    }
+}
