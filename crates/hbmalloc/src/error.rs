@@ -428,6 +428,39 @@ mod tests {
 
     /// The report says which verdict it reached, each in words of its own.
     #[test]
+    fn a_request_that_exactly_fits_what_is_reachable_is_fragmentation() {
+        let verdict = |rounded: u64| {
+            let mut r = OomReport {
+                rounded_bytes: rounded,
+                ..report()
+            };
+            r.judge();
+            r.verdict
+        };
+        // 70 GiB live, 78 reserved, 1 free: 9 GiB more would fit in one piece.
+        assert_eq!(verdict(9 << 30), OomVerdict::Fragmentation);
+        assert_eq!(verdict((9 << 30) + 1), OomVerdict::RealDemand);
+    }
+
+    #[test]
+    fn the_segment_reserve_is_blamed_only_for_a_request_the_device_could_hold() {
+        let verdict = |rounded: u64| {
+            let mut r = OomReport {
+                rounded_bytes: rounded,
+                allocated_bytes: 0,
+                segment_reserve_bytes: Some(4 << 30),
+                ..report()
+            };
+            r.judge();
+            r.verdict
+        };
+        assert_ne!(verdict(4 << 30), OomVerdict::SegmentReserve);
+        assert_eq!(verdict((4 << 30) + 1), OomVerdict::SegmentReserve);
+        assert_eq!(verdict(80 << 30), OomVerdict::SegmentReserve);
+        assert_eq!(verdict((80 << 30) + 1), OomVerdict::RealDemand);
+    }
+
+    #[test]
     fn each_verdict_explains_itself() {
         let verdicts = [
             OomVerdict::RealDemand,

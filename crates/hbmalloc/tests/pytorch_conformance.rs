@@ -1031,6 +1031,30 @@ fn a_request_larger_than_a_segments_reserve_fails_as_out_of_memory() {
         a.malloc(request / 10, S0).unwrap();
         consistent(&a);
     }
+    // A request of exactly a segment's reserve fits in one.
+    let mut a = allocator(
+        "expandable_segments:True,expandable_segments_reserve:1e-300",
+        GIB,
+    );
+    a.malloc(20 * MIB, S0).unwrap();
+    consistent(&a);
+    // One that fits a segment but not the device is real demand, and the
+    // report leaves the reserve out.
+    let mut a = allocator(
+        "expandable_segments:True,expandable_segments_reserve:0.5",
+        GIB,
+    );
+    let _live = [
+        a.malloc(300 * MIB, S0).unwrap(),
+        a.malloc(300 * MIB, S0).unwrap(),
+    ];
+    let err = a.malloc(520 * MIB, S0).unwrap_err();
+    let AllocError::OutOfMemory(report) = err else {
+        panic!("expected OOM, got {err:?}");
+    };
+    assert_eq!(report.verdict, OomVerdict::RealDemand);
+    assert_eq!(report.segment_reserve_bytes, None);
+    consistent(&a);
     let mut a = allocator("expandable_segments:True", GIB);
     let err = a.malloc(2 * GIB, S0).unwrap_err();
     let AllocError::OutOfMemory(report) = err else {
