@@ -84,19 +84,22 @@ impl ReserveSpec {
 
     /// The value as written in a configuration string; [`ReserveSpec::parse`] reads it back.
     fn to_conf_value(self) -> String {
-        // Both notations read back exactly; the shorter keeps `1e-300` short.
-        let shortest = |value: f64| {
-            let (plain, scientific) = (format!("{value}"), format!("{value:e}"));
-            if scientific.len() < plain.len() {
-                scientific
-            } else {
-                plain
-            }
-        };
         match self {
-            ReserveSpec::FractionOfDevice(value) => shortest(value),
-            ReserveSpec::Gib(value) => format!("{}G", shortest(value)),
+            ReserveSpec::FractionOfDevice(value) => conf_number(value),
+            ReserveSpec::Gib(value) => format!("{}G", conf_number(value)),
         }
+    }
+}
+
+/// A number as a configuration string writes it: the shorter of Rust's plain
+/// and scientific notations, each the shortest that parses back to the same
+/// value, so `1e-300` stays short.
+fn conf_number(value: f64) -> String {
+    let (plain, scientific) = (format!("{value}"), format!("{value:e}"));
+    if scientific.len() < plain.len() {
+        scientific
+    } else {
+        plain
     }
 }
 
@@ -769,10 +772,9 @@ impl PytorchConfig {
             parts.push(self.roundup_power2_divisions_conf());
         }
         if self.garbage_collection_threshold != defaults.garbage_collection_threshold {
-            // `{}` on f64 prints the shortest decimal that parses back to the same value.
             parts.push(format!(
                 "garbage_collection_threshold:{}",
-                self.garbage_collection_threshold
+                conf_number(self.garbage_collection_threshold)
             ));
         }
         push_bool(
@@ -784,7 +786,7 @@ impl PytorchConfig {
         if self.per_process_memory_fraction != defaults.per_process_memory_fraction {
             parts.push(format!(
                 "per_process_memory_fraction:{}",
-                self.per_process_memory_fraction
+                conf_number(self.per_process_memory_fraction)
             ));
         }
         push_bool(

@@ -205,7 +205,11 @@ impl OomReport {
         if let Some(limit) = self.limit_bytes {
             out += &format!("  limit: {} (memory fraction)\n", format_bytes(limit));
         }
-        if let Some(reserve) = self.segment_reserve_bytes {
+        // Named only where it is to blame, so a request larger than the device
+        // does not send the user to the setting.
+        if let (Some(reserve), OomVerdict::SegmentReserve) =
+            (self.segment_reserve_bytes, self.verdict)
+        {
             out += &format!(
                 "  expandable segments: {} of address space each (expandable_segments_reserve)\n",
                 format_bytes(reserve)

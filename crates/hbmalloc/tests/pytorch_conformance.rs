@@ -1062,6 +1062,7 @@ fn a_request_larger_than_a_segments_reserve_fails_as_out_of_memory() {
     };
     assert_eq!(report.verdict, OomVerdict::RealDemand);
     assert!(!report.render().contains("expandable-segment"));
+    assert!(!report.render().contains("expandable_segments_reserve"));
     consistent(&a);
 }
 
