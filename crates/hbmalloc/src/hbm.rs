@@ -41,7 +41,7 @@ use crate::events::{PendingEvents, Poll};
 use crate::fastmap::FastMap;
 use crate::history::{Action, History};
 use crate::policy::PolicyState;
-use crate::snapshot::SegmentImage;
+use crate::snapshot::{largest_free_block, SegmentImage};
 use crate::stats::{decrease_pool, increase_pool, DeviceStats, StatArray};
 
 mod alias;
@@ -1312,10 +1312,12 @@ impl HbmPolicy {
         self.state.stats.num_ooms += 1;
         let allocated = self.state.stats.allocated_bytes[0].current as u64;
         // With remapping, every wholly free granule that may move is usable
-        // by any request: that is the largest piece the allocator could offer.
+        // by any request, and a free range of mapped memory by one that fits
+        // it in place: the larger is the largest piece the allocator could
+        // offer.
         let free_granules = self.granule.map(|g| self.free_granules_by_mobility(g));
         let largest_free = match free_granules {
-            Some(free) => free.movable_bytes,
+            Some(free) => free.movable_bytes.max(largest_free_block(&self.snapshot())),
             None => self
                 .spans
                 .indexes()

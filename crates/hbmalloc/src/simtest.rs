@@ -652,6 +652,7 @@ impl<D: SimBacked> Run<D> {
                 if report.device_total_bytes != self.capacity
                     || report.cached_free_bytes != reserved - allocated
                     || report.largest_free_block_bytes > report.cached_free_bytes
+                    || report.largest_free_block_bytes < self.alloc.largest_free_block_bytes()
                     || report.free_granules.is_some_and(|free| {
                         // Each physical granule counted once, and only free ones.
                         free.movable_bytes + free.pinned_bytes > report.cached_free_bytes
