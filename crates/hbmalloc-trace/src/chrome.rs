@@ -142,10 +142,14 @@ impl MemoryEvent {
                 None => default.ok_or_else(|| entry_error(&path, &format!("missing args.{key}"))),
                 Some(value) => value
                     .as_i64()
-                    // Host addresses may exceed i64::MAX.
-                    .or_else(|| value.as_u64().map(|n| n as i64))
+                    // Host addresses may exceed i64::MAX; a size or device
+                    // that does would wrap negative (a byte count into a free).
+                    .or_else(|| value.as_u64().filter(|_| key == "Addr").map(|n| n as i64))
                     .ok_or_else(|| {
-                        entry_error(&path, &format!("args.{key} is not an integer: {value}"))
+                        entry_error(
+                            &path,
+                            &format!("args.{key} is not an integer of 64 bits: {value}"),
+                        )
                     }),
             }
         };

@@ -1185,6 +1185,30 @@ fn chrome_trace_skips_zero_byte_events_and_needs_a_gpus_device_id() {
     assert_eq!(import("host.json", host.as_bytes()).devices[0].device, -1);
 }
 
+/// Only an address may be written past `i64::MAX` (a host pointer); a byte
+/// count there is refused, not wrapped negative into a free of its address.
+#[test]
+fn chrome_trace_refuses_a_byte_count_past_64_signed_bits() {
+    let huge = r#"{"name": "[memory]", "ts": 2, "args": {"Addr": 16, "Bytes": 18446744073709551615, "Device Type": 1, "Device Id": 0}}"#;
+    let json = format!("[{}, {huge}]", memory_event(1.0, 16, 100, 1, 0));
+    let error = import_error(json.as_bytes());
+    assert!(
+        error.contains("traceEvents[1]: args.Bytes is not an integer of 64 bits"),
+        "{error}"
+    );
+    let device = r#"[{"name": "[memory]", "ts": 1, "args": {"Addr": 16, "Bytes": 8, "Device Type": 1, "Device Id": 18446744073709551615}}]"#;
+    let error = import_error(device.as_bytes());
+    assert!(
+        error.contains("args.Device Id is not an integer"),
+        "{error}"
+    );
+    let address = r#"[{"name": "[memory]", "ts": 1, "args": {"Addr": 18446744073709551615, "Bytes": 8, "Device Type": 1, "Device Id": 0}}]"#;
+    assert_eq!(
+        import("addr.json", address.as_bytes()).devices[0].ops.len(),
+        1
+    );
+}
+
 /// A GPU run: host and CUDA memory in one file (host memory left out with a
 /// note, CUDA → its Device Id), an `[OutOfMemory]` event, Kineto's extra
 /// top-level keys, `Addr` written as a signed `intptr_t`, and a `ts` given as
