@@ -712,7 +712,16 @@ pub unsafe extern "C" fn hbmalloc_ipc_open(
                 "hbmalloc: handle is NULL",
             ));
         }
-        // SAFETY: non-null, and the caller guarantees `length` readable bytes.
+        // No buffer is longer than isize::MAX bytes: such a length (a
+        // negative one cast to size_t) is refused before a slice is made.
+        if length > isize::MAX as usize {
+            return Err(ApiError::new(
+                Status::InvalidArgument,
+                format!("hbmalloc: handle length {length} is absurd"),
+            ));
+        }
+        // SAFETY: non-null, and the caller guarantees `length` readable
+        // bytes; `length` fits in isize (checked above).
         let bytes = unsafe { std::slice::from_raw_parts(handle.cast::<u8>(), length) };
         let ptr = crate::ipc::open(bytes, device)?;
         // SAFETY: forwarded from this function's contract.

@@ -17,8 +17,8 @@ use hbmalloc::{StreamId, ThreadSafeAllocator};
 use hbmalloc_capi::{
     check_invariants, driver_calls, hbmalloc_alloc, hbmalloc_begin_capture, hbmalloc_cache_info,
     hbmalloc_create_or_incref_pool, hbmalloc_empty_cache, hbmalloc_end_capture, hbmalloc_free,
-    hbmalloc_history_entries, hbmalloc_init, hbmalloc_last_error, hbmalloc_last_error_code,
-    hbmalloc_mem_get_info, hbmalloc_memory_fraction, hbmalloc_pool_alloc,
+    hbmalloc_history_entries, hbmalloc_init, hbmalloc_ipc_open, hbmalloc_last_error,
+    hbmalloc_last_error_code, hbmalloc_mem_get_info, hbmalloc_memory_fraction, hbmalloc_pool_alloc,
     hbmalloc_pool_live_allocations, hbmalloc_pool_use_count, hbmalloc_record_stream,
     hbmalloc_release_pool, hbmalloc_reset, hbmalloc_set_history_entries,
     hbmalloc_set_memory_fraction, hbmalloc_snapshot, hbmalloc_stats_json, hbmalloc_stats_values,
@@ -541,6 +541,22 @@ fn pool_live_allocations_list_what_the_pool_handed_out_and_history_reads_back() 
     // Back to what `setup` configured.
     assert_eq!(hbmalloc_set_history_entries(100_000, 0), Status::Ok as i32);
     assert_eq!(history(), 100_000);
+}
+
+/// A handle length no buffer can have (a negative `ssize_t` passed as
+/// `size_t`) is refused before any byte is read.
+#[test]
+fn ipc_open_refuses_an_absurd_length() {
+    let _serial = setup();
+    let handle = [0u8; 66];
+    let mut base = std::ptr::null_mut();
+    for length in [usize::MAX, isize::MAX as usize + 1] {
+        // SAFETY: the length is refused before `handle` is read.
+        let status = unsafe { hbmalloc_ipc_open(handle.as_ptr().cast(), length, 0, &mut base) };
+        assert_eq!(status, Status::InvalidArgument as i32);
+        assert_error(Status::InvalidArgument, &["handle length", "absurd"]);
+        assert!(base.is_null());
+    }
 }
 
 #[test]
