@@ -655,7 +655,11 @@ fn rebuild_device(
     let mut rebuild = Rebuild::default();
     undo_history(entries, &mut ranges, &mut live, &mut rebuild.skipped);
     let initial_segments = rebuild.lay_out(&ranges, &live);
-    let initial_reserved_bytes: u64 = initial_segments.iter().map(|s| s.total_size()).sum();
+    // Saturating: blocks outside every segment (from absurd history entries)
+    // may add up past 2^64 bytes.
+    let initial_reserved_bytes = initial_segments
+        .iter()
+        .fold(0u64, |sum, s| sum.saturating_add(s.total_size()));
     let (segment_events, peak_reserved) =
         rebuild.replay(entries, initial_reserved_bytes, step_times);
     DeviceTrace {

@@ -694,6 +694,21 @@ fn snapshot_block_outside_every_segment_gets_one_of_its_pool() {
     );
 }
 
+/// Blocks outside every segment may add up past 2^64 bytes (two absurd
+/// frees): the reserved bytes they stand for saturate rather than overflow.
+#[test]
+fn snapshot_blocks_outside_every_segment_past_2_64_bytes_saturate() {
+    let trace = vec![
+        entry("free", 0x1000, 1 << 63),
+        entry("free", 0x2000, 1 << 63),
+    ];
+    let device = &import("absurd.pickle", &snapshot(vec![], trace).dump()).devices[0];
+    assert_eq!(device.initial_segments.len(), 2);
+    let recorded = device.recorded.as_ref().unwrap();
+    assert_eq!(recorded.initial_reserved_bytes, u64::MAX);
+    assert_eq!(recorded.peak_reserved_bytes, Some(u64::MAX));
+}
+
 /// Markers in the history carry no address or size, and are no ops.
 #[test]
 fn snapshot_markers_need_no_address() {
