@@ -383,6 +383,18 @@ impl<D: Device> Allocator<D> {
     /// Recreates a segment as it stood at a recorded window's start; returns
     /// the address of each of its blocks.
     pub fn restore_segment(&mut self, image: &SegmentImage) -> Result<Vec<DevicePtr>, AllocError> {
+        // No segment is larger than a request may be: a bigger one (a hostile
+        // snapshot's, its blocks maybe past 2^64) is refused before a policy
+        // counts or backs it.
+        let total = image
+            .blocks
+            .iter()
+            .try_fold(0u64, |sum, b| sum.checked_add(b.size));
+        if total.is_none_or(|total| total > MAX_REQUEST_BYTES) {
+            return Err(AllocError::InvalidSize {
+                size: total.unwrap_or(u64::MAX),
+            });
+        }
         let dev: &dyn Device = &self.device;
         self.engine.policy_mut().restore_segment(dev, image)
     }

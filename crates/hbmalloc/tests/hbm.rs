@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use hbmalloc::{
     AllocError, Allocator, AllocatorConfig, BlockImage, CallKind, DeviceErrorKind, DevicePtr,
     Fault, OomVerdict, PolicyConfig, SegmentImage, SimConfig, SimDevice, StreamId,
+    MAX_REQUEST_BYTES,
 };
 
 const MIB: u64 = 1 << 20;
@@ -934,6 +935,30 @@ fn a_restored_segment_is_backed_as_one_run() {
         a.empty_cache().unwrap();
         check(&a);
         assert_eq!(a.device().used_bytes(), 0);
+    }
+}
+
+/// A segment larger than any request may be (a hostile snapshot's block of
+/// 2^63 bytes, or blocks adding up past 2^64) is an invalid size under
+/// either policy, refused before it is counted or backed.
+#[test]
+fn an_absurd_restored_segment_is_an_invalid_size() {
+    for blocks in [
+        vec![(MAX_REQUEST_BYTES + 512, true)],
+        vec![(1 << 63, true)],
+        vec![(1 << 63, false), (1 << 63, true)],
+        vec![(u64::MAX - 511, true), (1024, false)],
+    ] {
+        for policy in ["hbm", "pytorch"] {
+            let mut a = allocator(SimDevice::with_capacity(GIB), policy, "");
+            let err = a.restore_segment(&segment_image(&blocks)).unwrap_err();
+            assert!(
+                matches!(err, AllocError::InvalidSize { .. }),
+                "{policy} {blocks:?}: {err:?}"
+            );
+            check(&a);
+            assert_eq!(a.device().used_bytes(), 0);
+        }
     }
 }
 
