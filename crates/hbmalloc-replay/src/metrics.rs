@@ -218,26 +218,29 @@ pub fn live_bytes_after_ops(trace: &DeviceTrace) -> Vec<u64> {
 /// after each op.
 fn walk_live_bytes(trace: &DeviceTrace, mut visit: impl FnMut(u64)) {
     let mut live = std::collections::HashMap::new();
-    let mut current: u64 = 0;
+    // Counted wide and reported saturated: a hostile trace's sizes may add
+    // up past 2^64 (which no replay of it reaches).
+    let mut current: u128 = 0;
+    let saturated = |bytes: u128| u64::try_from(bytes).unwrap_or(u64::MAX);
     for seg in &trace.initial_segments {
         for b in &seg.blocks {
             if let InitialBlockState::Allocated(id) = b.state {
                 live.insert(id, b.requested_size);
-                current += b.requested_size;
+                current += u128::from(b.requested_size);
             }
         }
     }
-    visit(current);
+    visit(saturated(current));
     for op in &trace.ops {
         match *op {
             Op::Alloc { id, size, .. } => {
                 live.insert(id, size);
-                current += size;
+                current += u128::from(size);
             }
-            Op::Free { id } => current -= live.remove(&id).unwrap_or(0),
+            Op::Free { id } => current -= u128::from(live.remove(&id).unwrap_or(0)),
             _ => {}
         }
-        visit(current);
+        visit(saturated(current));
     }
 }
 
@@ -699,6 +702,26 @@ mod tests {
         }
         let trace = hbmalloc_trace::parse_bytes("rows.csv", csv.as_bytes()).unwrap();
         trace.devices.into_iter().next().unwrap()
+    }
+
+    /// Live bytes past 2^64 (two absurd allocations of a hostile trace)
+    /// read as 2^64 - 1, not an overflow, and come back down when freed.
+    #[test]
+    fn live_bytes_past_2_64_saturate() {
+        let alloc = |id| Op::Alloc {
+            id,
+            size: 1 << 63,
+            stream: 0,
+        };
+        let trace = DeviceTrace {
+            ops: vec![alloc(0), alloc(1), Op::Free { id: 1 }],
+            ..DeviceTrace::default()
+        };
+        assert_eq!(
+            live_bytes_after_ops(&trace),
+            vec![0, 1 << 63, u64::MAX, 1 << 63]
+        );
+        assert_eq!(peak_live_bytes(&trace), u64::MAX);
     }
 
     /// 64 MiB and 32 MiB allocated, both freed, then 16 MiB that the cache
