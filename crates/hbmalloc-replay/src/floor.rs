@@ -126,7 +126,7 @@ fn allowed_after_ops(live_after_ops: &[u64], granule: u64) -> Vec<u64> {
         .map(|&live| {
             peak = peak.max(live);
             let ceiling = ceiling_bytes(peak) / granule * granule;
-            ceiling.max(peak.div_ceil(granule) * granule)
+            ceiling.max(peak.div_ceil(granule).saturating_mul(granule))
         })
         .collect();
     for t in (0..allowed.len().saturating_sub(1)).rev() {
@@ -153,24 +153,46 @@ pub fn drift_within_reach(peak_live_at_half: u64, peak_live: u64, granule: u64) 
         return true;
     }
     let (half, whole) = (peak_live_at_half as f64, peak_live as f64);
-    let r1_least = peak_live_at_half.div_ceil(granule) * granule;
-    let ceiling = ceiling_bytes(peak_live);
-    let mut r2 = peak_live.div_ceil(granule) * granule;
-    while r2 <= ceiling {
-        // Efficiency at half falls as `r1` grows: the `r1` within the
-        // tolerance of this `r2`'s efficiency form one interval. (`r2` is
-        // within the ceiling, so its efficiency is at least the target,
-        // far above the tolerance.)
-        let efficiency = whole / r2 as f64;
+    let r1_least = peak_live_at_half.div_ceil(granule).saturating_mul(granule);
+    // `r2` is `k` granules, `k` from `peak_live` rounded up to the ceiling.
+    let last = ceiling_bytes(peak_live) / granule;
+    let mut k = peak_live.div_ceil(granule);
+    // Efficiency at half falls as `r1` grows: the `r1` within the tolerance
+    // of an `r2`'s efficiency form one interval, up to `high`. (`r2` is
+    // within the ceiling, so its efficiency is at least the target, far
+    // above the tolerance.)
+    let high = |k: u64| {
+        let r2 = (k * granule) as f64;
+        (half / (whole / r2 - DRIFT_TOLERANCE)).min(r2)
+    };
+    if k > last {
+        return false;
+    }
+    loop {
+        let r2 = (k * granule) as f64;
+        let efficiency = whole / r2;
         let low = (half / (efficiency + DRIFT_TOLERANCE)).max(r1_least as f64);
-        let high = (half / (efficiency - DRIFT_TOLERANCE)).min(r2 as f64);
         let r1 = (low / granule as f64).ceil() * granule as f64;
-        if r1 <= high {
+        if r1 <= high(k) {
             return true;
         }
-        r2 += granule;
+        // `low` (so `r1`) and `high` only grow with `r2`: every `r2` whose
+        // `high` is below this `r1` fails too. Skipped by bisection, as a
+        // heap of petabytes has billions of granule counts to try.
+        if r1 > high(last) {
+            return false;
+        }
+        let (mut below, mut reaches) = (k, last);
+        while reaches - below > 1 {
+            let mid = below + (reaches - below) / 2;
+            if r1 <= high(mid) {
+                reaches = mid;
+            } else {
+                below = mid;
+            }
+        }
+        k = reaches;
     }
-    false
 }
 
 #[cfg(test)]
@@ -276,6 +298,21 @@ mod tests {
         // A large heap has granule counts close together.
         assert!(drift_within_reach(10_000 * MIB, 10_100 * MIB, g));
         assert!(drift_within_reach(0, MIB, g));
+    }
+
+    /// Heaps of petabytes to 2^64 bytes (a hostile trace's, which no device
+    /// holds) are answered at once, without overflow: a first half of one
+    /// byte cannot be held within the tolerance of any of the billions of
+    /// granule counts such a whole run may hold.
+    #[test]
+    fn drift_on_absurd_heaps_is_answered_at_once() {
+        assert!(!drift_within_reach(1, 1 << 60, G));
+        assert!(!drift_within_reach(1, u64::MAX, G));
+        assert!(drift_within_reach(1 << 62, 1 << 62, G));
+        assert!(!drift_within_reach(u64::MAX, u64::MAX, G));
+        assert!(drift_within_reach(u64::MAX, u64::MAX, BYTE));
+        assert_eq!(steady_state_growth_floor(&[0, 1, u64::MAX], G), 1);
+        assert_eq!(growth_floor(&[0, u64::MAX, u64::MAX], G), 1);
     }
 
     /// Whether some whole run's `r2` granules within the target and first
