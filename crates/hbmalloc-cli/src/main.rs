@@ -916,6 +916,9 @@ fn load_or_bundled(paths: &[PathBuf]) -> Result<Vec<Trace>, String> {
     }
 }
 
+/// The largest device capacity a replay takes: 1 PiB.
+const MAX_CAPACITY_BYTES: u64 = 1 << 50;
+
 /// A device capacity for replays.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Capacity {
@@ -931,9 +934,11 @@ impl Capacity {
     fn bytes(self, trace: &hbmalloc_trace::DeviceTrace) -> u64 {
         match self {
             Capacity::Bytes(bytes) => bytes,
-            Capacity::TimesPeakLive(factor) => {
-                ((hbmalloc_replay::peak_live_bytes(trace) as f64 * factor) as u64).max(1)
-            }
+            // Within the bounds of a capacity given in bytes, whatever the
+            // peak (a hostile trace's may be past 2^64 bytes).
+            Capacity::TimesPeakLive(factor) => ((hbmalloc_replay::peak_live_bytes(trace) as f64
+                * factor) as u64)
+                .clamp(1, MAX_CAPACITY_BYTES),
         }
     }
 }
@@ -974,7 +979,7 @@ fn parse_capacity(text: &str) -> Result<Capacity, String> {
         }
     };
     let bytes = value * (1u64 << shift) as f64;
-    if !bytes.is_finite() || bytes < 1.0 || bytes > (1u64 << 50) as f64 {
+    if !bytes.is_finite() || bytes < 1.0 || bytes > MAX_CAPACITY_BYTES as f64 {
         return Err(format!(
             "capacity '{text}' must be between 1 byte and 1 PiB"
         ));
@@ -1004,7 +1009,7 @@ fn human(bytes: u64) -> String {
 mod tests {
     use std::path::{Path, PathBuf};
 
-    use super::{device_path, parse_capacity, Capacity};
+    use super::{device_path, parse_capacity, Capacity, MAX_CAPACITY_BYTES};
 
     #[test]
     fn snapshot_paths_name_the_device_when_a_trace_has_several() {
@@ -1041,5 +1046,30 @@ mod tests {
         assert_eq!(parse_capacity("1024TiB"), Ok(Capacity::Bytes(1 << 50)));
         assert!(parse_capacity("0.5").is_err());
         assert!(parse_capacity("1025TiB").is_err());
+    }
+
+    /// A multiple of a peak past 1 PiB (a hostile trace's sizes add up to
+    /// exabytes) is held to the bound a capacity in bytes has.
+    #[test]
+    fn a_multiple_of_an_absurd_peak_is_at_most_one_pib() {
+        let alloc = |id| hbmalloc_trace::Op::Alloc {
+            id,
+            size: 1 << 50,
+            stream: 0,
+        };
+        let trace = hbmalloc_trace::DeviceTrace {
+            ops: (0..20_000).map(alloc).collect(),
+            ..Default::default()
+        };
+        let capacity = Capacity::TimesPeakLive(1.03);
+        assert_eq!(capacity.bytes(&trace), MAX_CAPACITY_BYTES);
+        let small = hbmalloc_trace::DeviceTrace {
+            ops: vec![alloc(0)],
+            ..Default::default()
+        };
+        assert_eq!(
+            Capacity::TimesPeakLive(0.5).bytes(&small),
+            MAX_CAPACITY_BYTES / 2
+        );
     }
 }
