@@ -536,7 +536,8 @@ pub fn model_of(args: &PlanArgs) -> Result<Model, String> {
                 hidden,
                 heads,
                 kv_heads: heads,
-                ffn: 4 * hidden,
+                // Saturating: `hidden` is checked below, with the flags.
+                ffn: hidden.saturating_mul(4),
                 vocab: need(args.vocab, "vocab")?,
                 positions: 0,
                 gated_mlp: false,
@@ -805,6 +806,20 @@ mod tests {
         // heads, and the other way round.
         refused(&["--heads", "8", "--kv-heads", "3"], "kv heads");
         refused(&["--heads", "7", "--kv-heads", "7"], "kv heads");
+        // Without --model, a hidden size past 2^62 (whose default
+        // feed-forward size, 4x, is past 2^64) is refused by name too.
+        let error = model_of(&args(&[
+            "--layers",
+            "1",
+            "--hidden",
+            "18446744073709551615",
+            "--heads",
+            "1",
+            "--vocab",
+            "8",
+        ]))
+        .unwrap_err();
+        assert!(error.contains("--hidden"), "{error}");
         assert!(model_of(&args(&[
             "--layers",
             "1",
