@@ -777,6 +777,13 @@ fn write_snapshot(
     moment: SnapshotMoment,
     path: &Path,
 ) -> Result<String, String> {
+    if device.device > hbmalloc_export::MAX_DEVICE_INDEX {
+        return Err(format!(
+            "device {} has no PyTorch snapshot: PyTorch numbers devices up to {}",
+            device.device,
+            hbmalloc_export::MAX_DEVICE_INDEX
+        ));
+    }
     let taken = snapshot(device, options, moment).map_err(|e| e.to_string())?;
     let pickle = hbmalloc_export::snapshot_to_pickle(&taken.snapshot, device.device);
     std::fs::write(path, pickle).map_err(|e| format!("{}: {e}", path.display()))?;

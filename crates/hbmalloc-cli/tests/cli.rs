@@ -656,6 +656,42 @@ fn snapshot_at_peak_refuses_several_traces_and_unwritable_paths() {
     );
 }
 
+/// A trace's device past what PyTorch numbers (a chrome trace's `Device
+/// Id` of 2^31) gets no snapshot, with a clear error: its `device_traces`
+/// would list 2^31 devices.
+#[test]
+fn snapshot_at_peak_refuses_a_device_past_what_pytorch_numbers() {
+    let event = |id: i64| {
+        format!(
+            r#"{{"name": "[memory]", "ts": 1, "args": {{"Addr": 16, "Bytes": 4096, "Device Type": 1, "Device Id": {id}}}}}"#
+        )
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("peak.pickle");
+    let args = |trace: &tempfile::NamedTempFile| {
+        [
+            "replay".to_string(),
+            trace.path().to_str().unwrap().to_string(),
+            "--snapshot-at-peak".to_string(),
+            path.to_str().unwrap().to_string(),
+        ]
+    };
+    let far = temp_file(format!("[{}]", event(1 << 31)).as_bytes());
+    let far_args = args(&far);
+    let far_args: Vec<&str> = far_args.iter().map(String::as_str).collect();
+    assert_clear_error(
+        &hbmalloc(&far_args),
+        "device 2147483648 has no PyTorch snapshot",
+    );
+    assert!(!path.exists());
+    let last = temp_file(format!("[{}]", event(127)).as_bytes());
+    let last_args = args(&last);
+    let last_args: Vec<&str> = last_args.iter().map(String::as_str).collect();
+    succeed(&last_args);
+    let written = hbmalloc_trace::load(&path).unwrap();
+    assert_eq!(written.devices[0].device, 127);
+}
+
 #[test]
 fn replay_logs_the_driver_calls_of_every_op_that_made_any() {
     let trace = temp_file(PEAK_IN_THE_MIDDLE);

@@ -14,13 +14,20 @@ use hbmalloc::{Action, DeviceStats, PolicyConfig, SegmentSnapshot, Snapshot, Tra
 
 pub use pickle::{to_pickle, PickleValue};
 
+/// The largest device index a snapshot is written for: PyTorch numbers
+/// devices with an `int8_t` (`c10::DeviceIndex`), and `device_traces` holds
+/// a list for every index up to the snapshot's (2^31 of them for a hostile
+/// trace's device 2^31 would exhaust memory).
+pub const MAX_DEVICE_INDEX: i64 = i8::MAX as i64;
+
 /// The snapshot as a PyTorch memory-snapshot pickle (`_dump_snapshot` format):
 /// `{segments, device_traces, allocator_settings, external_annotations}`.
 ///
 /// `device` is the device index the snapshot describes: every segment gets
 /// it, and `device_traces` holds one list per device index `0..=device`, the
 /// history in the last one (the others empty), as PyTorch lays it out. A
-/// negative `device` is written as device 0.
+/// negative `device` is written as device 0; callers refuse one past
+/// [`MAX_DEVICE_INDEX`].
 ///
 /// Frames are empty lists (hbmalloc records no Python stacks) and `time_us`
 /// is the entry's sequence number, which orders entries as time would.
