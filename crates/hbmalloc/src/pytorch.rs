@@ -1375,7 +1375,10 @@ impl PytorchPolicy {
             let last = i + 1 == image.blocks.len();
             let split = self.b(rest).size > block.size;
             let next_rest = if split { rest } else { NO_BLOCK };
-            let ptr = self.alloc_found_block(rest, block.size, block.requested_size.max(1), split);
+            // A block requests at most what it holds (a recorded size past
+            // it is bad data), as under policy hbm.
+            let requested = block.requested_size.clamp(1, block.size);
+            let ptr = self.alloc_found_block(rest, block.size, requested, split);
             ptrs.push(ptr);
             if !block.allocated {
                 to_free.push(ptr);

@@ -778,6 +778,21 @@ fn restore_segment_refuses_an_empty_or_unaligned_block() {
     consistent(&a);
 }
 
+/// A recorded block that asks for more than it holds (a hostile snapshot's
+/// requested size of 2^63) counts as requesting its whole size, as under
+/// policy hbm, rather than overflowing the requested-bytes statistic.
+#[test]
+fn restore_segment_holds_a_requested_size_to_its_block() {
+    let mut a = default_allocator();
+    let mut image = large_image(&[(2 * MIB, true), (2 * MIB, true)]);
+    for block in &mut image.blocks {
+        block.requested_size = i64::MAX as u64;
+    }
+    a.restore_segment(&image).unwrap();
+    assert_eq!(a.stats().requested_bytes[0].current, 4 * MIB as i64);
+    consistent(&a);
+}
+
 // ----- OOM retry order -----
 
 #[test]
