@@ -162,7 +162,8 @@ fn frames_of(path: &Path) -> Result<SnapshotFrames, String> {
         for block in list(doc.dict_get(segment, "blocks")) {
             // Blocks without an address tile their segment.
             let at = int(doc.dict_get(block, "address")).unwrap_or(address);
-            address = at + int(doc.dict_get(block, "size")).unwrap_or(0);
+            // Saturating: a hostile snapshot's blocks may run past 2^64.
+            address = at.saturating_add(int(doc.dict_get(block, "size")).unwrap_or(0));
             if str_of(&doc, doc.dict_get(block, "state")) == Some("active_allocated") {
                 found
                     .at_dump
@@ -252,7 +253,7 @@ fn frames_by_alloc(
                     }
                 }
             }
-            address += block.size;
+            address = address.saturating_add(block.size);
         }
     }
     Ok(by_id)
@@ -1216,6 +1217,49 @@ mod tests {
             PickleValue::List(Vec::new()),
         )]));
         assert!(frames_of(file.path()).unwrap_err().contains("no history"));
+    }
+
+    /// Blocks whose addresses and sizes run past 2^64 (a hostile snapshot's)
+    /// are read, their addresses saturating, rather than overflowing.
+    #[test]
+    fn blocks_past_the_end_of_the_address_space_are_read() {
+        let block = |state: &str, size: u64| {
+            PickleValue::dict([
+                ("size", PickleValue::int(size)),
+                ("state", PickleValue::str(state)),
+            ])
+        };
+        let segments = PickleValue::List(vec![PickleValue::dict([
+            ("address", PickleValue::int(u64::MAX - 511)),
+            (
+                "blocks",
+                PickleValue::List(vec![
+                    block("inactive", 1024),
+                    block("active_allocated", 1024),
+                ]),
+            ),
+        ])]);
+        let file = snapshot_file(&PickleValue::dict([("segments", segments)]));
+        let found = frames_of(file.path()).unwrap();
+        assert!(found.at_dump[&0].contains_key(&u64::MAX));
+
+        let held = |id, size| InitialBlock {
+            size,
+            requested_size: size,
+            state: InitialBlockState::Allocated(id),
+        };
+        let device = DeviceTrace {
+            initial_segments: vec![InitialSegment {
+                address: u64::MAX - 511,
+                stream: 0,
+                small_pool: false,
+                expandable: false,
+                blocks: vec![held(1, 1024), held(2, 1024)],
+            }],
+            ..DeviceTrace::default()
+        };
+        let by_id = frames_by_alloc(&device, &found).unwrap();
+        assert_eq!(by_id, HashMap::from([(2, Vec::new())]));
     }
 
     /// Allocations take their history entry's frames in order; a block
