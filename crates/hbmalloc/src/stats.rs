@@ -21,18 +21,19 @@ pub struct Stat {
 }
 
 impl Stat {
-    /// Adds `amount` (PyTorch's `increase_stat`).
+    /// Adds `amount` (PyTorch's `increase_stat`). The totals saturate: a
+    /// replay of a trace's 8,192 petabyte allocations passes 2^63 bytes.
     pub fn increase(&mut self, amount: i64) {
         self.current += amount;
         self.peak = self.peak.max(self.current);
-        self.allocated += amount;
+        self.allocated = self.allocated.saturating_add(amount);
     }
 
     /// Removes `amount` (PyTorch's `decrease_stat`).
     pub fn decrease(&mut self, amount: i64) {
         self.current -= amount;
         debug_assert!(self.current >= 0, "stat went negative: {self:?}");
-        self.freed += amount;
+        self.freed = self.freed.saturating_add(amount);
     }
 
     /// `reset_peak_memory_stats()`: the peak becomes the current value.
@@ -182,8 +183,8 @@ impl DeviceStats {
         for (mine, theirs) in self.all_stats_mut().zip(theirs) {
             mine.current += theirs.current;
             mine.peak += theirs.peak;
-            mine.allocated += theirs.allocated;
-            mine.freed += theirs.freed;
+            mine.allocated = mine.allocated.saturating_add(theirs.allocated);
+            mine.freed = mine.freed.saturating_add(theirs.freed);
         }
         self.num_alloc_retries += other.num_alloc_retries;
         self.num_ooms += other.num_ooms;
@@ -319,6 +320,25 @@ impl DeviceStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The running totals stop at i64::MAX rather than overflowing, alone
+    /// and summed over shards; the current value and peak still move.
+    #[test]
+    fn totals_saturate() {
+        let mut stat = Stat::default();
+        for _ in 0..3 {
+            stat.increase(i64::MAX / 2);
+            stat.decrease(i64::MAX / 2);
+        }
+        assert_eq!((stat.allocated, stat.freed), (i64::MAX, i64::MAX));
+        assert_eq!((stat.current, stat.peak), (0, i64::MAX / 2));
+        let mut sum = DeviceStats::default();
+        let mut one = DeviceStats::default();
+        one.allocated_bytes[0] = stat;
+        sum.accumulate(&one);
+        sum.accumulate(&one);
+        assert_eq!(sum.allocated_bytes[0].allocated, i64::MAX);
+    }
 
     /// Stats where every field holds a distinct value, so a key mapped to the wrong field shows.
     fn numbered_stats() -> DeviceStats {
