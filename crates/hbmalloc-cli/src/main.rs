@@ -779,8 +779,7 @@ fn write_snapshot(
 ) -> Result<String, String> {
     if device.device > hbmalloc_export::MAX_DEVICE_INDEX {
         return Err(format!(
-            "device {} has no PyTorch snapshot: PyTorch numbers devices up to {}",
-            device.device,
+            "no PyTorch snapshot of this device: PyTorch numbers devices up to {}",
             hbmalloc_export::MAX_DEVICE_INDEX
         ));
     }

@@ -681,7 +681,7 @@ fn snapshot_at_peak_refuses_a_device_past_what_pytorch_numbers() {
     let far_args: Vec<&str> = far_args.iter().map(String::as_str).collect();
     assert_clear_error(
         &hbmalloc(&far_args),
-        "device 2147483648 has no PyTorch snapshot",
+        "device 2147483648: no PyTorch snapshot of this device",
     );
     assert!(!path.exists());
     let last = temp_file(format!("[{}]", event(127)).as_bytes());
