@@ -395,6 +395,14 @@ impl<D: Device> Allocator<D> {
                 size: total.unwrap_or(u64::MAX),
             });
         }
+        // Both policies lay blocks out in multiples of PyTorch's block size.
+        if let Some(bad) = image
+            .blocks
+            .iter()
+            .find(|b| b.size == 0 || b.size % crate::config::MIN_BLOCK_SIZE != 0)
+        {
+            return Err(AllocError::InvalidSize { size: bad.size });
+        }
         let dev: &dyn Device = &self.device;
         self.engine.policy_mut().restore_segment(dev, image)
     }

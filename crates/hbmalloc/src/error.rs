@@ -284,7 +284,8 @@ fn pytorch_format_size(size: u64) -> String {
 pub enum AllocError {
     /// Not enough device memory for the request, after every retry.
     OutOfMemory(Box<OomReport>),
-    /// The size is zero or beyond what any device could hold.
+    /// The size is zero or beyond what any device could hold, or a restored
+    /// segment's block is not a multiple of 512 bytes.
     InvalidSize {
         /// The size asked for.
         size: u64,
@@ -322,6 +323,12 @@ impl fmt::Display for AllocError {
                 let text = report.render();
                 f.write_str(text.trim_end())
             }
+            // Within the bounds, only a restored block's size is refused: one
+            // not a multiple of PyTorch's block size (`kMinBlockSize`).
+            AllocError::InvalidSize { size } if (1..=MAX_REQUEST_BYTES).contains(size) => write!(
+                f,
+                "invalid block size {size}: a restored segment's blocks are multiples of 512 bytes"
+            ),
             AllocError::InvalidSize { size } => write!(
                 f,
                 "invalid allocation size {size}: must be between 1 and {} bytes",

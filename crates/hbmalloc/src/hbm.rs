@@ -1393,13 +1393,6 @@ impl HbmPolicy {
         dev: &dyn Device,
         image: &SegmentImage,
     ) -> Result<Vec<DevicePtr>, AllocError> {
-        if let Some(bad) = image
-            .blocks
-            .iter()
-            .find(|b| b.size == 0 || b.size % MIN_BLOCK_SIZE != 0)
-        {
-            return Err(AllocError::InvalidSize { size: bad.size });
-        }
         // The segment is memory the program held before the recording
         // began: backed as one run (cut into handles as any run is; one
         // segment without a virtual-memory API), as PyTorch's policies

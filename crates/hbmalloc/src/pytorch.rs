@@ -1353,12 +1353,7 @@ impl PytorchPolicy {
         image: &SegmentImage,
     ) -> Result<Vec<DevicePtr>, AllocError> {
         let total: u64 = image.blocks.iter().map(|b| b.size).sum();
-        if total == 0
-            || image
-                .blocks
-                .iter()
-                .any(|b| b.size == 0 || b.size % MIN_BLOCK_SIZE != 0)
-        {
+        if total == 0 {
             return Err(AllocError::InvalidSize { size: total });
         }
         let stream = image.stream;

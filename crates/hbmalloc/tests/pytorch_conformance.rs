@@ -763,16 +763,23 @@ fn restore_segment_carves_every_recorded_block_and_caches_the_free_ones() {
 #[test]
 fn restore_segment_refuses_an_empty_or_unaligned_block() {
     let mut a = default_allocator();
-    for blocks in [
-        vec![],
-        vec![(2 * MIB, true), (0, false)],
-        vec![(2 * MIB, true), (1000, true)],
+    for (blocks, bad, says) in [
+        (vec![], 0, "must be between 1 and"),
+        (
+            vec![(2 * MIB, true), (0, false)],
+            0,
+            "must be between 1 and",
+        ),
+        (
+            vec![(2 * MIB, true), (1000, true)],
+            1000,
+            "multiples of 512 bytes",
+        ),
     ] {
         let err = a.restore_segment(&large_image(&blocks)).unwrap_err();
-        assert!(
-            matches!(err, AllocError::InvalidSize { .. }),
-            "{blocks:?}: {err:?}"
-        );
+        assert_eq!(err, AllocError::InvalidSize { size: bad }, "{blocks:?}");
+        // The message names what is wrong with the block, not the sum.
+        assert!(err.to_string().contains(says), "{blocks:?}: {err}");
     }
     assert_eq!(calls(&a, CallKind::SegmentAlloc), 0);
     consistent(&a);
