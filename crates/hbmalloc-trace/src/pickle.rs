@@ -12,8 +12,11 @@
 //! reference counting, and dropping or walking a document never recurses.
 //!
 //! Every length read from the input is checked against the bytes that remain,
-//! and the stack, the mark stack and the memo are bounded, so no input can
-//! make the reader allocate much more than the input's own size.
+//! and the stack, the mark stack, the memo and the arena are bounded. An
+//! opcode of one or two bytes can make a value of 32, so the arena is what
+//! bounds memory: at most [`MAX_VALUES`] values, about 4 GiB, more than a
+//! snapshot within the importer's 1 GiB input limit holds (real ones hold a
+//! value for every 12 bytes or more).
 
 use std::collections::HashMap;
 
@@ -149,16 +152,30 @@ const MAX_MARKS: usize = 1 << 16;
 const MAX_MEMO: usize = 1 << 24;
 /// Longest text line (in `GLOBAL`, `GET`, `PUT` arguments).
 const MAX_LINE: usize = 1 << 10;
+/// Most values a document holds.
+const MAX_VALUES: usize = 1 << 27;
+
+/// The bounds a parse keeps (smaller ones in tests).
+struct Limits {
+    memo: usize,
+    values: usize,
+}
 
 /// Decodes `bytes` as a pickle of plain data.
 ///
 /// Errors carry the byte offset of the offending opcode and format `pickle`;
 /// the caller adds the file name.
 pub fn parse(bytes: &[u8]) -> Result<Document, TraceError> {
-    parse_with_memo_limit(bytes, MAX_MEMO)
+    parse_with_limits(
+        bytes,
+        Limits {
+            memo: MAX_MEMO,
+            values: MAX_VALUES,
+        },
+    )
 }
 
-fn parse_with_memo_limit(bytes: &[u8], max_memo: usize) -> Result<Document, TraceError> {
+fn parse_with_limits(bytes: &[u8], limits: Limits) -> Result<Document, TraceError> {
     Parser {
         input: bytes,
         pos: 0,
@@ -167,7 +184,7 @@ fn parse_with_memo_limit(bytes: &[u8], max_memo: usize) -> Result<Document, Trac
         stack: Vec::new(),
         marks: Vec::new(),
         memo: HashMap::new(),
-        max_memo,
+        limits,
     }
     .run()
 }
@@ -182,8 +199,8 @@ struct Parser<'a> {
     /// Stack heights at each open `MARK`.
     marks: Vec<usize>,
     memo: HashMap<u32, ValueId>,
-    /// Most memo entries ([`MAX_MEMO`] but in tests).
-    max_memo: usize,
+    /// [`MAX_MEMO`] and [`MAX_VALUES`] but in tests.
+    limits: Limits,
 }
 
 impl Parser<'_> {
@@ -235,6 +252,12 @@ impl Parser<'_> {
     }
 
     fn push_value(&mut self, value: Value) -> Result<(), TraceError> {
+        if self.values.len() >= self.limits.values {
+            return Err(self.error(format!(
+                "more than {} values (larger than any memory snapshot)",
+                self.limits.values
+            )));
+        }
         self.values.push(value);
         self.push_id(self.values.len() - 1)
     }
@@ -274,8 +297,8 @@ impl Parser<'_> {
 
     fn memo_put(&mut self, key: u32) -> Result<(), TraceError> {
         let id = self.top()?;
-        if self.memo.len() >= self.max_memo && !self.memo.contains_key(&key) {
-            return Err(self.error(format!("memo larger than {} entries", self.max_memo)));
+        if self.memo.len() >= self.limits.memo && !self.memo.contains_key(&key) {
+            return Err(self.error(format!("memo larger than {} entries", self.limits.memo)));
         }
         self.memo.insert(key, id);
         Ok(())
@@ -600,12 +623,39 @@ mod tests {
     fn a_full_memo_refuses_a_new_key_but_takes_an_old_one_again() {
         // Three lists memoized under keys 0, 1, 2, then key 1 again.
         let bytes = b"\x80\x02]q\x00]q\x01]q\x02q\x01h\x01.";
-        let doc = parse_with_memo_limit(bytes, 3).unwrap();
+        let limits = |memo| Limits {
+            memo,
+            values: MAX_VALUES,
+        };
+        let doc = parse_with_limits(bytes, limits(3)).unwrap();
         assert_eq!(doc.root(), 2, "key 1 now names the third list");
-        let error = parse_with_memo_limit(bytes, 2).unwrap_err().to_string();
+        let error = parse_with_limits(bytes, limits(2)).unwrap_err().to_string();
         assert!(
             error.contains("byte 9: memo larger than 2 entries"),
             "{error}"
         );
+    }
+
+    /// Values that cost the input a byte or two each (`N` and `POP`, over
+    /// and over) stop at the arena's bound with an error, not at the
+    /// machine's memory.
+    #[test]
+    fn the_arena_is_bounded() {
+        let mut bytes = b"\x80\x02".to_vec();
+        for _ in 0..5 {
+            bytes.extend_from_slice(b"N0");
+        }
+        bytes.extend_from_slice(b"N.");
+        let limits = |values| Limits {
+            memo: MAX_MEMO,
+            values,
+        };
+        // What the module's bound on memory counts per value.
+        assert_eq!(std::mem::size_of::<Value>(), 32);
+        assert!(parse_with_limits(&bytes, limits(6)).is_ok());
+        let error = parse_with_limits(&bytes, limits(5))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("byte 12: more than 5 values"), "{error}");
     }
 }
