@@ -960,6 +960,12 @@ fn an_absurd_restored_segment_is_an_invalid_size() {
             assert_eq!(a.device().used_bytes(), 0);
         }
     }
+    // The bound itself is a size like any other (policy pytorch backs it
+    // with one segment; `hbm` would map it handle by handle).
+    let mut a = allocator(SimDevice::with_capacity(MAX_REQUEST_BYTES), "pytorch", "");
+    let image = segment_image(&[(MAX_REQUEST_BYTES, true)]);
+    assert_eq!(a.restore_segment(&image).unwrap().len(), 1);
+    assert_eq!(a.device().used_bytes(), MAX_REQUEST_BYTES);
 }
 
 /// A snapshot's live block is restored at the size the program asked for
