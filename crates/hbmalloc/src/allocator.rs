@@ -2,7 +2,7 @@
 //! policy's state, and forwards each call to the policy chosen at creation.
 
 use crate::adaptor::CaptureSafeDevice;
-use crate::config::{ConfigError, PytorchConfig};
+use crate::config::{ConfigError, PytorchConfig, MIN_BLOCK_SIZE};
 use crate::device::{Device, DevicePtr, StreamId};
 use crate::error::{AllocError, MAX_REQUEST_BYTES};
 use crate::hbm::{HbmConfig, HbmPolicy};
@@ -399,7 +399,7 @@ impl<D: Device> Allocator<D> {
         if let Some(bad) = image
             .blocks
             .iter()
-            .find(|b| b.size == 0 || b.size % crate::config::MIN_BLOCK_SIZE != 0)
+            .find(|b| b.size == 0 || b.size % MIN_BLOCK_SIZE != 0)
         {
             return Err(AllocError::InvalidSize { size: bad.size });
         }

@@ -34,7 +34,7 @@ use std::collections::hash_map::Entry;
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;
 
-use crate::config::ConfigError;
+use crate::config::{ConfigError, MIN_BLOCK_SIZE};
 use crate::device::{Device, DevicePtr, PhysicalHandle, StreamId};
 use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::events::{PendingEvents, Poll};
@@ -75,8 +75,6 @@ pub(crate) mod testing {
 }
 
 const MIB: u64 = 1 << 20;
-/// Every request rounds up to a multiple of this (as PyTorch's `kMinBlockSize`).
-const MIN_BLOCK_SIZE: u64 = 512;
 /// Requests up to this size count as "small pool" in the statistics.
 const SMALL_SIZE: u64 = MIB;
 /// Without a virtual-memory API, segments are multiples of this.

@@ -24,7 +24,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::config::PytorchConfig;
+use crate::config::{PytorchConfig, MIN_BLOCK_SIZE};
 use crate::device::{Device, DevicePtr, PhysicalHandle, StreamId};
 use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::events::{PendingEvents, Poll};
@@ -48,8 +48,6 @@ pub(crate) mod testing {
 }
 
 const MIB: u64 = 1 << 20;
-/// Every request rounds up to a multiple of this (`kMinBlockSize`).
-const MIN_BLOCK_SIZE: u64 = 512;
 /// Largest "small" request (`kSmallSize`).
 const SMALL_SIZE: u64 = MIB;
 /// Segment size for small requests, and the small expandable page (`kSmallBuffer`).

@@ -21,8 +21,9 @@ pub struct Stat {
 }
 
 impl Stat {
-    /// Adds `amount` (PyTorch's `increase_stat`). The totals saturate: a
-    /// replay of a trace's 8,192 petabyte allocations passes 2^63 bytes.
+    /// Adds `amount` (PyTorch's `increase_stat`). The totals saturate: they
+    /// sum every allocation ever made, which a replay of huge requests can
+    /// take past `i64::MAX`.
     pub fn increase(&mut self, amount: i64) {
         self.current += amount;
         self.peak = self.peak.max(self.current);
