@@ -134,6 +134,12 @@ const WHOLE_HANDLE_MIN_GRANULES: u64 = 16;
 /// map more for the same memory, and it is one block's memory, freed and
 /// moved whole as that block is.
 const WHOLE_HANDLE_SPLIT_FACTOR: u64 = 2;
+/// ... and a run longer than this many handles of that size is cut into
+/// this many equal ones instead: the size bounds the waste of small blocks,
+/// and a run this long is one huge block's memory, freed and moved whole as
+/// that block is, so smaller handles would only multiply the calls (and
+/// the bookkeeping, without bound for an absurd request).
+const MAX_HANDLES_PER_RUN: u64 = 256;
 /// The `whole_handle_granules` a configuration may set.
 const WHOLE_HANDLE_GRANULES_RANGE: std::ops::RangeInclusive<u64> = 1..=512;
 /// On a miss, free ranges a request looks at in best-fit order for a place
@@ -157,7 +163,7 @@ const MAX_CANDIDATES: usize = 32;
 /// | `max_waste_percent` | 1 | physical memory held may exceed the peak demand (live plus pending-free bytes) by this percentage before idle memory is stitched (mapped a second time) instead of new memory created; a heap growing to a new peak may map up to 4 times this (at most 12 MiB) ahead, holding at most 5 times this over peak demand in all. Lower: tighter memory, more map calls when the workload shifts or grows (0: nothing mapped ahead); higher: fewer driver calls. |
 /// | `per_process_memory_fraction` | 1 | hard limit on memory held, as a fraction of device memory (as in PyTorch). |
 /// | `max_views` | 64 | most addresses one physical granule is mapped at (2 to 64): past it, idle memory is moved (unmapped, mapped elsewhere) instead of mapped once more. Each view is a page-table entry; lower: more map and unmap calls where memory moves around. |
-/// | `whole_handle_granules` | auto | on a driver that maps whole handles only ([`Device::maps_handle_parts`] false), the most granules one physical handle holds (1 to 512), or `auto`: 1/2048 of the most memory held so far, rounded down to whole granules, at least 16 (32 MiB; up to 64 GiB held). A run shorter than the size (under `auto`, than twice the size) gets one handle of its own length. Only whole handles move there; higher: fewer create and map calls, more memory held (the one setting that trades memory for driver calls, `docs/real-driver.md`). Ignored where the driver maps parts of handles. |
+/// | `whole_handle_granules` | auto | on a driver that maps whole handles only ([`Device::maps_handle_parts`] false), the most granules one physical handle holds (1 to 512), or `auto`: 1/2048 of the most memory held so far, rounded down to whole granules, at least 16 (32 MiB; up to 64 GiB held). A run shorter than the size (under `auto`, than twice the size) gets one handle of its own length. A run longer than 256 handles gets 256 equal ones. Only whole handles move there; higher: fewer create and map calls, more memory held (the one setting that trades memory for driver calls, `docs/real-driver.md`). Ignored where the driver maps parts of handles. |
 /// | `mapped_fit` | 64 | on a miss (best fit lands on unmapped memory), how many free ranges, in best-fit order, are searched for a place whose granules are all mapped and not in use at another view, taken before best fit maps memory (0: best fit alone). |
 #[derive(Clone, Debug, PartialEq)]
 pub struct HbmConfig {
@@ -1639,6 +1645,40 @@ mod tests {
             region.group_at.get(under),
             Some(policy.region(0).group_at.get(0).unwrap())
         );
+    }
+
+    /// A request far longer than a handle gets at most
+    /// [`MAX_HANDLES_PER_RUN`] handles, whatever its size: an absurd one
+    /// costs a few hundred calls, not millions, and freed it is reused
+    /// whole with no call at all.
+    #[test]
+    fn a_huge_request_takes_a_bounded_number_of_handles() {
+        use crate::device::CallKind;
+        let capacity = 1 << 41;
+        let dev = crate::sim::SimDevice::with_capacity(capacity);
+        let policy = |config: &str| {
+            HbmPolicy::new(
+                HbmConfig::parse(config).unwrap(),
+                capacity,
+                dev.granularity(),
+                dev.maps_handle_parts(),
+                History::with_capacity(0),
+            )
+        };
+        let size = 1 << 40;
+        for config in ["", "whole_handle_granules:1"] {
+            let mut policy = policy(config);
+            let before = dev.call_counts().get(CallKind::PhysicalCreate);
+            let block = policy.malloc(&dev, size, StreamId(0)).unwrap();
+            let created = dev.call_counts().get(CallKind::PhysicalCreate) - before;
+            assert_eq!(created, MAX_HANDLES_PER_RUN, "{config:?}");
+            policy.free(&dev, block).unwrap();
+            let calls = dev.call_counts();
+            assert_eq!(policy.malloc(&dev, size, StreamId(0)).unwrap(), block);
+            assert_eq!(dev.call_counts(), calls, "reused whole");
+            policy.check_invariants().unwrap();
+            policy.empty_cache(&dev).unwrap();
+        }
     }
 
     #[test]

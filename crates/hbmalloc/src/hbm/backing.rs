@@ -13,8 +13,8 @@ use crate::history::Action;
 use super::alias::Donors;
 use super::{
     granules_under, Backing, Chunk, GranuleSpan, HbmPolicy, GROWTH_CHUNK_BYTES,
-    GROWTH_CHUNK_WASTE_FACTOR, MAX_MAP_AHEAD_PERCENT, STITCH_BEFORE_PEAK_FACTOR,
-    WHOLE_HANDLE_GRANULES_RANGE, WHOLE_HANDLE_SPLIT_FACTOR,
+    GROWTH_CHUNK_WASTE_FACTOR, MAX_HANDLES_PER_RUN, MAX_MAP_AHEAD_PERCENT,
+    STITCH_BEFORE_PEAK_FACTOR, WHOLE_HANDLE_GRANULES_RANGE, WHOLE_HANDLE_SPLIT_FACTOR,
 };
 
 impl HbmPolicy {
@@ -440,6 +440,7 @@ impl HbmPolicy {
             count
         } else {
             self.whole_handle_granules(granule)
+                .max(count.div_ceil(MAX_HANDLES_PER_RUN))
         };
         let mut at = cursor;
         while at < end {
