@@ -94,7 +94,7 @@ impl ReserveSpec {
 /// A number as a configuration string writes it: the shorter of Rust's plain
 /// and scientific notations, each the shortest that parses back to the same
 /// value, so `1e-300` stays short.
-fn conf_number(value: f64) -> String {
+pub(crate) fn conf_number(value: f64) -> String {
     let (plain, scientific) = (format!("{value}"), format!("{value:e}"));
     if scientific.len() < plain.len() {
         scientific
@@ -406,10 +406,11 @@ fn parse_unsigned(key: &str, token: &str, what: &str) -> Result<u64, ConfigError
 }
 
 /// A real number (`std::stod`'s job in PyTorch); NaN is left to the range checks, which
-/// it fails.
+/// it fails. `-0` is zero, so that it is written back as `0`.
 fn parse_real(key: &str, token: &str, what: &str) -> Result<f64, ConfigError> {
     token
-        .parse()
+        .parse::<f64>()
+        .map(|value| value + 0.0)
         .map_err(|_| ConfigError::new(key, token, what))
 }
 
@@ -1339,6 +1340,10 @@ mod tests {
     #[test]
     fn to_conf_string_lists_only_non_default_keys_and_round_trips() {
         assert_eq!(PytorchConfig::default().to_conf_string(), "");
+        assert_eq!(
+            parse("per_process_memory_fraction:-0").to_conf_string(),
+            "per_process_memory_fraction:0"
+        );
         assert_eq!(
             parse("expandable_segments:True,max_split_size_mb:200").to_conf_string(),
             "max_split_size_mb:200,expandable_segments:True"

@@ -34,7 +34,7 @@ use std::collections::hash_map::Entry;
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;
 
-use crate::config::{ConfigError, MIN_BLOCK_SIZE};
+use crate::config::{conf_number, ConfigError, MIN_BLOCK_SIZE};
 use crate::device::{Device, DevicePtr, PhysicalHandle, StreamId};
 use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::events::{PendingEvents, Poll};
@@ -228,6 +228,7 @@ impl HbmConfig {
                 value
                     .parse::<f64>()
                     .ok()
+                    .map(|v| v + 0.0)
                     .filter(|v| (low..=high).contains(v))
                     .ok_or_else(|| ConfigError::new(key, value, expected))
             };
@@ -279,12 +280,15 @@ impl HbmConfig {
         let defaults = HbmConfig::default();
         let mut parts = Vec::new();
         if self.max_waste_percent != defaults.max_waste_percent {
-            parts.push(format!("max_waste_percent:{}", self.max_waste_percent));
+            parts.push(format!(
+                "max_waste_percent:{}",
+                conf_number(self.max_waste_percent)
+            ));
         }
         if self.per_process_memory_fraction != defaults.per_process_memory_fraction {
             parts.push(format!(
                 "per_process_memory_fraction:{}",
-                self.per_process_memory_fraction
+                conf_number(self.per_process_memory_fraction)
             ));
         }
         if self.max_views != defaults.max_views {
@@ -1453,6 +1457,11 @@ mod tests {
         assert_eq!(HbmConfig::parse(&c.to_conf_string()).unwrap(), c);
         assert_eq!(HbmConfig::parse("").unwrap(), HbmConfig::default());
         assert_eq!(HbmConfig::default().to_conf_string(), "");
+        // Written as short as it reads back; -0 is 0.
+        let tiny = HbmConfig::parse("max_waste_percent:1e-320").unwrap();
+        assert_eq!(tiny.to_conf_string(), "max_waste_percent:1e-320");
+        let zero = HbmConfig::parse("max_waste_percent:-0").unwrap();
+        assert_eq!(zero.to_conf_string(), "max_waste_percent:0");
         let auto = HbmConfig::parse("whole_handle_granules:auto").unwrap();
         assert_eq!(auto, HbmConfig::default());
         assert_eq!(auto.whole_handle_granules, None);
