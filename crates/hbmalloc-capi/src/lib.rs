@@ -460,7 +460,7 @@ pub fn release_pool(device: i32, pool: PoolId) -> Result<(), ApiError> {
 }
 
 /// How many hold `pool` on `device` (0: no such pool).
-pub fn pool_use_count(device: i32, pool: PoolId) -> Result<u32, ApiError> {
+pub fn pool_use_count(device: i32, pool: PoolId) -> Result<u64, ApiError> {
     Ok(with_existing_allocator(device, |a| Ok(a.pool_use_count(pool)))?.unwrap_or(0))
 }
 

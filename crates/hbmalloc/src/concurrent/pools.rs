@@ -16,7 +16,7 @@ pub(super) struct PrivatePool<D: Device> {
     pub(super) id: PoolId,
     pub(super) shard: Arc<Shard<D>>,
     /// Graphs and `MemPool` objects holding the pool (PyTorch's `use_count`).
-    pub(super) use_count: u32,
+    pub(super) use_count: u64,
 }
 
 /// The private pools of a device, in slots: a pointer's owner is
@@ -85,7 +85,7 @@ impl<D: Device> SharedAllocator<D> {
     }
 
     /// How many hold `pool` (PyTorch's `getPoolUseCount`); 0 for none.
-    pub fn pool_use_count(&self, pool: PoolId) -> u32 {
+    pub fn pool_use_count(&self, pool: PoolId) -> u64 {
         lock(&self.pools)
             .slots
             .iter()
