@@ -193,7 +193,7 @@ pub fn run(args: AdviseArgs) -> Result<(), String> {
                 ..EvalOptions::new(policies[p].clone())
             };
             let metrics = evaluate(source, device, &options)
-                .map_err(|e| format!("{source} device {}: {e}", device.device));
+                .map_err(|e| format!("{}: {e}", crate::table::on_device(source, device.device)));
             if show && bar.is_hidden() && started.elapsed() > PROGRESS_AFTER {
                 bar.set_draw_target(ProgressDrawTarget::stderr());
             }

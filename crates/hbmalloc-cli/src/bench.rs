@@ -48,8 +48,12 @@ pub fn run(
     }
     for trace in traces {
         for device in &trace.devices {
-            let prepared = PreparedTrace::new(device)
-                .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
+            let prepared = PreparedTrace::new(device).map_err(|e| {
+                format!(
+                    "{}: {e}",
+                    crate::table::on_device(&trace.source, device.device)
+                )
+            })?;
             let mut samples: Vec<Samples> = vec![Samples::default(); runs.len()];
             for _ in 0..repeat {
                 for (i, policy) in runs.iter().enumerate() {
@@ -58,9 +62,12 @@ pub fn run(
                         options.latency = LatencyModel::zero();
                         options.time_cache_hits = time_cache_hits;
                         options.known_cache_hits = known.clone();
-                        prepared
-                            .run(&options)
-                            .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))
+                        prepared.run(&options).map_err(|e| {
+                            format!(
+                                "{}: {e}",
+                                crate::table::on_device(&trace.source, device.device)
+                            )
+                        })
                     };
                     let result = replay(false, &None)?;
                     let ops = result.mallocs + result.frees;
@@ -255,10 +262,12 @@ fn prepare_devices(traces: &[Trace]) -> Result<Vec<PreparedTrace>, String> {
     let mut prepared = Vec::new();
     for trace in traces {
         for device in &trace.devices {
-            prepared.push(
-                PreparedTrace::new(device)
-                    .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?,
-            );
+            prepared.push(PreparedTrace::new(device).map_err(|e| {
+                format!(
+                    "{}: {e}",
+                    crate::table::on_device(&trace.source, device.device)
+                )
+            })?);
         }
     }
     Ok(prepared)

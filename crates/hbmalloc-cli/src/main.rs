@@ -132,15 +132,14 @@ impl WhatIf {
                     let (drawn, from) = hbmalloc_trace::draw_steps(device, steps, self.draw_seed)
                         .map_err(|e| {
                         format!(
-                            "{} device {}: --draw-steps: {e}",
-                            trace.source, device.device
+                            "{}: --draw-steps: {e}",
+                            table::on_device(&trace.source, device.device)
                         )
                     })?;
                     eprintln!(
-                        "hbmalloc: {} device {}: {steps} steps drawn from {from} of its {} \
+                        "hbmalloc: {}: {steps} steps drawn from {from} of its {} \
                          recorded steps",
-                        trace.source,
-                        device.device,
+                        table::on_device(&trace.source, device.device),
                         device.step_starts.len()
                     );
                     *device = drawn;
@@ -486,7 +485,8 @@ fn compare(args: CompareArgs) -> Result<(), String> {
     let mut plans = Vec::new();
     for trace in &traces {
         for device in &trace.devices {
-            let in_device = |e: String| format!("{} device {}: {e}", trace.source, device.device);
+            let in_device =
+                |e: String| format!("{}: {e}", table::on_device(&trace.source, device.device));
             // Each configuration's options on this device: the
             // metrics and the timeline replay the same ones.
             let configurations: Vec<EvalOptions> = runs
@@ -523,8 +523,8 @@ fn compare(args: CompareArgs) -> Result<(), String> {
                 let path = device_path(path, device.device, trace.devices.len());
                 let written = write_timeline(device, &configurations, &path).map_err(in_device)?;
                 eprintln!(
-                    "hbmalloc: {} device {}: {written}",
-                    trace.source, device.device
+                    "hbmalloc: {}: {written}",
+                    table::on_device(&trace.source, device.device)
                 );
             }
         }
@@ -589,7 +589,7 @@ fn replay(args: ReplayArgs) -> Result<(), String> {
                 ..what_if.eval_options(policy.clone())
             };
             let m = evaluate(&trace.source, device, &options)
-                .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
+                .map_err(|e| format!("{}: {e}", table::on_device(&trace.source, device.device)))?;
             if json {
                 outln!("{}", to_json(&m));
             } else {
@@ -608,8 +608,9 @@ fn replay(args: ReplayArgs) -> Result<(), String> {
             // and a line saying what it holds (on stderr beside JSON).
             let write_beside = |path: &Path, write: &dyn Fn(&Path) -> Result<String, String>| {
                 let path = device_path(path, device.device, trace.devices.len());
-                let written = write(&path)
-                    .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
+                let written = write(&path).map_err(|e| {
+                    format!("{}: {e}", table::on_device(&trace.source, device.device))
+                })?;
                 if json {
                     eprintln!("hbmalloc: {written}");
                 } else {
@@ -894,10 +895,9 @@ fn repeat_steps(traces: Vec<Trace>, copies: Option<usize>) -> Result<Vec<Trace>,
                 let (repeated, step) = hbmalloc_trace::repeat_last_step(device, copies)
                     .map_err(|e| format!("{}: {}: {}", trace.source, e.location, e.message))?;
                 eprintln!(
-                    "hbmalloc: {} device {}: the step of {} operations from operation {} runs {} \
+                    "hbmalloc: {}: the step of {} operations from operation {} runs {} \
                      more times ({} -> {} operations)",
-                    trace.source,
-                    device.device,
+                    table::on_device(&trace.source, device.device),
                     step.len,
                     step.start,
                     copies,

@@ -89,8 +89,12 @@ pub fn run(args: ReportArgs) -> Result<(), String> {
                 .as_ref()
                 .map_err(Clone::clone)
                 .and_then(|f| frames_by_alloc(device, f));
-            body += &device_section(&trace.source, device, &runs, &args, frames)
-                .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
+            body += &device_section(&trace.source, device, &runs, &args, frames).map_err(|e| {
+                format!(
+                    "{}: {e}",
+                    crate::table::on_device(&trace.source, device.device)
+                )
+            })?;
         }
     }
     let page = page(
@@ -329,7 +333,7 @@ fn device_section(
         s,
         "<section><h2>{} — device {}</h2><p>{} operations; peak live {}{}.</p>",
         esc(source),
-        device.device,
+        crate::table::device_label(device.device),
         ops,
         human(live.iter().copied().max().unwrap_or(0)),
         capacity.map_or(String::new(), |c| format!("; device capacity {}", human(c))),

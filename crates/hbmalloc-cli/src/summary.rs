@@ -27,9 +27,13 @@ pub struct SummaryArgs {
 pub fn run(args: SummaryArgs) -> Result<(), String> {
     for trace in crate::load_all(&args.traces)? {
         for device in &trace.devices {
-            let text = summary(device, args.abbreviated)
-                .map_err(|e| format!("{} device {}: {e}", trace.source, device.device))?;
-            outln!("{} device {}:", trace.source, device.device);
+            let text = summary(device, args.abbreviated).map_err(|e| {
+                format!(
+                    "{}: {e}",
+                    crate::table::on_device(&trace.source, device.device)
+                )
+            })?;
+            outln!("{}:", crate::table::on_device(&trace.source, device.device));
             out!("{text}");
         }
     }

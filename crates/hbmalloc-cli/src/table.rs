@@ -69,6 +69,12 @@ pub fn device_label(device: i64) -> String {
     }
 }
 
+/// `source device N` (`source device cpu` for host memory): how messages
+/// name one device of a trace.
+pub fn on_device(source: &str, device: i64) -> String {
+    format!("{source} device {}", device_label(device))
+}
+
 /// How [`compare_table`] lays the comparison out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {

@@ -1307,3 +1307,37 @@ fn hbm_ends_the_gpu_run_within_its_allowance() {
     let (row, at_half, whole, _) = hbm_on_the_h200_run(&[]);
     assert!(whole >= 0.99 && at_half - whole <= 0.001, "{row}");
 }
+
+/// A torch.profiler trace's host memory is `device cpu` in every message,
+/// as the tables name it, never the index it is filed under.
+#[test]
+fn host_memory_is_device_cpu_in_every_message() {
+    let bundled = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../traces/gpt2_train.json.gz"
+    );
+    let summary = succeed(&["summary", bundled]);
+    assert!(
+        summary.starts_with("gpt2_train.json.gz device cpu:\n"),
+        "{summary}"
+    );
+    let out = hbmalloc(&["compare", "--repeat-step", "1", "--no-min-capacity"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("gpt2_train.json.gz (bundled) device cpu: the step of"),
+        "{stderr}"
+    );
+    let out = hbmalloc(&["compare", "--draw-steps", "5"]);
+    assert_clear_error(
+        &out,
+        "gpt2_train.json.gz (bundled) device cpu: --draw-steps",
+    );
+    for output in [
+        summary.as_str(),
+        &stderr,
+        &String::from_utf8_lossy(&out.stderr),
+    ] {
+        assert!(!output.contains("device -1"), "{output}");
+    }
+}
