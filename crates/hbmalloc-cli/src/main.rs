@@ -985,6 +985,13 @@ fn parse_capacity(text: &str) -> Result<Capacity, String> {
         }
     };
     let bytes = value * (1u64 << shift) as f64;
+    if shift == 0 && value.fract() != 0.0 {
+        // A size in bytes is whole: a fraction is a multiple missing its x.
+        return Err(format!(
+            "capacity '{text}': a number of bytes is whole; for a multiple of peak live \
+             memory write {number}x"
+        ));
+    }
     if !bytes.is_finite() || bytes < 1.0 || bytes > MAX_CAPACITY_BYTES as f64 {
         return Err(format!(
             "capacity '{text}' must be between 1 byte and 1 PiB"
@@ -1051,6 +1058,13 @@ mod tests {
         assert_eq!(parse_capacity("1"), Ok(Capacity::Bytes(1)));
         assert_eq!(parse_capacity("1024TiB"), Ok(Capacity::Bytes(1 << 50)));
         assert!(parse_capacity("0.5").is_err());
+        // A fraction of a byte is a multiple missing its x: said so.
+        for fraction in ["1.03", "1.5B", "2.5 b"] {
+            let error = parse_capacity(fraction).unwrap_err();
+            assert!(error.contains("x"), "{error}");
+            assert!(error.contains("bytes is whole"), "{error}");
+        }
+        assert_eq!(parse_capacity("2.0"), Ok(Capacity::Bytes(2)));
         assert!(parse_capacity("1025TiB").is_err());
     }
 
