@@ -2,7 +2,9 @@
 //! on the simulated device and says which one to use, with the evidence.
 //!
 //! Rank: the smallest device the trace fits (or, given `--capacity`, how
-//! many traces fit it), then peak reserved memory, then simulated driver time;
+//! many traces fit it, then for those that fit it all peak reserved memory
+//! and for the rest the smallest device), then peak reserved memory, then
+//! simulated driver time;
 //! a setting whose driver calls the program would notice ranks after those
 //! whose calls it would not ([`DRIVER_TIME_FACTOR`], [`DRIVER_TIME_SHARE`]).
 
@@ -123,17 +125,20 @@ pub fn noticeable_driver_time(seconds: f64, expandable_seconds: f64, share: Opti
         && share.is_none_or(|share| share > DRIVER_TIME_SHARE)
 }
 
-/// Sorts `rows` best first: most devices fitting, then driver time the
-/// program would not notice, then (without a capacity to fit) the smallest
-/// device, then peak reserved, then driver time; ties keep the sweep's
-/// order, so PyTorch's defaults win a tie.
-pub fn rank(rows: &mut [Row], capacity_given: bool) {
+/// Sorts `rows` best first: most of the `devices` fitting, then driver time
+/// the program would not notice, then (without a capacity to fit, or for a
+/// setting that runs out of memory in it on some device, whose peak reserved
+/// is only that of the part it ran) the smallest device, then peak reserved,
+/// then driver time; ties keep the sweep's order, so PyTorch's defaults win
+/// a tie.
+pub fn rank(rows: &mut [Row], capacity_given: bool, devices: usize) {
     rows.sort_by(|a, b| {
         b.fits
             .cmp(&a.fits)
             .then(a.slow_driver.cmp(&b.slow_driver))
             .then_with(|| {
-                if capacity_given {
+                // Equal fits here: both rows fit every device, or neither.
+                if capacity_given && a.fits >= devices {
                     std::cmp::Ordering::Equal
                 } else {
                     let key = |r: &Row| r.min_capacity_bytes.unwrap_or(u64::MAX);
@@ -222,7 +227,7 @@ pub fn run(args: AdviseArgs) -> Result<(), String> {
         .map(|(p, settings)| Row::of(settings, &of_policy(p), &expandable))
         .collect();
     let baseline = rows[0].clone();
-    rank(&mut rows, args.capacity.is_some());
+    rank(&mut rows, args.capacity.is_some(), devices.len());
     out!(
         "{}",
         advice_text(&rows, &baseline, devices.len(), args.capacity.is_some())
@@ -319,8 +324,7 @@ pub fn advice_text(rows: &[Row], baseline: &Row, devices: usize, capacity_given:
          reserved: peak device memory held; driver: simulated driver time; calls: driver calls\n\
          that allocate, free, map or unmap memory; !: driver time a program would notice, over\n\
          {}x expandable segments' on some device (and over {}% of the run, on a GPU's\n\
-         recording). Ranked by fits, then driver time not noticed, then {}peak\n\
-         reserved, then driver time; ties keep the sweep's order (PyTorch's defaults first).\n",
+         recording). Ranked by fits, then driver time not noticed, then {}",
         if capacity_given {
             "in --capacity"
         } else {
@@ -329,9 +333,12 @@ pub fn advice_text(rows: &[Row], baseline: &Row, devices: usize, capacity_given:
         DRIVER_TIME_FACTOR,
         DRIVER_TIME_SHARE * 100.0,
         if capacity_given {
-            ""
+            "min device where a\n\
+             trace device ran out of memory, then peak reserved, then driver time; ties keep the\n\
+             sweep's order (PyTorch's defaults first).\n"
         } else {
-            "min device, then "
+            "min device, then peak\n\
+             reserved, then driver time; ties keep the sweep's order (PyTorch's defaults first).\n"
         },
     );
     text
@@ -396,11 +403,21 @@ mod tests {
             row("e", 2, Some(200), 240, 1.0),
             row("f", 2, None, 10, 0.0),
         ];
-        rank(&mut rows, false);
+        rank(&mut rows, false, 2);
         assert_eq!(order(&rows), ["e", "d", "c", "b", "f", "a"]);
-        // Given a capacity, the smallest device no longer matters.
-        rank(&mut rows, true);
+        // Given a capacity, the smallest device no longer matters where
+        // every device fits it.
+        rank(&mut rows, true, 2);
         assert_eq!(order(&rows), ["f", "e", "d", "c", "b", "a"]);
+        // Where none fits it every device, a replay's peak reserved is the
+        // part it ran before running out: the smallest device ranks.
+        let mut rows = vec![
+            row("stopped early", 0, Some(300), 100, 1.0),
+            row("needs least", 0, Some(200), 150, 1.0),
+            row("between", 0, Some(250), 120, 1.0),
+        ];
+        rank(&mut rows, true, 1);
+        assert_eq!(order(&rows), ["needs least", "between", "stopped early"]);
     }
 
     #[test]
@@ -411,7 +428,7 @@ mod tests {
             row("fits fewer", 1, Some(50), 50, 1.0),
         ];
         rows[0].slow_driver = true;
-        rank(&mut rows, false);
+        rank(&mut rows, false, 2);
         assert_eq!(order(&rows), ["large", "small but slow", "fits fewer"]);
     }
 

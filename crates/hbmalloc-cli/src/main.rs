@@ -394,7 +394,9 @@ enum Command {
     /// under policy pytorch with the trace's recorded configuration.
     Summary(summary::SummaryArgs),
     /// Sweep policies and settings by replay and say which to use: the
-    /// smallest device that fits, then peak reserved, then driver time.
+    /// smallest device that fits (or, given --capacity, the most traces that
+    /// fit it), then peak reserved, then driver time; driver calls a program
+    /// would notice rank last.
     Advise(advise::AdviseArgs),
     /// Write one self-contained HTML page showing where memory went under
     /// each configuration: memory over time, the map at the peak, the
