@@ -109,7 +109,12 @@ struct WhatIf {
     /// (seed: --draw-seed), as a data loader draws batches of other lengths.
     /// Needs step marks: torch.profiler's ProfilerStep#N, or in a memory
     /// snapshot the optimizer's steps.
-    #[arg(long, value_name = "N", conflicts_with = "repeat_step")]
+    #[arg(
+        long,
+        value_name = "N",
+        conflicts_with = "repeat_step",
+        value_parser = count(MAX_DRAWN_STEPS)
+    )]
     draw_steps: Option<usize>,
     /// The seed of --draw-steps.
     #[arg(
@@ -879,6 +884,10 @@ impl EngineBench {
         Ok((load_or_bundled(&self.traces)?, policy))
     }
 }
+
+/// The most steps `--draw-steps` takes: a step is at least one operation,
+/// and a drawn run holds no more operations than this.
+const MAX_DRAWN_STEPS: u64 = 50_000_000;
 
 fn count(most: u64) -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::new().range(1..=most)

@@ -1341,3 +1341,17 @@ fn host_memory_is_device_cpu_in_every_message() {
         assert!(!output.contains("device -1"), "{output}");
     }
 }
+
+/// `--draw-steps` draws at least one step, and a trace without step marks
+/// is told both kinds of mark it could have.
+#[test]
+fn drawing_no_steps_is_refused() {
+    let llama = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../traces/llama_varlen_300.json.gz"
+    );
+    let out = hbmalloc(&["compare", llama, "--draw-steps", "0", "--no-min-capacity"]);
+    assert_clear_error(&out, "--draw-steps");
+    let out = hbmalloc(&["compare", "--draw-steps", "5", "--no-min-capacity"]);
+    assert_clear_error(&out, "a memory snapshot's optimizer steps");
+}

@@ -87,7 +87,7 @@ fn step_bounds(trace: &DeviceTrace) -> Result<Vec<usize>, String> {
     if trace.step_starts.len() < 2 {
         return Err(format!(
             "the trace marks {} step(s); drawing steps needs at least 2 \
-             (torch.profiler's ProfilerStep#N marks)",
+             (torch.profiler's ProfilerStep#N marks, or a memory snapshot's optimizer steps)",
             trace.step_starts.len()
         ));
     }
