@@ -274,7 +274,11 @@ struct ReplayArgs {
     summary: bool,
     /// Skip the out-of-memory errors the trace recorded instead of
     /// reproducing them (by making the simulated device report the free
-    /// memory the real one reported at that moment).
+    /// memory the real one reported at that moment), as `compare` does.
+    /// Reproduced, a failing growth may create memory it gives back at the
+    /// failure (expandable segments create page by page): the device held
+    /// it, so peak_reserved_bytes counts it; PyTorch's reserved statistic,
+    /// which `recorded peak_reserved` reads, does not.
     #[arg(long)]
     ignore_recorded_ooms: bool,
     /// Print one JSON object per trace and device.
@@ -320,7 +324,9 @@ struct FidelityArgs {
 #[derive(Subcommand)]
 enum Command {
     /// Replay traces under each configuration and print them side by side.
-    /// With no trace, runs the bundled GPT-2 training trace.
+    /// With no trace, runs the bundled GPT-2 training trace. Out-of-memory
+    /// errors the trace recorded are not reproduced (`replay` reproduces
+    /// them): each configuration runs the whole trace on the device given.
     Compare(CompareArgs),
     /// Replay traces under one policy and print the metrics.
     Replay(ReplayArgs),
