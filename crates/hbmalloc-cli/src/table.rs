@@ -564,10 +564,18 @@ pub fn metrics_text(m: &Metrics) -> String {
             let _ = writeln!(out, "    {line}");
         }
     }
-    for (op, report) in &m.reproduced_ooms {
+    for oom in &m.reproduced_ooms {
+        let (op, report) = (oom.op, &oom.report);
         let _ = writeln!(out, "  recorded out-of-memory error reproduced at op {op}:");
         for line in report.render().lines() {
             let _ = writeln!(out, "    {line}");
+        }
+        if !oom.device_size_known {
+            let _ = writeln!(
+                out,
+                "    (the trace records free memory, not the device's size: the total is the \
+                 least it can have been, reserved plus free; --capacity gives the size)"
+            );
         }
         let _ = writeln!(
             out,

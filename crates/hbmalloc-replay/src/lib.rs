@@ -28,7 +28,8 @@ pub use fidelity::{
 pub use floor::{drift_within_reach, growth_floor, steady_state_growth_floor, DRIFT_TOLERANCE};
 pub use metrics::{
     calls_log, evaluate, live_bytes_after_ops, peak_live_bytes, snapshot, timeline, CallsLog,
-    EvalOptions, FreeBreakdown, Metrics, RecordedMetrics, ReplaySnapshot, SnapshotMoment, Timeline,
+    EvalOptions, FreeBreakdown, Metrics, RecordedMetrics, ReplaySnapshot, ReproducedOom,
+    SnapshotMoment, Timeline,
 };
 pub use plan::{plan_greedy_by_size, plan_last_step, Plan, StepPlan, PLAN_BLOCK_ROUND};
 

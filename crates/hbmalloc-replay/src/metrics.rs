@@ -192,10 +192,23 @@ pub struct Metrics {
     /// The allocator's PyTorch-compatible statistics at the end of the main run.
     #[serde(skip)]
     pub final_stats: hbmalloc::DeviceStats,
-    /// Recorded out-of-memory errors reproduced by the replay: the op and the
-    /// allocator's report.
+    /// Recorded out-of-memory errors reproduced by the replay.
     #[serde(skip)]
-    pub reproduced_ooms: Vec<(usize, hbmalloc::OomReport)>,
+    pub reproduced_ooms: Vec<ReproducedOom>,
+}
+
+/// A recorded out-of-memory error the replay reproduced.
+#[derive(Clone, Debug)]
+pub struct ReproducedOom {
+    /// The op it was recorded at.
+    pub op: usize,
+    /// The allocator's report. Where the device's size is not known, its
+    /// total is the least the device can have held: what the allocator
+    /// reserved plus the free memory the trace recorded.
+    pub report: hbmalloc::OomReport,
+    /// Whether the device's size is known (a capacity was given): a trace
+    /// records the free memory at an out-of-memory error, not the size.
+    pub device_size_known: bool,
 }
 
 /// The max over time of the sum of live requested sizes, computed from the
@@ -413,7 +426,25 @@ pub fn evaluate(
             segment_events: r.segment_events.len(),
         }),
         final_stats: run.final_stats,
-        reproduced_ooms: run.reproduced_ooms,
+        reproduced_ooms: run
+            .reproduced_ooms
+            .into_iter()
+            .map(|(op, mut report)| {
+                let device_size_known = options.capacity_bytes.is_some();
+                if !device_size_known {
+                    // The simulated device's size stands in for one the trace
+                    // does not record: no figure may be read from it.
+                    report.device_total_bytes = report
+                        .reserved_bytes
+                        .saturating_add(report.device_free_bytes);
+                }
+                ReproducedOom {
+                    op,
+                    report,
+                    device_size_known,
+                }
+            })
+            .collect(),
     })
 }
 

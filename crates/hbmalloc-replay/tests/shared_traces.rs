@@ -299,8 +299,17 @@ fn the_recorded_oom_is_reproduced_and_explained() {
     };
     let m = evaluate(&trace.source, device, &options).unwrap();
     assert_eq!(m.reproduced_ooms.len(), 1, "one recorded OOM, reproduced");
-    let (_, report) = &m.reproduced_ooms[0];
+    let oom = &m.reproduced_ooms[0];
+    let report = &oom.report;
     assert_eq!(report.verdict, hbmalloc::OomVerdict::RealDemand);
+    // No capacity given: the device's size is not known, and no memory is
+    // said to be held outside the allocator.
+    assert!(!oom.device_size_known);
+    assert_eq!(
+        report.device_total_bytes,
+        report.reserved_bytes + report.device_free_bytes
+    );
+    assert!(!report.render().contains("outside"), "{}", report.render());
     assert!(report.requested_bytes > 5_000_000_000 && report.requested_bytes < 5_400_000_000);
     assert!(report.device_free_bytes < 100 << 20);
     let text = report.render();
