@@ -142,16 +142,18 @@ impl WhatIf {
                         )
                     })?;
                     eprintln!(
-                        "hbmalloc: {}: {steps} steps drawn from {from} of its {} \
-                         recorded steps",
+                        "hbmalloc: {}: {} drawn from {from} of its {} recorded steps",
                         table::on_device(&trace.source, device.device),
+                        table::count_of(steps, "step"),
                         device.step_starts.len()
                     );
                     *device = drawn;
                 }
                 trace.source = format!(
-                    "{} ~{steps} steps drawn (seed {})",
-                    trace.source, self.draw_seed
+                    "{} ~{} drawn (seed {})",
+                    trace.source,
+                    table::count_of(steps, "step"),
+                    self.draw_seed
                 );
             }
         }
@@ -811,19 +813,19 @@ fn write_snapshot(
     };
     let free = taken.free_breakdown;
     Ok(format!(
-        "snapshot                   {moment}: {} reserved, {} in use, {} free in {} blocks \
+        "snapshot                   {moment}: {} reserved, {} in use, {} free in {} \
          (largest {}) -> {} (open it at pytorch.org/memory_viz)\n  \
          free there                 {} idle (whole granules or segments), {} at the edges of \
-         the {} segments (in a granule or segment a live block pins), {} between live blocks",
+         the {} (in a granule or segment a live block pins), {} between live blocks",
         human(taken.reserved_bytes),
         human(taken.active_bytes),
         human(taken.free_bytes),
-        taken.free_blocks,
+        table::count_of(taken.free_blocks, "block"),
         human(taken.largest_free_block_bytes),
         path.display(),
         human(free.idle_bytes),
         human(free.segment_edge_bytes),
-        taken.segments,
+        table::count_of(taken.segments, "segment"),
         human(free.between_blocks_bytes),
     ))
 }

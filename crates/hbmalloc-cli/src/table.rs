@@ -69,6 +69,15 @@ pub fn device_label(device: i64) -> String {
     }
 }
 
+/// `n` and `noun`, plural unless `n` is 1 (`1 segment`, `3 segments`).
+pub fn count_of(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
 /// `source device N` (`source device cpu` for host memory): how messages
 /// name one device of a trace.
 pub fn on_device(source: &str, device: i64) -> String {
@@ -756,6 +765,13 @@ pub fn write_calls_csv(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_count_of_one_is_singular() {
+        assert_eq!(count_of(1, "segment"), "1 segment");
+        assert_eq!(count_of(0, "segment"), "0 segments");
+        assert_eq!(count_of(300, "step"), "300 steps");
+    }
 
     #[test]
     fn cells_say_seconds_in_ms_below_one_and_keep_both_ends_of_long_names() {
