@@ -137,7 +137,8 @@ pub fn rank(rows: &mut [Row], capacity_given: bool, devices: usize) {
             .cmp(&a.fits)
             .then(a.slow_driver.cmp(&b.slow_driver))
             .then_with(|| {
-                // Equal fits here: both rows fit every device, or neither.
+                // Equal fits here: both rows fit every device, or both run
+                // out of memory on some.
                 if capacity_given && a.fits >= devices {
                     std::cmp::Ordering::Equal
                 } else {
