@@ -605,6 +605,13 @@ pub fn run(args: PlanArgs) -> Result<(), String> {
     if args.zero > 0 && args.dp == 1 {
         eprintln!("hbmalloc: --zero {} with --dp 1 shards nothing", args.zero);
     }
+    if model.positions > 0 && seq > model.positions {
+        eprintln!(
+            "hbmalloc: --seq {seq} is past the model's {} learned positions: it cannot take \
+             sequences that long (the budget is of the model as asked)",
+            model.positions
+        );
+    }
     let budget = budget(&model, &args, seq)?;
     if args.json {
         outln!(

@@ -489,6 +489,14 @@ fn plan_prints_the_parts_and_moments_of_a_run() {
     assert!(!warned("2"));
     let out = hbmalloc(&["plan", "--model", "gpt2", "--seq", "8", "--dp", "1"]);
     assert!(out.stderr.is_empty(), "no ZeRO stage, no warning");
+    // GPT-2 learned 1024 positions: a longer sequence is told so.
+    let past = |seq: &str| {
+        let out = hbmalloc(&["plan", "--model", "gpt2", "--seq", seq]);
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stderr).contains("past the model's 1024 learned positions")
+    };
+    assert!(past("1025"));
+    assert!(!past("1024"));
 }
 
 /// Blocks live since before the history's window take the frames of the
