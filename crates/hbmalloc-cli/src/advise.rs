@@ -4,9 +4,10 @@
 //! Rank: the smallest device the trace fits (or, given `--capacity`, how
 //! many traces fit it, then for those that fit it all peak reserved memory
 //! and for the rest the smallest device), then peak reserved memory, then
-//! simulated driver time;
-//! a setting whose driver calls the program would notice ranks after those
-//! whose calls it would not ([`DRIVER_TIME_FACTOR`], [`DRIVER_TIME_SHARE`]).
+//! simulated driver time; memory within a tenth of a percent is a tie
+//! ([`MEMORY_TIE_SHARE`]). A setting whose driver calls the program would
+//! notice ranks after those whose calls it would not ([`DRIVER_TIME_FACTOR`],
+//! [`DRIVER_TIME_SHARE`]).
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -14,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use hbmalloc::PolicyConfig;
-use hbmalloc_replay::{evaluate, EvalOptions, Metrics};
+use hbmalloc_replay::{evaluate, EvalOptions, Metrics, MIN_CAPACITY_RESOLUTION_BYTES};
 use hbmalloc_trace::DeviceTrace;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rayon::prelude::*;
@@ -125,14 +126,29 @@ pub fn noticeable_driver_time(seconds: f64, expandable_seconds: f64, share: Opti
         && share.is_none_or(|share| share > DRIVER_TIME_SHARE)
 }
 
+/// Memory figures this share apart or closer rank as equal, so that the
+/// next key decides: a GPU's free memory varies by more than that between
+/// runs (the CUDA context, library workspaces), and the smallest device is
+/// found to one step of its search per device, which counts as a tie too.
+pub const MEMORY_TIE_SHARE: f64 = 0.001;
+
 /// Sorts `rows` best first: most of the `devices` fitting, then driver time
 /// the program would not notice, then (without a capacity to fit, or for a
 /// setting that runs out of memory in it on some device, whose peak reserved
 /// is only that of the part it ran) the smallest device, then peak reserved,
-/// then driver time; ties keep the sweep's order, so PyTorch's defaults win
-/// a tie.
+/// then driver time; memory within [`MEMORY_TIE_SHARE`] is a tie, and ties
+/// keep the sweep's order, so PyTorch's defaults win a tie.
 pub fn rank(rows: &mut [Row], capacity_given: bool, devices: usize) {
-    rows.sort_by(|a, b| {
+    let step = MIN_CAPACITY_RESOLUTION_BYTES.saturating_mul(devices as u64);
+    let min_device = tie_classes(
+        rows.iter()
+            .map(|r| r.min_capacity_bytes.unwrap_or(u64::MAX)),
+        step,
+    );
+    let reserved = tie_classes(rows.iter().map(|r| r.peak_reserved_bytes), step);
+    let mut order: Vec<usize> = (0..rows.len()).collect();
+    order.sort_by(|&i, &j| {
+        let (a, b) = (&rows[i], &rows[j]);
         b.fits
             .cmp(&a.fits)
             .then(a.slow_driver.cmp(&b.slow_driver))
@@ -142,13 +158,38 @@ pub fn rank(rows: &mut [Row], capacity_given: bool, devices: usize) {
                 if capacity_given && a.fits >= devices {
                     std::cmp::Ordering::Equal
                 } else {
-                    let key = |r: &Row| r.min_capacity_bytes.unwrap_or(u64::MAX);
-                    key(a).cmp(&key(b))
+                    min_device[i].cmp(&min_device[j])
                 }
             })
-            .then(a.peak_reserved_bytes.cmp(&b.peak_reserved_bytes))
+            .then(reserved[i].cmp(&reserved[j]))
             .then(a.driver_seconds.total_cmp(&b.driver_seconds))
     });
+    let sorted: Vec<Row> = order.iter().map(|&i| rows[i].clone()).collect();
+    rows.clone_from_slice(&sorted);
+}
+
+/// Each value's tie class, as the least value of its class: classes start
+/// at the least value not yet in one and hold the values up to
+/// [`MEMORY_TIE_SHARE`] (and at least `step`) over it. Anchored at their
+/// least, so that a chain of close values does not merge into one class.
+fn tie_classes(values: impl Iterator<Item = u64>, step: u64) -> Vec<u64> {
+    let values: Vec<u64> = values.collect();
+    let mut sorted = values.clone();
+    sorted.sort_unstable();
+    let mut anchors: Vec<u64> = Vec::new();
+    for v in sorted {
+        let within = |a: u64| {
+            let tolerance = ((a as f64 * MEMORY_TIE_SHARE) as u64).max(step);
+            v <= a.saturating_add(tolerance)
+        };
+        if !anchors.last().is_some_and(|&a| within(a)) {
+            anchors.push(v);
+        }
+    }
+    values
+        .iter()
+        .map(|&v| anchors[anchors.partition_point(|&a| a <= v) - 1])
+        .collect()
 }
 
 /// The environment line that selects `settings`.
@@ -335,11 +376,13 @@ pub fn advice_text(rows: &[Row], baseline: &Row, devices: usize, capacity_given:
         DRIVER_TIME_SHARE * 100.0,
         if capacity_given {
             "min device where a\n\
-             trace device ran out of memory, then peak reserved, then driver time; ties keep the\n\
-             sweep's order (PyTorch's defaults first).\n"
+             trace device ran out of memory, then peak reserved, then driver time; memory within\n\
+             0.1% (or one 2 MiB step a device) is a tie; ties keep the sweep's order (PyTorch's\n\
+             defaults first).\n"
         } else {
             "min device, then peak\n\
-             reserved, then driver time; ties keep the sweep's order (PyTorch's defaults first).\n"
+             reserved, then driver time; memory within 0.1% (or one 2 MiB step a device) is a\n\
+             tie; ties keep the sweep's order (PyTorch's defaults first).\n"
         },
     );
     text
@@ -375,14 +418,18 @@ fn signed(bytes: i128) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{advice_text, environment_line, noticeable_driver_time, rank, wrap, Row, SWEEP};
+    use super::{
+        advice_text, environment_line, noticeable_driver_time, rank, tie_classes, wrap, Row, SWEEP,
+    };
+    use hbmalloc_replay::MIN_CAPACITY_RESOLUTION_BYTES;
 
+    /// A row whose memory figures are `min` and `reserved` GiB.
     fn row(settings: &str, fits: usize, min: Option<u64>, reserved: u64, driver: f64) -> Row {
         Row {
             settings: settings.into(),
             fits,
-            min_capacity_bytes: min,
-            peak_reserved_bytes: reserved,
+            min_capacity_bytes: min.map(|gib| gib << 30),
+            peak_reserved_bytes: reserved << 30,
             driver_seconds: driver,
             calls: 0,
             slow_driver: false,
@@ -419,6 +466,38 @@ mod tests {
         ];
         rank(&mut rows, true, 1);
         assert_eq!(order(&rows), ["needs least", "between", "stopped early"]);
+    }
+
+    /// Memory a tenth of a percent apart, or one step of the search per
+    /// device, is a tie the driver time breaks; classes start at their
+    /// least, so close values do not chain into one.
+    #[test]
+    fn memory_within_a_tenth_of_a_percent_is_a_tie() {
+        let mut rows = vec![
+            row("least memory, slow", 1, Some(100), 100, 3.0),
+            row("a step more, fast", 1, Some(100), 100, 1.0),
+            row("0.2% more, fastest", 1, Some(100), 100, 0.5),
+        ];
+        let step = MIN_CAPACITY_RESOLUTION_BYTES;
+        rows[1].min_capacity_bytes = Some((100 << 30) + step);
+        rows[1].peak_reserved_bytes += step;
+        rows[2].min_capacity_bytes = Some((100 << 30) + (100 << 30) / 500);
+        rank(&mut rows, false, 1);
+        assert_eq!(
+            order(&rows),
+            [
+                "a step more, fast",
+                "least memory, slow",
+                "0.2% more, fastest"
+            ]
+        );
+        // On a small heap one step is more than 0.1%, and still a tie.
+        let tie = tie_classes(
+            [1 << 30, (1 << 30) + step, (1 << 30) + 2 * step].into_iter(),
+            step,
+        );
+        assert_eq!(tie, [1 << 30, 1 << 30, (1 << 30) + 2 * step]);
+        assert_eq!(tie_classes([u64::MAX, 5].into_iter(), step), [u64::MAX, 5]);
     }
 
     #[test]
@@ -470,9 +549,8 @@ mod tests {
 
     #[test]
     fn the_saving_is_against_pytorch_s_defaults_and_none_against_nothing() {
-        const GIB: u64 = 1 << 30;
-        let best = row("policy:hbm", 1, Some(3 * GIB), 3 * GIB, 0.01);
-        let baseline = row("policy:pytorch", 1, Some(4 * GIB), 5 * GIB, 0.01);
+        let best = row("policy:hbm", 1, Some(3), 3, 0.01);
+        let baseline = row("policy:pytorch", 1, Some(4), 5, 0.01);
         let text = advice_text(&[best.clone(), baseline.clone()], &baseline, 1, false);
         assert!(
             text.contains("it saves 1.00 GiB (25.0%) of device")
@@ -480,7 +558,7 @@ mod tests {
             "{text}"
         );
         // A setting that holds more, or as much: a negative saving, or none.
-        let worse = row("policy:hbm", 1, Some(5 * GIB), 5 * GIB, 0.01);
+        let worse = row("policy:hbm", 1, Some(5), 5, 0.01);
         let text = advice_text(&[worse.clone(), baseline.clone()], &baseline, 1, false);
         assert!(
             text.contains("it saves -1.00 GiB (-25.0%) of device"),

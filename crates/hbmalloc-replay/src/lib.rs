@@ -29,7 +29,7 @@ pub use floor::{drift_within_reach, growth_floor, steady_state_growth_floor, DRI
 pub use metrics::{
     calls_log, evaluate, live_bytes_after_ops, peak_live_bytes, snapshot, timeline, CallsLog,
     EvalOptions, FreeBreakdown, Metrics, RecordedMetrics, ReplaySnapshot, ReproducedOom,
-    SnapshotMoment, Timeline,
+    SnapshotMoment, Timeline, MIN_CAPACITY_RESOLUTION_BYTES,
 };
 pub use plan::{plan_greedy_by_size, plan_last_step, Plan, StepPlan, PLAN_BLOCK_ROUND};
 
