@@ -229,8 +229,8 @@ pub fn compare_table(
          reserved - live. eff = live / reserved. min cap: the smallest device on which the \
          trace completes (2 MiB resolution). calls: driver calls that allocate, free, map or \
          unmap memory. drv: simulated time in driver calls. OOM: out of memory on the device given (--capacity): only part of the \
-         trace ran, so no waste or eff. cpu: a torch.profiler trace's CPU memory. --json has \
-         every metric.",
+         trace ran, so no waste or eff. cpu: a torch.profiler trace's CPU memory. Sizes are \
+         binary (1G = 2^30 bytes). --json has every metric.",
     );
     if planned {
         legend += " planned: each trace laid out offline, knowing all of it in advance (greedy \
