@@ -766,6 +766,46 @@ pub fn write_calls_csv(
 mod tests {
     use super::*;
 
+    /// A reproduced out-of-memory error says its total is a least figure
+    /// where the device's size is not known, and only there.
+    #[test]
+    fn a_reproduced_oom_on_a_device_of_no_given_size_says_its_total_is_the_least() {
+        use hbmalloc_trace::{DeviceTrace, Op};
+        let trace = DeviceTrace {
+            ops: vec![
+                Op::Alloc {
+                    id: 1,
+                    size: 4 << 20,
+                    stream: 0,
+                },
+                Op::Oom {
+                    size: 1 << 30,
+                    stream: 0,
+                    device_free: 2 << 20,
+                },
+            ],
+            ..DeviceTrace::default()
+        };
+        let text = |capacity: Option<u64>| {
+            let options = hbmalloc_replay::EvalOptions {
+                reproduce_recorded_ooms: true,
+                capacity_bytes: capacity,
+                ..hbmalloc_replay::EvalOptions::new(
+                    hbmalloc::PolicyConfig::from_settings("policy:pytorch").unwrap(),
+                )
+            };
+            let m = hbmalloc_replay::evaluate("t", &trace, &options).unwrap();
+            assert_eq!(m.reproduced_ooms.len(), 1);
+            metrics_text(&m)
+        };
+        let note = "the total is the least it can have been";
+        let unknown = text(None);
+        assert!(unknown.contains(note), "{unknown}");
+        assert!(!unknown.contains("outside this allocator"), "{unknown}");
+        let known = text(Some(64 << 20));
+        assert!(!known.contains(note), "{known}");
+    }
+
     #[test]
     fn a_count_of_one_is_singular() {
         assert_eq!(count_of(1, "segment"), "1 segment");
