@@ -149,7 +149,13 @@ def driver_calls(device=0):
 
 
 def replay(
-    trace_path, policy="hbm", config="", capacity=None, find_min_capacity=True, part_handle_maps=False
+    trace_path,
+    policy="hbm",
+    config="",
+    capacity=None,
+    find_min_capacity=True,
+    part_handle_maps=False,
+    ignore_recorded_ooms=False,
 ):
     """Replays a recorded trace (PyTorch snapshot ``.pickle``, torch.profiler
     ``.json``/``.json.gz``, RMM ``.csv``) on a simulated GPU under ``policy``
@@ -164,7 +170,11 @@ def replay(
     The simulated GPU behaves like a real one (whole-handle maps, driver
     latencies measured on an H100); ``part_handle_maps=True`` is a what-if: a
     driver that also maps part of a physical handle
-    (``hbmalloc replay --part-handle-maps``).
+    (``hbmalloc replay --part-handle-maps``). An out-of-memory error the
+    trace recorded is reproduced, as ``hbmalloc replay`` does, by making the
+    simulated device report the free memory the real one reported then;
+    ``ignore_recorded_ooms=True`` skips those requests instead
+    (``--ignore-recorded-ooms``).
     """
     if capacity is not None:
         capacity = int(capacity)
@@ -178,6 +188,7 @@ def replay(
             capacity,
             bool(find_min_capacity),
             bool(part_handle_maps),
+            not ignore_recorded_ooms,
         )
     )
 

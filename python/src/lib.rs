@@ -59,9 +59,14 @@ fn empty_cache(device: i32) -> PyResult<()> {
 }
 
 /// Replays a trace file on a simulated GPU; a JSON list with one metrics
-/// object per device of the trace.
+/// object per device of the trace. `reproduce_recorded_ooms` makes the
+/// simulated device report the free memory the real one reported at each
+/// recorded out-of-memory error (the CLI's default); off, those requests are
+/// skipped (`--ignore-recorded-ooms`).
 #[pyfunction]
-#[pyo3(signature = (trace_path, policy, config, capacity, find_min_capacity, part_handle_maps))]
+#[pyo3(signature = (trace_path, policy, config, capacity, find_min_capacity, part_handle_maps, reproduce_recorded_ooms))]
+// One argument per keyword of Python's `hbmalloc.replay`.
+#[allow(clippy::too_many_arguments)]
 fn replay_json(
     py: Python<'_>,
     trace_path: PathBuf,
@@ -70,6 +75,7 @@ fn replay_json(
     capacity: Option<u64>,
     find_min_capacity: bool,
     part_handle_maps: bool,
+    reproduce_recorded_ooms: bool,
 ) -> PyResult<String> {
     let policy =
         PolicyConfig::parse(policy, config).map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -81,6 +87,7 @@ fn replay_json(
             capacity_bytes: capacity,
             find_min_capacity,
             maps_handle_parts: part_handle_maps,
+            reproduce_recorded_ooms,
             ..EvalOptions::new(policy)
         };
         let mut rows = Vec::new();

@@ -2,8 +2,10 @@
 replay, the C ABI in library_path()."""
 
 import ctypes
+import json
 import os
 import pickle
+import subprocess
 import textwrap
 
 import pytest
@@ -287,6 +289,35 @@ def test_replay_bad_input():
         hbmalloc.replay(os.path.join(os.path.dirname(__file__), "missing.pickle"))
     with pytest.raises(ValueError, match="capacity"):
         hbmalloc.replay(__file__, capacity=0)
+
+
+
+RMM_LOG_WITH_A_RECORDED_OOM = """Thread,Time,Action,Pointer,Size,Stream
+1,00:00:00.000001,allocate,0x1000000,67108864,0x0
+1,00:00:00.000002,allocate failure,0x0,1073741824,0x0
+1,00:00:00.000003,free,0x1000000,67108864,0x0
+1,00:00:00.000004,allocate,0x2000000,33554432,0x0
+"""
+
+
+def test_replay_reproduces_recorded_out_of_memory_errors_as_the_cli_does(tmp_path):
+    trace = tmp_path / "oom.csv"
+    trace.write_text(RMM_LOG_WITH_A_RECORDED_OOM)
+    reproduced = hbmalloc.replay(trace, find_min_capacity=False)[0]
+    ignored = hbmalloc.replay(trace, find_min_capacity=False, ignore_recorded_ooms=True)[0]
+    # Reproducing the failure asks the driver for the gigabyte it refused.
+    assert reproduced["device_calls"] != ignored["device_calls"]
+    cli = os.environ.get("HBMALLOC_CLI")
+    if not cli:
+        return
+    for flags, row in [([], reproduced), (["--ignore-recorded-ooms"], ignored)]:
+        out = subprocess.run(
+            [cli, "replay", "--json", *flags, str(trace)], capture_output=True, text=True, check=True
+        )
+        expected = json.loads(out.stdout)
+        for metrics in (expected, row):
+            metrics.pop("ns_per_op")
+        assert row == expected, flags
 
 
 @needs_driver
