@@ -148,6 +148,25 @@ def driver_calls(device=0):
     return {kind: {"calls": count, "seconds": seconds} for kind, count, seconds in calls}
 
 
+# The largest device capacity a replay takes, as in ``hbmalloc replay``: 1 PiB.
+_MAX_CAPACITY_BYTES = 1 << 50
+
+
+def _capacity_bytes(capacity):
+    """``capacity`` as a whole number of bytes within 1 byte and 1 PiB, else ``ValueError``."""
+    try:
+        value = int(capacity)
+    except (TypeError, ValueError, OverflowError):
+        value = None
+    if value is None or isinstance(capacity, (bool, str, bytes)) or value != capacity:
+        raise ValueError(f"capacity must be a whole number of bytes, got {capacity!r}")
+    if not 1 <= value <= _MAX_CAPACITY_BYTES:
+        raise ValueError(
+            f"capacity must be between 1 byte and 1 PiB ({_MAX_CAPACITY_BYTES}), got {value}"
+        )
+    return value
+
+
 def replay(
     trace_path,
     policy="hbm",
@@ -161,7 +180,7 @@ def replay(
     ``.json``/``.json.gz``, RMM ``.csv``) on a simulated GPU under ``policy``
     (``hbm``, hbmalloc's own, or ``pytorch``) with ``config`` (``key:value,...``;
     ``PYTORCH_CUDA_ALLOC_CONF`` syntax for ``pytorch``), on a device of
-    ``capacity`` bytes (``None``: unbounded).
+    ``capacity`` bytes (a whole number up to 1 PiB; ``None``: unbounded).
 
     Returns one dict per device of the trace, with the metrics of
     ``hbmalloc replay --json`` (``peak_live_bytes``, ``peak_reserved_bytes``,
@@ -177,9 +196,7 @@ def replay(
     (``--ignore-recorded-ooms``).
     """
     if capacity is not None:
-        capacity = int(capacity)
-        if capacity <= 0:
-            raise ValueError(f"capacity must be a positive number of bytes, got {capacity}")
+        capacity = _capacity_bytes(capacity)
     return json.loads(
         _native.replay_json(
             os.fspath(trace_path),

@@ -289,6 +289,11 @@ def test_replay_bad_input():
         hbmalloc.replay(os.path.join(os.path.dirname(__file__), "missing.pickle"))
     with pytest.raises(ValueError, match="capacity"):
         hbmalloc.replay(__file__, capacity=0)
+    # Past 1 PiB, as the CLI refuses it, not a driver error from the simulated
+    # device; a size the CLI writes with a unit is not a number of bytes here.
+    for capacity in [2**63, 2**64, "80GiB", 0.5, float("nan"), True]:
+        with pytest.raises(ValueError, match="capacity must be"):
+            hbmalloc.replay(__file__, capacity=capacity)
 
 
 
