@@ -67,7 +67,7 @@ def snapshot(path, device=0):
     format of ``torch.cuda.memory._dump_snapshot`` (pytorch.org/memory_viz
     and ``python -m torch.cuda._memory_viz`` read it). Set
     ``HBMALLOC_HISTORY_ENTRIES`` before first use to include a trace."""
-    _native.snapshot(os.fspath(path), device)
+    _native.snapshot(os.fsdecode(path), device)
 
 
 def write_log():
@@ -199,7 +199,7 @@ def replay(
         capacity = _capacity_bytes(capacity)
     return json.loads(
         _native.replay_json(
-            os.fspath(trace_path),
+            os.fsdecode(trace_path),
             policy,
             config,
             capacity,

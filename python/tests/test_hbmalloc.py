@@ -310,6 +310,8 @@ def test_replay_reproduces_recorded_out_of_memory_errors_as_the_cli_does(tmp_pat
     trace.write_text(RMM_LOG_WITH_A_RECORDED_OOM)
     reproduced = hbmalloc.replay(trace, find_min_capacity=False)[0]
     ignored = hbmalloc.replay(trace, find_min_capacity=False, ignore_recorded_ooms=True)[0]
+    # A path as bytes, as os.fspath() accepts it.
+    assert hbmalloc.replay(os.fsencode(trace), find_min_capacity=False)[0]["ops"] == reproduced["ops"]
     # Reproducing the failure asks the driver for the gigabyte it refused.
     assert reproduced["device_calls"] != ignored["device_calls"]
     cli = os.environ.get("HBMALLOC_CLI")
