@@ -148,8 +148,8 @@ def driver_calls(device=0):
     return {kind: {"calls": count, "seconds": seconds} for kind, count, seconds in calls}
 
 
-# The largest device capacity a replay takes, as in ``hbmalloc replay``: 1 PiB.
-_MAX_CAPACITY_BYTES = 1 << 50
+# The largest device capacity a replay takes (1 PiB), as in ``hbmalloc replay``.
+_MAX_CAPACITY_BYTES = _native.MAX_CAPACITY_BYTES
 
 
 def _capacity_bytes(capacity):

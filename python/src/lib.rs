@@ -219,6 +219,7 @@ fn driver_calls(device: i32) -> PyResult<Vec<(&'static str, u64, f64)>> {
 /// The native module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("MAX_CAPACITY_BYTES", hbmalloc_replay::MAX_CAPACITY_BYTES)?;
     m.add_function(wrap_pyfunction!(memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(memory_summary, m)?)?;
     m.add_function(wrap_pyfunction!(snapshot, m)?)?;

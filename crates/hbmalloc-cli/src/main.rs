@@ -11,7 +11,7 @@ use hbmalloc::format::format_bytes;
 use hbmalloc::{LatencyModel, PolicyConfig};
 use hbmalloc_replay::{
     calls_log, evaluate, fidelity, plan_greedy_by_size, plan_last_step, snapshot, timeline,
-    EvalOptions, Metrics, SnapshotMoment, Verdict,
+    EvalOptions, Metrics, SnapshotMoment, Verdict, MAX_CAPACITY_BYTES,
 };
 use hbmalloc_trace::Trace;
 
@@ -940,9 +940,6 @@ fn load_or_bundled(paths: &[PathBuf]) -> Result<Vec<Trace>, String> {
         load_all(paths)
     }
 }
-
-/// The largest device capacity a replay takes: 1 PiB.
-const MAX_CAPACITY_BYTES: u64 = 1 << 50;
 
 /// A device capacity for replays.
 #[derive(Clone, Copy, Debug, PartialEq)]

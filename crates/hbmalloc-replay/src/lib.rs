@@ -37,6 +37,10 @@ pub use plan::{plan_greedy_by_size, plan_last_step, Plan, StepPlan, PLAN_BLOCK_R
 /// (1 TiB), so only the policy decides how much is reserved.
 pub const UNBOUNDED_CAPACITY_BYTES: u64 = 1 << 40;
 
+/// The largest device capacity a replay is given (1 PiB): what the CLI and
+/// the Python package accept.
+pub const MAX_CAPACITY_BYTES: u64 = 1 << 50;
+
 /// How to replay.
 #[derive(Clone, Debug)]
 pub struct ReplayOptions {

@@ -407,7 +407,7 @@ fn parse_unsigned(key: &str, token: &str, what: &str) -> Result<u64, ConfigError
 
 /// A real number (`std::stod`'s job in PyTorch); NaN is left to the range checks, which
 /// it fails. `-0` is zero, so that it is written back as `0`.
-fn parse_real(key: &str, token: &str, what: &str) -> Result<f64, ConfigError> {
+pub(crate) fn parse_real(key: &str, token: &str, what: &str) -> Result<f64, ConfigError> {
     token
         .parse::<f64>()
         .map(|value| value + 0.0)

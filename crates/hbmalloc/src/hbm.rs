@@ -34,7 +34,7 @@ use std::collections::hash_map::Entry;
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;
 
-use crate::config::{conf_number, ConfigError, MIN_BLOCK_SIZE};
+use crate::config::{conf_number, parse_real, ConfigError, MIN_BLOCK_SIZE};
 use crate::device::{Device, DevicePtr, PhysicalHandle, StreamId};
 use crate::error::{AllocError, OomReport, OomVerdict};
 use crate::events::{PendingEvents, Poll};
@@ -225,10 +225,8 @@ impl HbmConfig {
             };
             let (key, value) = (key.trim(), value.trim());
             let number = |low: f64, high: f64, expected: &str| {
-                value
-                    .parse::<f64>()
+                parse_real(key, value, expected)
                     .ok()
-                    .map(|v| v + 0.0)
                     .filter(|v| (low..=high).contains(v))
                     .ok_or_else(|| ConfigError::new(key, value, expected))
             };
